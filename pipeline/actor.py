@@ -1,0 +1,225 @@
+"""Actors: a stage is one OS process that reads its inbox rings and writes its outbox rings.
+
+`AsyncActor.run` runs on a uvloop event loop; `SyncActor.run` is a plain loop for stages where a
+blocking loop is faster. `run_actor` is the process entry: it arms parent-death signalling, sets up
+logging bound with the stage name, attaches the rings, reports attached, warms up, freezes the GC
+generations that warm-up created, reports ready, and runs the actor until it returns or is told to stop
+(SIGTERM). An exception becomes the actor's error text in the control block and exit code 1.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import ctypes
+import gc
+import importlib
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import structlog
+import uvloop
+
+from pipeline.control import ActorState, ControlBlock, ControlHandle
+from pipeline.logs import configure_logging
+from pipeline.names import process_start_ticks
+from pipeline.ring import Consumer, Producer, RingHandle
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ActorSpec:
+    """What to run in one process: `entry` is "module:Class" of an AsyncActor or SyncActor."""
+
+    name: str
+    entry: str
+    config: Any = None
+    inboxes: tuple[str, ...] = ()
+    outboxes: tuple[str, ...] = ()
+    spin_s: float = 50e-6
+    liveness_interval_s: float = 0.1
+    heartbeat_interval_s: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ActorLaunch:
+    """Everything a child process needs; pickled once at spawn."""
+
+    spec: ActorSpec
+    index: int
+    control: ControlHandle
+    rings: dict[str, RingHandle]
+    parent_pid: int
+    log_format: str
+    log_level: str
+
+
+class StopRequested(BaseException):
+    """Raised in a SyncActor by SIGTERM: unwinds the loop like KeyboardInterrupt does."""
+
+
+class ActorContext:
+    """What an actor sees of the runtime: its config, rings, logger and stop/heartbeat hooks."""
+
+    def __init__(self, launch: ActorLaunch, control: ControlBlock) -> None:
+        spec = launch.spec
+        self.name = spec.name
+        self.config = spec.config
+        self.log = structlog.get_logger("pipeline.actor")
+        self._control = control
+        self._index = launch.index
+        self.stopping = False
+        options = {
+            "spin_s": spec.spin_s,
+            "liveness_interval_s": spec.liveness_interval_s,
+            "heartbeat": self.heartbeat,
+        }
+        self.inbox: dict[str, Consumer] = {}
+        self.outbox: dict[str, Producer] = {}
+        try:
+            for ring in spec.inboxes:
+                self.inbox[ring] = Consumer(launch.rings[ring], **options)
+            for ring in spec.outboxes:
+                self.outbox[ring] = Producer(launch.rings[ring], **options)
+        except BaseException:
+            self.close_rings()
+            raise
+
+    def heartbeat(self) -> None:
+        self._control.beat(self._index)
+
+    def close_rings(self) -> None:
+        for end in (*self.outbox.values(), *self.inbox.values()):
+            end.close()
+
+
+class AsyncActor(abc.ABC):
+    """A stage whose loop is a coroutine on uvloop. SIGTERM cancels `run`."""
+
+    mode: ClassVar[str] = "async"
+
+    def __init__(self, ctx: ActorContext) -> None:
+        self.ctx = ctx
+
+    def warm_up(self) -> None:
+        """Load and prepare before reporting ready (a model, a tokenizer)."""
+
+    @abc.abstractmethod
+    async def run(self) -> None:
+        """The actor's loop; return to exit cleanly."""
+
+
+class SyncActor(abc.ABC):
+    """A stage with a blocking loop. SIGTERM raises StopRequested inside `run`."""
+
+    mode: ClassVar[str] = "sync"
+
+    def __init__(self, ctx: ActorContext) -> None:
+        self.ctx = ctx
+
+    def warm_up(self) -> None:
+        """Load and prepare before reporting ready."""
+
+    @abc.abstractmethod
+    def run(self) -> None:
+        """The actor's loop; return to exit cleanly."""
+
+
+def load_entry(entry: str) -> type[AsyncActor] | type[SyncActor]:
+    module_name, _, attr = entry.partition(":")
+    cls = getattr(importlib.import_module(module_name), attr)
+    if not (isinstance(cls, type) and issubclass(cls, AsyncActor | SyncActor)):
+        raise TypeError(f"{entry} is not an AsyncActor or SyncActor")
+    return cls
+
+
+def arm_parent_death_signal(parent_pid: int) -> None:
+    """Have the kernel send SIGTERM when the parent dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+def run_actor(launch: ActorLaunch) -> None:
+    """Process entry of every actor."""
+    # The supervisor owns the shutdown order; a terminal's Ctrl-C reaches the whole process group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    arm_parent_death_signal(launch.parent_pid)
+    configure_logging(launch.log_format, launch.log_level, stage=launch.spec.name)
+    log = structlog.get_logger("pipeline.actor")
+    control = launch.control.attach()
+    index = launch.index
+    control.set_pid(index, os.getpid(), process_start_ticks(os.getpid()))
+    control.set_state(index, ActorState.STARTING)
+    control.beat(index)
+    ctx: ActorContext | None = None
+    exit_code = 0
+    try:
+        ctx = ActorContext(launch, control)
+        control.set_state(index, ActorState.ATTACHED)
+        actor = load_entry(launch.spec.entry)(ctx)
+        actor.warm_up()
+        gc.collect()
+        gc.freeze()
+        control.beat(index)
+        control.set_state(index, ActorState.READY)
+        log.debug("actor ready", pid=os.getpid())
+        if isinstance(actor, AsyncActor):
+            uvloop.run(_run_async(actor, ctx, launch))
+        else:
+            _run_sync(actor)
+        control.set_state(index, ActorState.EXITED)
+    except StopRequested:
+        control.set_state(index, ActorState.EXITED)
+    except BaseException as exc:
+        exit_code = 1
+        control.set_error(index, "".join(traceback.format_exception_only(exc)).strip())
+        control.set_state(index, ActorState.FAILED)
+        log.error("actor failed", exc_info=True)
+    finally:
+        if ctx is not None:
+            ctx.close_rings()
+        control.close()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def _run_sync(actor: SyncActor) -> None:
+    def on_sigterm(signum: int, frame: object) -> None:
+        actor.ctx.stopping = True
+        raise StopRequested
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    actor.run()
+
+
+async def _run_async(actor: AsyncActor, ctx: ActorContext, launch: ActorLaunch) -> None:
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+
+    def on_sigterm() -> None:
+        ctx.stopping = True
+        main.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+
+    async def beat() -> None:
+        while True:
+            ctx.heartbeat()
+            await asyncio.sleep(launch.spec.heartbeat_interval_s)
+
+    heart = asyncio.create_task(beat())
+    try:
+        await actor.run()
+    except asyncio.CancelledError:
+        if not ctx.stopping:
+            raise
+    finally:
+        heart.cancel()

@@ -1,0 +1,101 @@
+"""The control block: one shared-memory row per actor with its state, pid, heartbeat and last error.
+
+The supervisor creates it; each actor writes only its own row. The supervisor reads the rows for the
+start-up handshake (attached, then ready), for heartbeats, and for the error text of an actor that died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import mmap
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+
+from pipeline.clock import now_ns
+
+ROW_BYTES = 1024
+ERROR_BYTES = ROW_BYTES - 64
+# int64 fields at the start of a row
+F_STATE, F_PID, F_START, F_HEARTBEAT, F_ERROR_LEN = 0, 1, 2, 3, 4
+
+
+class ActorState(enum.IntEnum):
+    NEW = 0
+    STARTING = 1
+    ATTACHED = 2
+    READY = 3
+    STOPPING = 4
+    EXITED = 5
+    FAILED = 6
+
+
+@dataclass(frozen=True, slots=True)
+class ControlHandle:
+    name: str  # shared-memory name, "/pserve.<pid>.<nonce>.control"
+    n_rows: int
+
+    @classmethod
+    def create(cls, namespace: str, n_rows: int) -> ControlHandle:
+        handle = cls(f"/{namespace}.control", n_rows)
+        shm = posix_ipc.SharedMemory(
+            handle.name, posix_ipc.O_CREX, mode=0o600, size=max(1, n_rows) * ROW_BYTES
+        )
+        shm.close_fd()
+        return handle
+
+    def unlink(self) -> None:
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(self.name)
+
+    def attach(self) -> ControlBlock:
+        return ControlBlock(self)
+
+
+class ControlBlock:
+    """A mapping of the control block; `row(i)` is actor i's view."""
+
+    def __init__(self, handle: ControlHandle) -> None:
+        shm = posix_ipc.SharedMemory(handle.name)
+        try:
+            self._map = mmap.mmap(shm.fd, shm.size)
+        finally:
+            shm.close_fd()
+        # rows: [n_rows, ROW_BYTES] uint8
+        self._rows = np.frombuffer(self._map, np.uint8).reshape(-1, ROW_BYTES)
+        self._ints = np.frombuffer(self._map, np.int64).reshape(-1, ROW_BYTES // 8)
+
+    def state(self, i: int) -> ActorState:
+        return ActorState(int(self._ints[i, F_STATE]))
+
+    def set_state(self, i: int, state: ActorState) -> None:
+        self._ints[i, F_STATE] = int(state)
+
+    def pid(self, i: int) -> int:
+        return int(self._ints[i, F_PID])
+
+    def set_pid(self, i: int, pid: int, start_ticks: int) -> None:
+        self._ints[i, F_START] = start_ticks
+        self._ints[i, F_PID] = pid
+
+    def beat(self, i: int) -> None:
+        self._ints[i, F_HEARTBEAT] = now_ns()
+
+    def heartbeat_ns(self, i: int) -> int:
+        return int(self._ints[i, F_HEARTBEAT])
+
+    def set_error(self, i: int, text: str) -> None:
+        data = text.encode("utf-8", "replace")[:ERROR_BYTES]
+        self._rows[i, 64 : 64 + len(data)] = np.frombuffer(data, np.uint8)
+        self._ints[i, F_ERROR_LEN] = len(data)
+
+    def error(self, i: int) -> str:
+        n = int(self._ints[i, F_ERROR_LEN])
+        return bytes(self._rows[i, 64 : 64 + n]).decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self._rows = self._ints = None  # type: ignore[assignment]
+        with contextlib.suppress(BufferError):
+            self._map.close()

@@ -1,0 +1,41 @@
+"""structlog set-up shared by every process: JSON when not on a terminal (journald), console otherwise."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+
+def configure_logging(log_format: str = "auto", level: str = "info", **bound: Any) -> None:
+    """Configure structlog for this process and bind fields (e.g. stage=) to every line.
+
+    log_format: "json", "console", or "auto" (console on a terminal, else JSON).
+    """
+    if log_format == "auto":
+        log_format = "console" if sys.stderr.isatty() else "json"
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if log_format == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.clear_contextvars()
+    if bound:
+        structlog.contextvars.bind_contextvars(**bound)

@@ -1,0 +1,306 @@
+"""The supervisor: creates the rings, spawns the actors, runs the start-up handshake, watches them, and
+shuts them down in order.
+
+Start-up: sweep names of dead supervisors; create the control block and every ring under a fresh
+namespace; spawn each actor; wait until every actor (and the owner's own ring ends) has attached;
+unlink every name, so that nothing stays in /dev/shm whatever dies later; wait until every actor is
+ready. A child that dies or fails during start-up fails `start()` with its reason.
+
+Watching: a dead child is seen at once through its process sentinel, a hung one by its heartbeat
+going stale; either becomes an `ActorFailed(actor, reason)` for the owner.
+
+Shutdown (`stop`): SIGTERM to the actors in the order given (upstream first), each given
+`stop_timeout_s` to exit before SIGKILL; then the owner's ring ends and the control block are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import multiprocessing.process
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from pipeline.actor import ActorLaunch, ActorSpec, run_actor
+from pipeline.clock import now_ns
+from pipeline.control import ActorState, ControlBlock, ControlHandle
+from pipeline.errors import ActorFailed
+from pipeline.names import new_namespace, sweep_stale
+from pipeline.ring import Consumer, Producer, RingHandle, RingSpec
+
+log = structlog.get_logger("pipeline.supervisor")
+
+OWNER = "owner"
+"""The name under which the supervising process's own ring ends are declared."""
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorConfig:
+    startup_timeout_s: float = 300.0
+    heartbeat_timeout_s: float = 30.0
+    stop_timeout_s: float = 5.0
+    log_format: str = "auto"
+    log_level: str = "info"
+    spin_s: float = 50e-6
+    liveness_interval_s: float = 0.1
+
+
+class Supervisor:
+    """Owns a set of actors and the rings between them (and the owner's own ends of some rings)."""
+
+    def __init__(
+        self,
+        rings: Sequence[RingSpec],
+        actors: Sequence[ActorSpec],
+        config: SupervisorConfig | None = None,
+        owner_inboxes: Sequence[str] = (),
+        owner_outboxes: Sequence[str] = (),
+    ) -> None:
+        self.config = config or SupervisorConfig()
+        self.ring_specs = {r.name: r for r in rings}
+        self.actor_specs = list(actors)
+        self._owner_inboxes = tuple(owner_inboxes)
+        self._owner_outboxes = tuple(owner_outboxes)
+        self._check_topology()
+        self.namespace = ""
+        self._handles: dict[str, RingHandle] = {}
+        self._control_handle: ControlHandle | None = None
+        self._control: ControlBlock | None = None
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self.consumers: dict[str, Consumer] = {}
+        self.producers: dict[str, Producer] = {}
+        self._failure: ActorFailed | None = None
+        self._stopped = False
+
+    def _check_topology(self) -> None:
+        """Every ring: exactly one producer and one consumer (ring invariant 1)."""
+        producers: dict[str, list[str]] = {name: [] for name in self.ring_specs}
+        consumers: dict[str, list[str]] = {name: [] for name in self.ring_specs}
+        ends = [(a.name, a.inboxes, a.outboxes) for a in self.actor_specs]
+        ends.append((OWNER, self._owner_inboxes, self._owner_outboxes))
+        for who, inboxes, outboxes in ends:
+            for ring in inboxes:
+                consumers.setdefault(ring, []).append(who)
+            for ring in outboxes:
+                producers.setdefault(ring, []).append(who)
+        for ring in sorted(set(producers) | set(consumers)):
+            if ring not in self.ring_specs:
+                raise ValueError(f"ring {ring!r} is used but not declared")
+            if len(producers[ring]) != 1 or len(consumers[ring]) != 1:
+                raise ValueError(
+                    f"ring {ring!r} needs exactly one producer and one consumer, has "
+                    f"producers {producers[ring]} and consumers {consumers[ring]}"
+                )
+        names = [a.name for a in self.actor_specs]
+        if len(set(names)) != len(names) or OWNER in names:
+            raise ValueError(f"actor names must be unique and not {OWNER!r}: {names}")
+
+    # -- start-up --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create, spawn, handshake. Raises ActorFailed (after cleaning up) if an actor fails."""
+        sweep_stale()
+        self.namespace = new_namespace()
+        try:
+            self._control_handle = ControlHandle.create(self.namespace, len(self.actor_specs))
+            self._control = self._control_handle.attach()
+            for spec in self.ring_specs.values():
+                self._handles[spec.name] = RingHandle.create(self.namespace, spec)
+            self._spawn_all()
+            options = {
+                "spin_s": self.config.spin_s,
+                "liveness_interval_s": self.config.liveness_interval_s,
+            }
+            for ring in self._owner_inboxes:
+                self.consumers[ring] = Consumer(self._handles[ring], **options)
+            for ring in self._owner_outboxes:
+                self.producers[ring] = Producer(self._handles[ring], **options)
+            self._wait_for(ActorState.ATTACHED)
+            self._unlink_names()
+            self._wait_for(ActorState.READY)
+        except BaseException:
+            self.stop()
+            raise
+        log.info(
+            "actors ready", actors=[a.name for a in self.actor_specs], namespace=self.namespace
+        )
+
+    def _spawn_all(self) -> None:
+        assert self._control_handle is not None
+        ctx = multiprocessing.get_context("spawn")
+        for index, spec in enumerate(self.actor_specs):
+            launch = ActorLaunch(
+                spec=spec,
+                index=index,
+                control=self._control_handle,
+                rings={r: self._handles[r] for r in (*spec.inboxes, *spec.outboxes)},
+                parent_pid=os.getpid(),
+                log_format=self.config.log_format,
+                log_level=self.config.log_level,
+            )
+            proc = ctx.Process(target=run_actor, args=(launch,), name=f"pserve-{spec.name}")
+            proc.start()
+            self._procs.append(proc)
+
+    def _wait_for(self, state: ActorState) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        last_progress = time.monotonic()
+        while True:
+            failure = self.check()
+            if failure is not None:
+                raise failure
+            assert self._control is not None
+            states = [self._control.state(i) for i in range(len(self.actor_specs))]
+            for proc, actor_state in zip(self._procs, states, strict=True):
+                if actor_state in (ActorState.FAILED, ActorState.EXITED):
+                    proc.join(self.config.stop_timeout_s)  # it is on its way out: report its exit
+            failure = self.check()
+            if failure is not None:
+                raise failure
+            waiting = [
+                spec.name
+                for spec, actor_state in zip(self.actor_specs, states, strict=True)
+                if actor_state < state
+            ]
+            if not waiting:
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise ActorFailed(
+                    waiting[0], f"not {state.name.lower()} after {self.config.startup_timeout_s} s"
+                )
+            if now - last_progress > 5.0:
+                log.info("waiting for actors", state=state.name.lower(), actors=waiting)
+                last_progress = now
+            time.sleep(0.005)
+
+    def _unlink_names(self) -> None:
+        for handle in self._handles.values():
+            handle.unlink()
+        if self._control_handle is not None:
+            self._control_handle.unlink()
+
+    # -- watching --------------------------------------------------------------------------------
+
+    def pids(self) -> dict[str, int]:
+        return {
+            spec.name: proc.pid or 0
+            for spec, proc in zip(self.actor_specs, self._procs, strict=False)
+        }
+
+    def check(self) -> ActorFailed | None:
+        """The first failure seen (a dead child, a failed start, a stale heartbeat), else None."""
+        if self._failure is not None or self._control is None:
+            return self._failure
+        for i, (spec, proc) in enumerate(zip(self.actor_specs, self._procs, strict=False)):
+            state = self._control.state(i)
+            if proc.exitcode is not None and not self._stopped:
+                if state == ActorState.EXITED and proc.exitcode == 0:
+                    continue
+                self._failure = ActorFailed(spec.name, self._death_reason(i, proc))
+                break
+            if state == ActorState.READY and self.config.heartbeat_timeout_s > 0:
+                age_s = (now_ns() - self._control.heartbeat_ns(i)) / 1e9
+                if age_s > self.config.heartbeat_timeout_s:
+                    self._failure = ActorFailed(
+                        spec.name, f"no heartbeat for {age_s:.1f} s (pid {proc.pid})"
+                    )
+                    break
+        if self._failure is not None:
+            log.error("actor failed", actor=self._failure.actor, reason=self._failure.reason)
+        return self._failure
+
+    def _death_reason(self, i: int, proc: multiprocessing.process.BaseProcess) -> str:
+        assert self._control is not None
+        code = proc.exitcode
+        if code is not None and code < 0:
+            reason = f"killed by {signal.Signals(-code).name} (pid {proc.pid})"
+        else:
+            reason = f"exited with code {code} (pid {proc.pid})"
+        error = self._control.error(i)
+        return f"{reason}: {error}" if error else reason
+
+    async def watch(self, on_failure: Callable[[ActorFailed], None], period_s: float = 0.5) -> None:
+        """Run in the owner's event loop: call on_failure once for the first failure, then return.
+
+        Child exits are seen at once through their sentinels; heartbeats are read every period_s.
+        """
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        sentinels = [p.sentinel for p in self._procs]
+        for fd in sentinels:
+            loop.add_reader(fd, wake.set)
+        try:
+            while not self._stopped:
+                failure = self.check()
+                if failure is not None:
+                    on_failure(failure)
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), period_s)
+                wake.clear()
+        finally:
+            for fd in sentinels:
+                loop.remove_reader(fd)
+
+    # -- shutdown --------------------------------------------------------------------------------
+
+    def stop(self, order: Iterable[str] | None = None) -> None:
+        """Stop every actor (in `order`, upstream first; default: declaration order) and free all."""
+        if self._stopped:
+            return
+        self._stopped = True
+        names = list(order) if order is not None else [a.name for a in self.actor_specs]
+        names += [a.name for a in self.actor_specs if a.name not in names]
+        by_name = {
+            spec.name: proc for spec, proc in zip(self.actor_specs, self._procs, strict=False)
+        }
+        for name in names:
+            proc = by_name.get(name)
+            if proc is None or proc.exitcode is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)  # type: ignore[arg-type]
+            proc.join(self.config.stop_timeout_s)
+            if proc.exitcode is None:
+                log.warning("actor did not stop; killing it", actor=name, pid=proc.pid)
+                proc.kill()
+                proc.join(5.0)
+        for end in (*self.producers.values(), *self.consumers.values()):
+            end.close()
+        self._unlink_names()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        log.info("actors stopped", namespace=self.namespace)
+
+    def __enter__(self) -> Supervisor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+async def until_signal(signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT)) -> int:
+    """Wait in the owner's event loop until one of these signals arrives; return its number."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[int] = loop.create_future()
+
+    def on_signal(signum: int) -> None:
+        if not got.done():
+            got.set_result(signum)
+
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, int(sig))
+    try:
+        return await got
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

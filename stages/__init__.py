@@ -1,0 +1,1 @@
+"""The four stage actors (render, schedule, execute, detokenize) and the messages they exchange."""

@@ -1,0 +1,114 @@
+"""Process entries and actors the runtime tests spawn (importable, as spawn requires)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+import zlib
+
+import numpy as np
+
+from pipeline.actor import AsyncActor, SyncActor
+from pipeline.clock import now_ns
+from pipeline.errors import RuntimeFault
+from pipeline.records import Record, Vocabulary
+from pipeline.ring import RingHandle
+
+BLOB = Record("blob", ("meta", np.int64), ("data", np.uint8))
+VOCAB = Vocabulary("test", [BLOB])
+# meta: [seq, crc32 of data, send time ns]
+
+
+def make_blob(rng: random.Random, seq: int, max_bytes: int) -> dict[str, np.ndarray]:
+    size = rng.randint(0, max_bytes)
+    data = np.frombuffer(rng.randbytes(size), np.uint8)
+    return {"meta": np.array([seq, zlib.crc32(data), now_ns()], np.int64), "data": data}
+
+
+def produce(handle: RingHandle, count: int, max_bytes: int, seed: int, pause_s: float) -> None:
+    """Send `count` random blobs, pausing up to pause_s between them; count < 0: for ever."""
+    rng = random.Random(seed)
+    with handle.producer() as producer:
+        seq = 0
+        while count < 0 or seq < count:
+            producer.send(BLOB, make_blob(rng, seq, max_bytes))
+            seq += 1
+            if pause_s:
+                time.sleep(rng.random() * pause_s)
+
+
+def produce_async(
+    handle: RingHandle, count: int, max_bytes: int, seed: int, pause_s: float
+) -> None:
+    async def main() -> None:
+        rng = random.Random(seed)
+        with handle.producer() as producer:
+            for seq in range(count):
+                await producer.send_async(BLOB, make_blob(rng, seq, max_bytes))
+                if pause_s:
+                    await asyncio.sleep(rng.random() * pause_s)
+
+    asyncio.run(main())
+
+
+def consume_idle(handle: RingHandle, use_async: bool, seconds: float) -> None:
+    """Wait on an empty ring (the CPU test measures this process)."""
+    with handle.consumer() as consumer:
+        if use_async:
+
+            async def main() -> None:
+                with contextlib.suppress(RuntimeFault):
+                    await consumer.recv_async(timeout_s=seconds)
+
+            asyncio.run(main())
+        else:
+            with contextlib.suppress(RuntimeFault):
+                consumer.recv(timeout_s=seconds)
+
+
+def check_blob(message) -> int:  # type: ignore[no-untyped-def]
+    seq, crc, _ = message["meta"].tolist()
+    assert zlib.crc32(message["data"]) == crc, f"message {seq} corrupted"
+    return seq
+
+
+class Doubler(AsyncActor):
+    """Reads blobs, writes each back with its data doubled (mod 256)."""
+
+    async def run(self) -> None:
+        inbox, outbox = self.ctx.inbox["in"], self.ctx.outbox["mid"]
+        while True:
+            with await inbox.recv_async() as msg:
+                meta, data = msg["meta"].copy(), (msg["data"].astype(np.uint16) * 2 % 256)
+            await outbox.send_async(BLOB, {"meta": meta, "data": data.astype(np.uint8)})
+
+
+class Incrementer(SyncActor):
+    """Reads blobs, writes each back with its data plus one (mod 256)."""
+
+    def run(self) -> None:
+        inbox, outbox = self.ctx.inbox["mid"], self.ctx.outbox["out"]
+        while True:
+            with inbox.recv() as msg:
+                meta, data = msg["meta"].copy(), (msg["data"].astype(np.uint16) + 1) % 256
+            outbox.send(BLOB, {"meta": meta, "data": data.astype(np.uint8)})
+
+
+class FailsWarmUp(AsyncActor):
+    def warm_up(self) -> None:
+        raise RuntimeError("weights file is missing")
+
+    async def run(self) -> None:
+        await asyncio.sleep(3600)
+
+
+class Idle(AsyncActor):
+    async def run(self) -> None:
+        await asyncio.Event().wait()
+
+
+class StopsHeartbeating(SyncActor):
+    def run(self) -> None:
+        time.sleep(3600)

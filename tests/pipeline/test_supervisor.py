@@ -1,0 +1,167 @@
+"""Supervisor: handshake, names unlinked, failures reported with a reason, ordered shutdown, no leftovers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pipeline.actor import ActorSpec
+from pipeline.errors import ActorFailed
+from pipeline.names import names_in_shm, pid_alive, sweep_stale
+from pipeline.ring import RingSpec
+from pipeline.supervisor import Supervisor, SupervisorConfig
+from tests.pipeline.owners import chain
+from tests.pipeline.peers import BLOB, VOCAB
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def wait_gone(pids, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(pid_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def owner_process():
+    """Start an owner process (tests/pipeline/owners.py); it is killed after the test whatever happens."""
+    started: list[subprocess.Popen] = []
+
+    def start(mode: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.pipeline.owners", mode],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_chain_of_actors_processes_messages_and_leaves_no_names():
+    with chain() as sup:
+        assert names_in_shm(sup.namespace) == []  # unlinked once everyone attached
+        producer, consumer = sup.producers["in"], sup.consumers["out"]
+        for i in range(200):
+            data = np.arange(i % 50, dtype=np.uint8)
+            producer.send(BLOB, {"meta": np.array([i, 0, 0], np.int64), "data": data})
+            with consumer.recv(timeout_s=10) as msg:
+                assert msg["meta"][0] == i
+                np.testing.assert_array_equal(msg["data"], (data.astype(int) * 2 + 1) % 256)
+        pids = list(sup.pids().values())
+        assert sup.check() is None
+    assert wait_gone(pids)
+
+
+def test_failed_warm_up_fails_start_with_the_error_text():
+    rings = [RingSpec("x", VOCAB, 2, 256)]
+    actors = [ActorSpec("loader", "tests.pipeline.peers:FailsWarmUp", inboxes=("x",))]
+    sup = Supervisor(rings, actors, SupervisorConfig(log_format="json"), owner_outboxes=("x",))
+    with pytest.raises(ActorFailed, match=r"loader.*exited with code 1.*weights file is missing"):
+        sup.start()
+    assert names_in_shm(sup.namespace) == []
+
+
+def test_killed_actor_is_reported_within_a_bounded_time():
+    with chain() as sup:
+        victim = sup.pids()["incrementer"]
+        failures: list[ActorFailed] = []
+
+        async def main() -> float:
+            watcher = asyncio.create_task(sup.watch(failures.append))
+            await asyncio.sleep(0.2)
+            os.kill(victim, signal.SIGKILL)
+            start = time.monotonic()
+            await asyncio.wait_for(watcher, 5)
+            return time.monotonic() - start
+
+        elapsed = asyncio.run(main())
+    assert elapsed < 1.0
+    assert failures[0].actor == "incrementer"
+    assert "SIGKILL" in failures[0].reason
+
+
+def test_hung_actor_is_reported_by_its_heartbeat():
+    rings = [RingSpec("x", VOCAB, 2, 256)]
+    actors = [ActorSpec("stuck", "tests.pipeline.peers:StopsHeartbeating", inboxes=("x",))]
+    config = SupervisorConfig(log_format="json", heartbeat_timeout_s=1.0, stop_timeout_s=1.0)
+    with Supervisor(rings, actors, config, owner_outboxes=("x",)) as sup:
+        deadline = time.monotonic() + 5
+        while sup.check() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        failure = sup.check()
+    assert failure is not None and "no heartbeat" in failure.reason
+
+
+def test_ring_reader_gets_peer_died_when_upstream_actor_is_killed():
+    with chain() as sup:
+        os.kill(sup.pids()["incrementer"], signal.SIGKILL)
+        with pytest.raises(Exception, match="died"):
+            sup.consumers["out"].recv(timeout_s=5)
+
+
+def test_sigterm_to_the_owner_stops_everything_in_order(owner_process):
+    owner = owner_process("serve")
+    line = owner.stdout.readline().split()
+    assert line[0] == "READY", line
+    namespace, pids = line[1], [int(p) for p in line[2:]]
+    assert names_in_shm(namespace) == []
+    owner.send_signal(signal.SIGTERM)
+    assert owner.stdout.readline().strip() == "STOPPED"
+    assert owner.wait(10) == 0
+    assert wait_gone(pids)
+
+
+def test_sigkill_of_the_whole_tree_leaves_nothing(owner_process):
+    owner = owner_process("serve")
+    line = owner.stdout.readline().split()
+    namespace, pids = line[1], [int(p) for p in line[2:]]
+    owner.kill()
+    owner.wait()
+    assert wait_gone(pids), "children outlived their parent (parent-death signal)"
+    assert names_in_shm(namespace) == []
+
+
+def test_supervisor_killed_during_start_leaves_names_the_next_start_sweeps(owner_process):
+    owner = owner_process("hang")
+    assert owner.stdout.readline().strip() == "STARTING"
+    deadline = time.monotonic() + 10
+    stale: list[str] = []
+    while time.monotonic() < deadline and not stale:
+        stale = [n for n in names_in_shm() if f".{owner.pid}." in n]
+        time.sleep(0.05)
+    owner.kill()
+    owner.wait()
+    assert stale, "the owner should have created its names before it was killed"
+    assert set(stale) <= set(names_in_shm())
+    removed = sweep_stale()
+    assert set(stale) <= set(removed)
+    assert not [n for n in names_in_shm() if f".{owner.pid}." in n]
+    time.sleep(0.5)  # the orphaned actor exits on its parent-death signal
+
+
+def test_topology_is_checked():
+    rings = [RingSpec("x", VOCAB, 2, 256)]
+    with pytest.raises(ValueError, match="exactly one producer and one consumer"):
+        Supervisor(rings, [ActorSpec("a", "tests.pipeline.peers:Idle", inboxes=("x",))])
