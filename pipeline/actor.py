@@ -25,9 +25,11 @@ import structlog
 import uvloop
 
 from pipeline.control import ActorState, ControlBlock, ControlHandle
+from pipeline.errors import RingClosed
 from pipeline.logs import configure_logging
 from pipeline.names import process_start_ticks
 from pipeline.ring import Consumer, Producer, RingHandle
+from pipeline.trace import TraceBuffer, TraceHandle
 
 PR_SET_PDEATHSIG = 1
 
@@ -54,6 +56,7 @@ class ActorLaunch:
     index: int
     control: ControlHandle
     rings: dict[str, RingHandle]
+    trace: TraceHandle
     parent_pid: int
     log_format: str
     log_level: str
@@ -71,6 +74,8 @@ class ActorContext:
         self.name = spec.name
         self.config = spec.config
         self.log = structlog.get_logger("pipeline.actor")
+        self.trace: TraceBuffer = launch.trace.attach()
+        """Spans of this actor's work, for pipeline-bench (see pipeline/trace.py)."""
         self._control = control
         self._index = launch.index
         self.stopping = False
@@ -93,9 +98,14 @@ class ActorContext:
     def heartbeat(self) -> None:
         self._control.beat(self._index)
 
+    def set_gauges(self, values: list[float]) -> None:
+        """Publish up to 16 numbers for the owner to read (Supervisor.gauges)."""
+        self._control.set_gauges(self._index, values)
+
     def close_rings(self) -> None:
         for end in (*self.outbox.values(), *self.inbox.values()):
             end.close()
+        self.trace.close()
 
 
 class AsyncActor(abc.ABC):
@@ -159,7 +169,6 @@ def run_actor(launch: ActorLaunch) -> None:
     control.set_state(index, ActorState.STARTING)
     control.beat(index)
     ctx: ActorContext | None = None
-    exit_code = 0
     try:
         ctx = ActorContext(launch, control)
         control.set_state(index, ActorState.ATTACHED)
@@ -175,19 +184,34 @@ def run_actor(launch: ActorLaunch) -> None:
         else:
             _run_sync(actor)
         control.set_state(index, ActorState.EXITED)
-    except StopRequested:
-        control.set_state(index, ActorState.EXITED)
     except BaseException as exc:
-        exit_code = 1
+        if _is_clean_stop(exc):
+            control.set_state(index, ActorState.EXITED)
+            log.debug("actor stopped", reason=type(exc).__name__)
+            return _exit(ctx, control, 0)
+
         control.set_error(index, "".join(traceback.format_exception_only(exc)).strip())
         control.set_state(index, ActorState.FAILED)
         log.error("actor failed", exc_info=True)
-    finally:
-        if ctx is not None:
-            ctx.close_rings()
-        control.close()
+        return _exit(ctx, control, 1)
+    _exit(ctx, control, 0)
+
+
+def _exit(ctx: ActorContext | None, control: ControlBlock, code: int) -> None:
+    if ctx is not None:
+        ctx.close_rings()
+    control.close()
     sys.stderr.flush()
-    os._exit(exit_code)
+    os._exit(code)
+
+
+def _is_clean_stop(exc: BaseException) -> bool:
+    """SIGTERM, or an upstream peer that closed its end (the shutdown sequence), possibly grouped."""
+    if isinstance(exc, StopRequested | RingClosed | asyncio.CancelledError):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_clean_stop(e) for e in exc.exceptions)
+    return False
 
 
 def _run_sync(actor: SyncActor) -> None:

@@ -17,7 +17,10 @@ import posix_ipc
 from pipeline.clock import now_ns
 
 ROW_BYTES = 1024
-ERROR_BYTES = ROW_BYTES - 64
+NUM_GAUGES = 16
+GAUGES_AT = 64  # float64 gauges an actor publishes for the owner (what each means is the actor's)
+ERROR_AT = GAUGES_AT + 8 * NUM_GAUGES
+ERROR_BYTES = ROW_BYTES - ERROR_AT
 # int64 fields at the start of a row
 F_STATE, F_PID, F_START, F_HEARTBEAT, F_ERROR_LEN = 0, 1, 2, 3, 4
 
@@ -66,6 +69,7 @@ class ControlBlock:
         # rows: [n_rows, ROW_BYTES] uint8
         self._rows = np.frombuffer(self._map, np.uint8).reshape(-1, ROW_BYTES)
         self._ints = np.frombuffer(self._map, np.int64).reshape(-1, ROW_BYTES // 8)
+        self._floats = np.frombuffer(self._map, np.float64).reshape(-1, ROW_BYTES // 8)
 
     def state(self, i: int) -> ActorState:
         return ActorState(int(self._ints[i, F_STATE]))
@@ -86,16 +90,24 @@ class ControlBlock:
     def heartbeat_ns(self, i: int) -> int:
         return int(self._ints[i, F_HEARTBEAT])
 
+    def set_gauges(self, i: int, values: list[float]) -> None:
+        first = GAUGES_AT // 8
+        self._floats[i, first : first + len(values)] = values[:NUM_GAUGES]
+
+    def gauges(self, i: int) -> list[float]:
+        first = GAUGES_AT // 8
+        return self._floats[i, first : first + NUM_GAUGES].tolist()
+
     def set_error(self, i: int, text: str) -> None:
         data = text.encode("utf-8", "replace")[:ERROR_BYTES]
-        self._rows[i, 64 : 64 + len(data)] = np.frombuffer(data, np.uint8)
+        self._rows[i, ERROR_AT : ERROR_AT + len(data)] = np.frombuffer(data, np.uint8)
         self._ints[i, F_ERROR_LEN] = len(data)
 
     def error(self, i: int) -> str:
         n = int(self._ints[i, F_ERROR_LEN])
-        return bytes(self._rows[i, 64 : 64 + n]).decode("utf-8", "replace")
+        return bytes(self._rows[i, ERROR_AT : ERROR_AT + n]).decode("utf-8", "replace")
 
     def close(self) -> None:
-        self._rows = self._ints = None  # type: ignore[assignment]
+        self._rows = self._ints = self._floats = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):
             self._map.close()

@@ -22,7 +22,7 @@ import multiprocessing.process
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -33,6 +33,7 @@ from pipeline.control import ActorState, ControlBlock, ControlHandle
 from pipeline.errors import ActorFailed
 from pipeline.names import new_namespace, sweep_stale
 from pipeline.ring import Consumer, Producer, RingHandle, RingSpec
+from pipeline.trace import TraceBuffer, TraceHandle
 
 log = structlog.get_logger("pipeline.supervisor")
 
@@ -73,6 +74,9 @@ class Supervisor:
         self._control_handle: ControlHandle | None = None
         self._control: ControlBlock | None = None
         self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._traces: dict[str, TraceHandle] = {}
+        self.traces: dict[str, TraceBuffer] = {}
+        """Each actor's trace buffer, owner side: `read_new()` gives the spans since the last read."""
         self.consumers: dict[str, Consumer] = {}
         self.producers: dict[str, Producer] = {}
         self._failure: ActorFailed | None = None
@@ -105,28 +109,53 @@ class Supervisor:
 
     def start(self) -> None:
         """Create, spawn, handshake. Raises ActorFailed (after cleaning up) if an actor fails."""
-        sweep_stale()
-        self.namespace = new_namespace()
         try:
-            self._control_handle = ControlHandle.create(self.namespace, len(self.actor_specs))
-            self._control = self._control_handle.attach()
-            for spec in self.ring_specs.values():
-                self._handles[spec.name] = RingHandle.create(self.namespace, spec)
-            self._spawn_all()
-            options = {
-                "spin_s": self.config.spin_s,
-                "liveness_interval_s": self.config.liveness_interval_s,
-            }
-            for ring in self._owner_inboxes:
-                self.consumers[ring] = Consumer(self._handles[ring], **options)
-            for ring in self._owner_outboxes:
-                self.producers[ring] = Producer(self._handles[ring], **options)
-            self._wait_for(ActorState.ATTACHED)
-            self._unlink_names()
-            self._wait_for(ActorState.READY)
+            self._launch()
+            for _ in self._handshake():
+                time.sleep(0.005)
         except BaseException:
             self.stop()
             raise
+
+    async def start_async(self) -> None:
+        """As start, from an event loop: the loop keeps running while the actors warm up.
+
+        The actors are spawned from the loop's thread, on purpose: the kernel's parent-death signal
+        fires when the spawning thread ends, so spawning from a worker thread would be fragile.
+        """
+        try:
+            self._launch()
+            for _ in self._handshake():
+                await asyncio.sleep(0.005)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _launch(self) -> None:
+        sweep_stale()
+        self.namespace = new_namespace()
+        self._control_handle = ControlHandle.create(self.namespace, len(self.actor_specs))
+        self._control = self._control_handle.attach()
+        for spec in self.ring_specs.values():
+            self._handles[spec.name] = RingHandle.create(self.namespace, spec)
+        for actor in self.actor_specs:
+            self._traces[actor.name] = TraceHandle.create(self.namespace, actor.name)
+            self.traces[actor.name] = self._traces[actor.name].attach()
+        self._spawn_all()
+        options = {
+            "spin_s": self.config.spin_s,
+            "liveness_interval_s": self.config.liveness_interval_s,
+        }
+        for ring in self._owner_inboxes:
+            self.consumers[ring] = Consumer(self._handles[ring], **options)
+        for ring in self._owner_outboxes:
+            self.producers[ring] = Producer(self._handles[ring], **options)
+
+    def _handshake(self) -> Iterator[None]:
+        """Yields while waiting; returns once every actor is ready (names unlinked on the way)."""
+        yield from self._wait_for(ActorState.ATTACHED)
+        self._unlink_names()
+        yield from self._wait_for(ActorState.READY)
         log.info(
             "actors ready", actors=[a.name for a in self.actor_specs], namespace=self.namespace
         )
@@ -140,6 +169,7 @@ class Supervisor:
                 index=index,
                 control=self._control_handle,
                 rings={r: self._handles[r] for r in (*spec.inboxes, *spec.outboxes)},
+                trace=self._traces[spec.name],
                 parent_pid=os.getpid(),
                 log_format=self.config.log_format,
                 log_level=self.config.log_level,
@@ -148,7 +178,7 @@ class Supervisor:
             proc.start()
             self._procs.append(proc)
 
-    def _wait_for(self, state: ActorState) -> None:
+    def _wait_for(self, state: ActorState) -> Iterator[None]:
         deadline = time.monotonic() + self.config.startup_timeout_s
         last_progress = time.monotonic()
         while True:
@@ -178,15 +208,24 @@ class Supervisor:
             if now - last_progress > 5.0:
                 log.info("waiting for actors", state=state.name.lower(), actors=waiting)
                 last_progress = now
-            time.sleep(0.005)
+            yield
 
     def _unlink_names(self) -> None:
         for handle in self._handles.values():
             handle.unlink()
+        for trace in self._traces.values():
+            trace.unlink()
         if self._control_handle is not None:
             self._control_handle.unlink()
 
     # -- watching --------------------------------------------------------------------------------
+
+    def gauges(self, actor: str) -> list[float]:
+        """The numbers an actor last published with ActorContext.set_gauges."""
+        if self._control is None:
+            return []
+        index = next(i for i, spec in enumerate(self.actor_specs) if spec.name == actor)
+        return self._control.gauges(index)
 
     def pids(self) -> dict[str, int]:
         return {
@@ -274,6 +313,9 @@ class Supervisor:
                 proc.join(5.0)
         for end in (*self.producers.values(), *self.consumers.values()):
             end.close()
+        for trace in self.traces.values():
+            trace.close()
+        self.traces.clear()
         self._unlink_names()
         if self._control is not None:
             self._control.close()
