@@ -89,16 +89,24 @@ class TraceBuffer:
         cpu_ns: int = 0,
     ) -> None:
         seq = self._written[0] + 1
-        slot = self._spans[(seq - 1) % self.capacity]
-        slot["seq"] = 0  # invalid while it is rewritten
-        slot["kind"], slot["batch"], slot["t_start_ns"], slot["t_end_ns"] = (
+        offset = HEADER_BYTES + ((seq - 1) % self.capacity) * SPAN.itemsize
+        # The record goes in with seq 0 (invalid) and gets its seq last, so a reader never takes a
+        # half-written record for a whole one.
+        _SPAN_STRUCT.pack_into(
+            self._map,
+            offset,
+            0,
             kind,
             batch,
             t_start_ns,
             t_end_ns,
+            tokens,
+            wait_ns,
+            depth,
+            aux,
+            cpu_ns,
         )
-        slot["tokens"], slot["wait_ns"], slot["depth"], slot["aux"] = tokens, wait_ns, depth, aux
-        slot["seq"] = seq
+        self._seqs[(seq - 1) % self.capacity] = seq
         self._written[0] = seq
 
     def read_new(self) -> np.ndarray:

@@ -112,3 +112,12 @@ class Idle(AsyncActor):
 class StopsHeartbeating(SyncActor):
     def run(self) -> None:
         time.sleep(3600)
+
+
+class Reporter(AsyncActor):
+    """Publishes two gauges and one span, then idles."""
+
+    async def run(self) -> None:
+        self.ctx.trace.record(kind=9, t_start_ns=now_ns(), t_end_ns=now_ns(), tokens=5)
+        self.ctx.set_gauges([42.0, 0.5])
+        await asyncio.Event().wait()
