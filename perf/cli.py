@@ -16,7 +16,63 @@ def main(argv: list[str] | None = None) -> int:
     ring.add_argument("--scale", type=float, default=1.0, help="scale the message counts")
     ring.add_argument("--json", dest="json_path", help="write the rows as JSON here")
 
+    serve = sub.add_parser(
+        "serve", help="streaming load generator for any OpenAI-compatible server"
+    )
+    serve.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the server")
+    serve.add_argument(
+        "--compare", help="a second server, run interleaved with the first; prints ratios"
+    )
+    serve.add_argument("--concurrency", default="1", help="closed loop: comma-separated levels")
+    serve.add_argument(
+        "--request-rate", default="", help="open loop: Poisson rates (req/s), comma-separated"
+    )
+    serve.add_argument(
+        "--num-requests", type=int, default=0, help="per load level (default 4 x concurrency, >= 8)"
+    )
+    serve.add_argument("--prompt-tokens", type=int, default=204)
+    serve.add_argument("--max-tokens", type=int, default=128)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--dataset", help="JSONL of chat requests ({messages, max_tokens?}) instead of synthetic"
+    )
+    serve.add_argument("--slo", help="goodput thresholds in ms, e.g. ttft=500,itl=100")
+    serve.add_argument("--model", help="model name to request (default: the server's first)")
+    serve.add_argument("--api-key")
+    serve.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
+    serve.add_argument(
+        "--warmup", type=int, default=1, help="short requests per server before measuring"
+    )
+    serve.add_argument("--json", dest="json_path", help="write the report as JSON here")
+    serve.add_argument("--report", help="write PNG charts into this folder")
+    serve.add_argument(
+        "--profile",
+        action="store_true",
+        help="pipeline-serve only: per-stage figures and CPU per token from /debug/profile",
+    )
+
+    offline = sub.add_parser("offline", help="the engine in-process, without HTTP; where time goes")
+    offline.add_argument("model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)")
+    offline.add_argument(
+        "--dummy", action="store_true", help="null model: the pipeline's own ceiling"
+    )
+    offline.add_argument("--concurrency", default="1,32")
+    offline.add_argument("--num-requests", type=int, default=0)
+    offline.add_argument("--prompt-tokens", type=int, default=204)
+    offline.add_argument("--max-tokens", type=int, default=128)
+    offline.add_argument("--dtype", default="float32")
+    offline.add_argument("--quantization", default=None)
+    offline.add_argument("--threads", type=int, default=0)
+    offline.add_argument("--max-num-seqs", type=int, default=256)
+    offline.add_argument("--max-num-batched-tokens", type=int, default=512)
+    offline.add_argument("--json", dest="json_path")
+    offline.add_argument("--report", help="write the stage timeline (Gantt) PNG into this folder")
+
     args = parser.parse_args(argv)
+    if args.mode == "offline":
+        return run_offline_cli(args)
+    if args.mode == "serve":
+        return run_serve_cli(args, parser)
     if args.mode == "ring":
         from perf import ring_bench
 
@@ -28,6 +84,112 @@ def main(argv: list[str] | None = None) -> int:
             )
         sizes = [int(s) for s in args.sizes.split(",") if s]
         ring_bench.main(transports, sizes, args.scale, args.json_path)
+    return 0
+
+
+def run_serve_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import asyncio
+    import json
+    import os
+
+    from perf import serve_bench
+
+    try:
+        slo = serve_bench.Slo.parse(args.slo)
+        concurrency = tuple(int(c) for c in args.concurrency.split(",") if c)
+        rates = tuple(float(r) for r in args.request_rate.split(",") if r)
+    except ValueError as exc:
+        parser.error(str(exc))
+    bench_args = serve_bench.ServeArgs(
+        urls=(args.url, args.compare) if args.compare else (args.url,),
+        concurrency=concurrency,
+        request_rates=rates,
+        num_requests=args.num_requests,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        dataset=args.dataset,
+        slo=slo,
+        api_key=args.api_key,
+        model=args.model,
+        ignore_eos=not args.no_ignore_eos,
+        warmup=args.warmup,
+        profile=args.profile,
+    )
+    report, samples = asyncio.run(serve_bench.run_serve(bench_args))
+    print(serve_bench.format_table(report))
+    for run in report["runs"]:
+        if "stages" in run:
+            from perf.pipeline_stats import format_stages
+
+            load = run.get("concurrency", run.get("request_rate"))
+            print(f"\n{run['url']} at {load}:\n{format_stages(run['stages'], run['overhead'])}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.report:
+        from perf.report import serve_report
+
+        for path in serve_report(args.report, report, samples):
+            print(f"wrote {path}", file=sys.stderr)
+        for label, spans in samples["gantt"].items():
+            from perf.report import gantt_chart
+
+            name = "".join(ch if ch.isalnum() else "_" for ch in label)
+            path = gantt_chart(
+                os.path.join(args.report, f"gantt_{name}.png"), spans, f"Stage timeline, {label}"
+            )
+            print(f"wrote {path}", file=sys.stderr)
+    return 1 if any(run["completed"] == 0 for run in report["runs"]) else 0
+
+
+def run_offline_cli(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import os
+
+    from perf import offline
+    from perf.pipeline_stats import format_stages
+    from pipeline.logs import configure_logging
+    from stages.config import default_model_path
+
+    configure_logging("console", "warning")
+    bench_args = offline.OfflineArgs(
+        model_path=args.model or default_model_path(),
+        dummy=args.dummy,
+        concurrency=tuple(int(c) for c in args.concurrency.split(",") if c),
+        num_requests=args.num_requests,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    print(
+        f"starting the pipeline ({'dummy model' if args.dummy else bench_args.model_path}) ...",
+        file=sys.stderr,
+    )
+    report, gantt = asyncio.run(offline.run_offline(bench_args))
+    for run in report["runs"]:
+        print(
+            f"\nconcurrency {run['concurrency']}: {run['completed']} requests, "
+            f"{run['output_tok_per_s']:.1f} output tok/s, TTFT p50 {run['ttft_ms']['p50']:.1f} ms, "
+            f"ITL p50 {run['itl_ms']['p50']:.2f} ms p99 {run['itl_ms']['p99']:.2f} ms"
+        )
+        print(format_stages(run["stages"], run["overhead"]))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.report:
+        from perf.report import gantt_chart
+
+        os.makedirs(args.report, exist_ok=True)
+        path = gantt_chart(
+            os.path.join(args.report, "stages_gantt.png"), gantt, "Stage timeline (last run)"
+        )
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -9,6 +9,12 @@ from typing import Any
 import structlog
 
 
+def _stderr_logger(*args: Any) -> structlog.PrintLogger:
+    """A logger on whatever sys.stderr is when the line is written (it may be swapped, by pytest
+    or by a daemon's redirection, after logging was configured)."""
+    return structlog.PrintLogger(sys.stderr)
+
+
 def configure_logging(log_format: str = "auto", level: str = "info", **bound: Any) -> None:
     """Configure structlog for this process and bind fields (e.g. stage=) to every line.
 
@@ -33,7 +39,7 @@ def configure_logging(log_format: str = "auto", level: str = "info", **bound: An
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()

@@ -1,0 +1,141 @@
+"""Paged attention over a mixed batch of prefill chunks and decodes: the torch reference path.
+
+The Triton kernels in `gpu/kernels/` implement the same two functions with the same arguments.
+Query i of sequence b sits at position context_lens[b] - q_len_b + i and sees keys 0..that
+position. Math runs in float32 whatever the cache dtype, and repeated KV heads are never
+materialised: query heads are grouped per KV head (head h uses KV head h // group).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    k: torch.Tensor,  # k: [T, KVH, D]
+    v: torch.Tensor,  # v: [T, KVH, D]
+    k_cache: torch.Tensor,  # k_cache: [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # v_cache: [num_blocks, block_size, KVH, D]
+    slot_mapping: torch.Tensor,  # slot_mapping: [T] int64, block * block_size + offset; < 0 = skip
+) -> None:
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,  # q: [T, H, D]
+    k_cache: torch.Tensor,  # k_cache: [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # v_cache: [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor,  # block_tables: [B, max_blocks] int32, padded
+    query_start_loc: torch.Tensor,  # query_start_loc: [B + 1] int32, cumulative query lengths
+    context_lens: torch.Tensor,  # context_lens: [B] int32, KV length after this step
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # -> [T, H, D] in q's dtype
+    """Causal attention of each sequence's new queries over its cached keys and values.
+
+    With `sliding_window` w, a query at position p sees keys at positions p - w + 1 .. p.
+    """
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    decode_rows = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    if len(decode_rows) > 1:
+        rows = torch.tensor(decode_rows, dtype=torch.long, device=q.device)
+        token_index = query_start_loc[:-1].long()[rows]
+        out[token_index] = _decode_attention(
+            q[token_index],
+            k_cache,
+            v_cache,
+            block_tables[rows],
+            context_lens[rows],
+            scale,
+            sliding_window,
+        ).to(q.dtype)
+        done = set(decode_rows)
+    else:
+        done = set()
+    block_size = k_cache.shape[1]
+    for b, context_len in enumerate(lens):
+        start, end = starts[b], starts[b + 1]
+        if b in done or end == start:
+            continue
+        num_blocks = -(-context_len // block_size)
+        blocks = block_tables[b, :num_blocks].long()
+        keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [L, KVH, D]
+        values = v_cache[blocks].flatten(0, 1)[:context_len]
+        out[start:end] = _prefill_attention(q[start:end], keys, values, scale, sliding_window).to(
+            q.dtype
+        )
+    return out
+
+
+def _prefill_attention(
+    q: torch.Tensor,  # q: [Q, H, D]
+    keys: torch.Tensor,  # keys: [L, KVH, D]
+    values: torch.Tensor,  # values: [L, KVH, D]
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # -> [Q, H, D] float32
+    num_queries, num_heads, head_dim = q.shape
+    context_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    # [Q, KVH, G, D] -> [KVH, G * Q, D]: each KV head's query group as one matrix.
+    grouped = q.float().view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    grouped = grouped.reshape(num_kv_heads, group * num_queries, head_dim)
+    k = keys.float().permute(1, 2, 0)  # [KVH, D, L]
+    v = values.float().permute(1, 0, 2)  # [KVH, L, D]
+    scores = torch.bmm(grouped, k).mul_(scale).view(num_kv_heads, group, num_queries, context_len)
+    query_pos = torch.arange(context_len - num_queries, context_len, device=q.device).unsqueeze(
+        1
+    )  # [Q, 1]
+    key_pos = torch.arange(context_len, device=q.device).unsqueeze(0)  # [1, L]
+    hidden = key_pos > query_pos
+    if sliding_window is not None:
+        hidden |= key_pos <= query_pos - sliding_window
+    scores.masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * num_queries, context_len)
+    out = torch.bmm(probs, v).view(num_kv_heads, group, num_queries, head_dim)
+    return out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, head_dim)
+
+
+def _decode_attention(
+    q: torch.Tensor,  # q: [B, H, D], one query per sequence
+    k_cache: torch.Tensor,  # k_cache: [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # v_cache: [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor,  # block_tables: [B, max_blocks] int32
+    context_lens: torch.Tensor,  # context_lens: [B] int32
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:  # -> [B, H, D] float32
+    """All decodes at once: one gather of each sequence's blocks, padded to the longest."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(context_lens.max())
+    num_blocks = -(-max_len // block_size)
+    # index_select on a head-major view writes its copy as [KVH, B * nb, bs, D], so (KVH, B)
+    # folds into one bmm batch dimension without a second copy.
+    length = num_blocks * block_size
+    flat_blocks = block_tables[:, :num_blocks].long().flatten()
+    shape = (num_kv_heads * batch, length, head_dim)
+    keys = k_cache.permute(2, 0, 1, 3).index_select(1, flat_blocks).float().reshape(shape)
+    values = v_cache.permute(2, 0, 1, 3).index_select(1, flat_blocks).float().reshape(shape)
+    grouped = q.float().view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # [KVH, B, G, D]
+    grouped = grouped.reshape(num_kv_heads * batch, group, head_dim)
+    scores = torch.bmm(grouped, keys.transpose(1, 2)).mul_(scale)  # [KVH * B, G, L]
+    key_pos = torch.arange(length, device=q.device).unsqueeze(0)  # [1, L]
+    lens = context_lens.long().unsqueeze(1)  # [B, 1]
+    hidden = key_pos >= lens  # [B, L]
+    if sliding_window is not None:
+        hidden |= key_pos <= lens - 1 - sliding_window
+    scores = scores.view(num_kv_heads, batch, group, length).masked_fill_(
+        hidden[None, :, None, :], float("-inf")
+    )
+    probs = torch.softmax(scores, dim=-1).view(num_kv_heads * batch, group, length)
+    out = torch.bmm(probs, values).view(num_kv_heads, batch, group, head_dim)
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)

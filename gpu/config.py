@@ -1,0 +1,176 @@
+"""The model's shape and numerics, from a GGUF file's metadata or a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is of an architecture, tensor type or layout this server does not run."""
+
+
+@dataclass(slots=True, frozen=True)
+class RopeScaling:
+    """Llama 3 frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def load_model_config(model_path: str) -> ModelConfig:
+    """The config of a Hugging Face model directory or of a `.gguf` file."""
+    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+        import gguf
+
+        return config_from_gguf(gguf.GGUFReader(model_path))
+    config_path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config_path):
+        raise UnsupportedModelError(
+            f"{model_path!r} is neither a .gguf file nor a directory with config.json"
+        )
+    with open(config_path, encoding="utf-8") as f:
+        return config_from_hf(json.load(f))
+
+
+def _rope_scaling(params: dict[str, Any] | None) -> RopeScaling | None:
+    if not params:
+        return None
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise UnsupportedModelError(
+            f"RoPE scaling type {rope_type!r} is not supported (only 'llama3')"
+        )
+    return RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
+    """From a config.json dict, in either the transformers 4 (`rope_theta`, `rope_scaling`) or the
+    transformers 5 (`rope_parameters`) spelling."""
+    names = raw.get("architectures") or []
+    architecture = next((_HF_ARCHITECTURES[n] for n in names if n in _HF_ARCHITECTURES), None)
+    if architecture is None:
+        architecture = raw.get("model_type")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {names or raw.get('model_type')!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    rope_parameters = raw.get("rope_parameters") or {}
+    rope_theta = rope_parameters.get("rope_theta", raw.get("rope_theta", 10000.0))
+    scaling_source = rope_parameters if rope_parameters else raw.get("rope_scaling")
+    num_heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    sliding_window = raw.get("sliding_window")
+    if architecture == "qwen2" and not raw.get("use_sliding_window", False):
+        sliding_window = None
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=_rope_scaling(scaling_source),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+    )
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: Any) -> ModelConfig:
+    """From an open `gguf.GGUFReader`."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    tensor_names = {t.name for t in reader.tensors}
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    hidden = int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    num_kv_heads = int(meta("attention.head_count_kv", num_heads))
+    head_dim = int(meta("attention.key_length", meta("rope.dimension_count", hidden // num_heads)))
+    vocab_size = int(meta("vocab_size", int(embedding.shape[-1])))
+    scaling_type = meta("rope.scaling.type")
+    rope_scaling = None
+    if scaling_type not in (None, "none") and "rope_freqs.weight" not in tensor_names:
+        raise UnsupportedModelError(f"GGUF RoPE scaling type {scaling_type!r} is not supported")
+    sliding_window = meta("attention.sliding_window")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        sliding_window=None if sliding_window is None else int(sliding_window),
+    )

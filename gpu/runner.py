@@ -1,0 +1,364 @@
+"""ModelRunner: the model, its paged KV cache and the sampler behind one `step(batch)` call.
+
+The execute stage fills a `StepBatch` of numpy arrays from its ring and gets a `StepOutput` of
+numpy arrays back. The runner remembers, per request id, the tokens it has seen (for penalties,
+min_tokens and seeds) from the first step that names the request until `free`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+import torch
+
+from gpu.config import ModelConfig, load_model_config
+from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from gpu.loader import iter_weights, read_gguf_raw_tensors
+from gpu.model import (
+    QUANTIZATION_MODES,
+    TORCH_ATTENTION,
+    AttentionBackend,
+    AttentionInputs,
+    CausalLM,
+    quantize_linears,
+)
+from gpu.sampler import (
+    SamplingArrays,
+    TokenHistory,
+    logprob_summary,
+    rows_needing_token_ids,
+    sample,
+)
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(slots=True, frozen=True)
+class RunnerConfig:
+    dtype: str = "float32"  # "float32" or "bfloat16": weights, activations and KV cache
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    block_size: int = DEFAULT_BLOCK_SIZE
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    device: str = "cpu"
+    seed: int = 0  # drives requests that carry no seed of their own
+    quantization: str | None = None  # None, "int8" or "int4": weight-only, decoder linears
+    quantized_compute_dtype: str = "bfloat16"  # what the quantized matmuls compute in
+
+
+@dataclass(slots=True, frozen=True)
+class StepBatch:
+    """One engine step: B sequences, T new tokens in all, flattened in sequence order."""
+
+    request_ids: np.ndarray  # [B] int64
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B + 1] int32, cumulative query lengths
+    context_lens: np.ndarray  # [B] int32, KV length after this step (cached + new)
+    block_tables: np.ndarray  # [B, max_blocks] int32, padded
+    slot_mapping: np.ndarray  # [T] int64, block * block_size + offset
+    prompt_lens: np.ndarray  # [B] int32, positions below this are prompt, the rest output
+    sample: np.ndarray  # [B] bool, False for a prefill chunk that is not the prompt's last
+    sampling: SamplingArrays  # B rows; rows that do not sample are ignored
+    prompt_logprobs: np.ndarray  # [B] int32, top-k of prompt logprobs wanted; < 0 = none
+
+
+@dataclass(slots=True, frozen=True)
+class StepOutput:
+    """Per-sequence results in batch order, and the prompt logprobs of prefill chunks.
+
+    Top-k rows are padded with id -1 and logprob -inf past what each request asked for. Prompt
+    logprob entries of sequence b are rows prompt_logprob_start_loc[b]:[b + 1]; each scores the
+    prompt token at `prompt_positions` (position 0 has none).
+    """
+
+    token_ids: np.ndarray  # [B] int64, -1 where not sampled
+    logprobs: np.ndarray  # [B] float32, nan where not sampled
+    ranks: np.ndarray  # [B] int64, 0 where not sampled
+    top_ids: np.ndarray  # [B, K] int64
+    top_logprobs: np.ndarray  # [B, K] float32
+    prompt_logprob_start_loc: np.ndarray  # [B + 1] int32
+    prompt_positions: np.ndarray  # [P] int64
+    prompt_token_ids: np.ndarray  # [P] int64
+    prompt_token_logprobs: np.ndarray  # [P] float32
+    prompt_ranks: np.ndarray  # [P] int64
+    prompt_top_ids: np.ndarray  # [P, Kp] int64
+    prompt_top_logprobs: np.ndarray  # [P, Kp] float32
+
+
+@dataclass(slots=True)
+class _RequestState:
+    token_ids: list[int] = field(default_factory=list)  # by position; prompt, then outputs
+    pending_prompt_logprobs: torch.Tensor | None = None  # [V]: scores the next chunk's first token
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        config: RunnerConfig,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.config = config
+        self.device = torch.device(config.device)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self._requests: dict[int, _RequestState] = {}
+
+    @classmethod
+    def from_path(cls, model_path: str, config: RunnerConfig) -> ModelRunner:
+        if config.dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype {config.dtype!r} is not supported; use one of {sorted(_DTYPES)}"
+            )
+        if config.quantization not in (None, *QUANTIZATION_MODES):
+            raise ValueError(
+                f"quantization {config.quantization!r} is not supported; use None or one of {QUANTIZATION_MODES}"
+            )
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        dtype = _DTYPES[config.dtype]
+        model_config = load_model_config(model_path)
+        model = CausalLM(model_config, _attention_backend(config.device))
+        model.load_weights(iter_weights(model_path, model_config, dtype))
+        model = model.to(dtype=dtype).eval()
+        model.inv_freq = model.inv_freq.float()
+        if config.quantization is not None:
+            is_gguf = model_path.endswith(".gguf")
+            q4_1 = read_gguf_raw_tensors(model_path, model_config, "Q4_1") if is_gguf else {}
+            quantize_linears(
+                model, config.quantization, q4_1, _DTYPES[config.quantized_compute_dtype]
+            )
+        model = model.to(device=config.device)
+        kv_cache = KVCache.from_budget(
+            model_config, config.kv_cache_bytes, config.block_size, dtype, config.device
+        )
+        log.info(
+            "model ready",
+            model=model_path,
+            architecture=model_config.architecture,
+            dtype=config.dtype,
+            kv_blocks=kv_cache.num_blocks,
+            block_size=config.block_size,
+        )
+        return cls(model, kv_cache, config)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def tracked_request_ids(self) -> frozenset[int]:
+        """Requests whose token history the runner holds (seen and not yet freed)."""
+        return frozenset(self._requests)
+
+    def free(self, request_ids: np.ndarray | list[int]) -> None:
+        """Forget finished or aborted requests."""
+        for request_id in np.asarray(request_ids, dtype=np.int64).tolist():
+            self._requests.pop(request_id, None)
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        with torch.inference_mode():
+            return self._step(batch)
+
+    def _step(self, batch: StepBatch) -> StepOutput:
+        starts = batch.query_start_loc.astype(np.int64)
+        states = [self._requests.setdefault(int(r), _RequestState()) for r in batch.request_ids]
+        for b, state in enumerate(states):
+            positions = batch.positions[starts[b] : starts[b + 1]]
+            _store(state.token_ids, positions, batch.input_ids[starts[b] : starts[b + 1]])
+
+        samples = np.asarray(batch.sample, dtype=bool)
+        wants_prompt = (batch.prompt_logprobs >= 0) & (
+            batch.positions[starts[:-1]] < batch.prompt_lens
+        )
+        rows: list[np.ndarray] = []
+        for b in range(len(states)):
+            if wants_prompt[b]:
+                rows.append(np.arange(starts[b], starts[b + 1]))
+            elif samples[b]:
+                rows.append(np.array([starts[b + 1] - 1]))
+        logits_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        logits = self._forward(batch, logits_rows)  # [R, V] float32
+
+        # Where each sequence's last-token logits sit among the rows computed.
+        row_ends = np.cumsum([len(r) for r in rows]) if rows else np.zeros(0, dtype=np.int64)
+        last_row = {}
+        cursor = 0
+        for b in range(len(states)):
+            if wants_prompt[b] or samples[b]:
+                last_row[b] = int(row_ends[cursor]) - 1
+                cursor += 1
+
+        out = self._sample(batch, states, logits, last_row)
+        prompt = self._prompt_logprobs(batch, states, logits, wants_prompt, row_ends)
+        return StepOutput(*out, *prompt)
+
+    def _forward(self, batch: StepBatch, logits_rows: np.ndarray) -> torch.Tensor:
+        device = self.device
+        inputs = AttentionInputs(
+            query_start_loc=torch.from_numpy(batch.query_start_loc).to(device),
+            context_lens=torch.from_numpy(batch.context_lens).to(device),
+            block_tables=torch.from_numpy(batch.block_tables).to(device),
+            slot_mapping=torch.from_numpy(batch.slot_mapping.astype(np.int64)).to(device),
+        )
+        logits = self.model(
+            torch.from_numpy(batch.input_ids.astype(np.int64)).to(device),
+            torch.from_numpy(batch.positions.astype(np.int64)).to(device),
+            self.kv_cache.layers,
+            inputs,
+            torch.from_numpy(logits_rows.astype(np.int64)).to(device),
+        )
+        return logits.float().cpu()
+
+    def _sample(
+        self,
+        batch: StepBatch,
+        states: list[_RequestState],
+        logits: torch.Tensor,
+        last_row: dict[int, int],
+    ) -> tuple[np.ndarray, ...]:
+        num_seqs = len(states)
+        sampled = np.nonzero(np.asarray(batch.sample, dtype=bool))[0]
+        num_top = max(0, int(batch.sampling.num_logprobs[sampled].max(initial=-1)))
+        token_ids = np.full(num_seqs, -1, dtype=np.int64)
+        logprobs = np.full(num_seqs, np.nan, dtype=np.float32)
+        ranks = np.zeros(num_seqs, dtype=np.int64)
+        top_ids = np.full((num_seqs, num_top), -1, dtype=np.int64)
+        top_logprobs = np.full((num_seqs, num_top), -np.inf, dtype=np.float32)
+        if len(sampled) == 0:
+            return token_ids, logprobs, ranks, top_ids, top_logprobs
+
+        params = batch.sampling.select(sampled)
+        needs_ids = rows_needing_token_ids(params)
+        history = []
+        for row, b in enumerate(sampled):
+            tokens = states[b].token_ids
+            context_len = int(batch.context_lens[b])
+            prompt_len = min(int(batch.prompt_lens[b]), context_len)
+            if needs_ids[row]:
+                history.append(TokenHistory.of(tokens[:prompt_len], tokens[prompt_len:context_len]))
+            else:
+                history.append(TokenHistory(context_len - prompt_len, _NO_IDS, _NO_IDS))
+        rows = torch.tensor([last_row[int(b)] for b in sampled], dtype=torch.long)
+        result = sample(logits[rows], params, history, self.generator)
+
+        token_ids[sampled] = result.token_ids.numpy()
+        logprobs[sampled] = result.logprobs.numpy()
+        ranks[sampled] = result.ranks.numpy()
+        asked = batch.sampling.num_logprobs[sampled]
+        keep = np.arange(num_top)[None, :] < asked[:, None]
+        top_ids[sampled] = np.where(keep, result.top_ids.numpy(), -1)
+        top_logprobs[sampled] = np.where(keep, result.top_logprobs.numpy(), -np.inf)
+        for b, token in zip(sampled, token_ids[sampled], strict=True):
+            tokens = states[b].token_ids
+            del tokens[int(batch.context_lens[b]) :]
+            tokens.append(int(token))
+        return token_ids, logprobs, ranks, top_ids, top_logprobs
+
+    def _prompt_logprobs(
+        self,
+        batch: StepBatch,
+        states: list[_RequestState],
+        logits: torch.Tensor,
+        wants_prompt: np.ndarray,
+        row_ends: np.ndarray,
+    ) -> tuple[np.ndarray, ...]:
+        """Logprob of each prompt token given the ones before it, chunk by chunk.
+
+        A chunk's last position scores the first token of the next chunk, so its distribution
+        waits in the request's state until that token arrives.
+        """
+        num_top = max(0, int(batch.prompt_logprobs[wants_prompt].max(initial=-1)))
+        starts = batch.query_start_loc.astype(np.int64)
+        start_loc = [0]
+        pieces: list[tuple[np.ndarray, torch.Tensor, torch.Tensor, int]] = []
+        cursor = 0
+        for b, state in enumerate(states):
+            computed = bool(wants_prompt[b] or batch.sample[b])
+            if not wants_prompt[b]:
+                cursor += int(computed)
+                start_loc.append(start_loc[-1])
+                continue
+            end_row = int(row_ends[cursor])
+            cursor += 1
+            first_pos = int(batch.positions[starts[b]])
+            num_new = int(starts[b + 1] - starts[b])
+            prompt_len = int(batch.prompt_lens[b])
+            chunk = torch.log_softmax(logits[end_row - num_new : end_row], dim=1)  # [n, V]
+            scored = [chunk[:-1]]
+            positions = np.arange(first_pos + 1, first_pos + num_new)
+            if state.pending_prompt_logprobs is not None and first_pos > 0:
+                scored.insert(0, state.pending_prompt_logprobs.unsqueeze(0))
+                positions = np.concatenate([[first_pos], positions])
+            last_pos = first_pos + num_new - 1
+            state.pending_prompt_logprobs = chunk[-1] if last_pos + 1 < prompt_len else None
+            positions = positions[positions < prompt_len]
+            rows = torch.cat(scored)[: len(positions)]
+            pieces.append(
+                (
+                    positions,
+                    rows,
+                    torch.tensor(state.token_ids)[positions],
+                    int(batch.prompt_logprobs[b]),
+                )
+            )
+            start_loc.append(start_loc[-1] + len(positions))
+
+        total = start_loc[-1]
+        out_positions = np.zeros(total, dtype=np.int64)
+        out_tokens = np.zeros(total, dtype=np.int64)
+        out_logprobs = np.zeros(total, dtype=np.float32)
+        out_ranks = np.zeros(total, dtype=np.int64)
+        out_top_ids = np.full((total, num_top), -1, dtype=np.int64)
+        out_top_logprobs = np.full((total, num_top), -np.inf, dtype=np.float32)
+        offset = 0
+        for positions, rows, tokens, asked in pieces:
+            n = len(positions)
+            chosen, ranks, top_ids, top_logprobs = logprob_summary(
+                rows, tokens, min(asked, num_top)
+            )
+            sl = slice(offset, offset + n)
+            out_positions[sl], out_tokens[sl] = positions, tokens.numpy()
+            out_logprobs[sl], out_ranks[sl] = chosen.numpy(), ranks.numpy()
+            out_top_ids[sl, : top_ids.shape[1]] = top_ids.numpy()
+            out_top_logprobs[sl, : top_logprobs.shape[1]] = top_logprobs.numpy()
+            offset += n
+        return (
+            np.asarray(start_loc, dtype=np.int32),
+            out_positions,
+            out_tokens,
+            out_logprobs,
+            out_ranks,
+            out_top_ids,
+            out_top_logprobs,
+        )
+
+
+def _store(token_ids: list[int], positions: np.ndarray, values: np.ndarray) -> None:
+    """Write `values` at `positions` of a request's token list, growing it as needed."""
+    if len(positions) == 0:
+        return
+    needed = int(positions.max()) + 1
+    if len(token_ids) < needed:
+        token_ids.extend([0] * (needed - len(token_ids)))
+    for pos, value in zip(positions.tolist(), values.tolist(), strict=True):
+        token_ids[pos] = value
+
+
+def _attention_backend(device: str) -> AttentionBackend:
+    """The Triton kernels on CUDA, the torch reference path elsewhere."""
+    if torch.device(device).type == "cuda":
+        from gpu.kernels import paged_attention, write_kv
+
+        return AttentionBackend(write_kv, paged_attention)
+    return TORCH_ATTENTION

@@ -1,0 +1,251 @@
+"""Batched per-request sampling, and the logprobs the OpenAI API returns.
+
+Order, as in vLLM: allowed/banned tokens, min_tokens, logit_bias, then repetition, frequency and
+presence penalties; greedy rows (temperature 0) take the argmax there; the others are divided
+by their temperature, filtered by top_k, top_p and min_p, and sampled.
+
+Logprobs (sampled token, top-k, ranks, prompt logprobs) are the log_softmax of the model's raw
+logits, before any of the above: what the model believes, as OpenAI and vLLM report by default.
+A request with a seed draws its noise from a generator seeded by (seed, output index), so its
+tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_GREEDY_BELOW_TEMPERATURE = 1e-5
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over the seed space
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters, one row per sequence that samples this step.
+
+    Id lists are padded with -1. An `allowed_token_ids` row of only -1 allows every token.
+    `stop_token_ids` are EOS and the request's stop ids: banned until `min_tokens` outputs exist.
+    """
+
+    temperature: np.ndarray  # [S] float32; 0 = greedy
+    top_p: np.ndarray  # [S] float32; 1 = off
+    top_k: np.ndarray  # [S] int32; <= 0 = off
+    min_p: np.ndarray  # [S] float32; 0 = off
+    presence_penalty: np.ndarray  # [S] float32; 0 = off
+    frequency_penalty: np.ndarray  # [S] float32; 0 = off
+    repetition_penalty: np.ndarray  # [S] float32; 1 = off
+    seed: np.ndarray  # [S] int64; < 0 = no seed
+    min_tokens: np.ndarray  # [S] int32
+    num_logprobs: np.ndarray  # [S] int32; < 0 = none, 0 = only the sampled token's
+    logit_bias_ids: np.ndarray  # [S, Nb] int32, -1 padded
+    logit_bias_values: np.ndarray  # [S, Nb] float32
+    allowed_token_ids: np.ndarray  # [S, Na] int32, -1 padded
+    bad_token_ids: np.ndarray  # [S, Nx] int32, -1 padded
+    stop_token_ids: np.ndarray  # [S, Ns] int32, -1 padded
+
+    @classmethod
+    def defaults(cls, num_rows: int, **overrides: np.ndarray) -> SamplingArrays:
+        """Greedy rows with every knob off; `overrides` replace whole fields."""
+        empty_ids = np.full((num_rows, 0), -1, dtype=np.int32)
+        fields: dict[str, np.ndarray] = dict(
+            temperature=np.zeros(num_rows, np.float32),
+            top_p=np.ones(num_rows, np.float32),
+            top_k=np.zeros(num_rows, np.int32),
+            min_p=np.zeros(num_rows, np.float32),
+            presence_penalty=np.zeros(num_rows, np.float32),
+            frequency_penalty=np.zeros(num_rows, np.float32),
+            repetition_penalty=np.ones(num_rows, np.float32),
+            seed=np.full(num_rows, -1, np.int64),
+            min_tokens=np.zeros(num_rows, np.int32),
+            num_logprobs=np.full(num_rows, -1, np.int32),
+            logit_bias_ids=empty_ids,
+            logit_bias_values=np.zeros((num_rows, 0), np.float32),
+            allowed_token_ids=empty_ids,
+            bad_token_ids=empty_ids,
+            stop_token_ids=empty_ids,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def select(self, rows: np.ndarray) -> SamplingArrays:
+        """The parameters of `rows` only."""
+        return SamplingArrays(**{name: getattr(self, name)[rows] for name in self.__slots__})
+
+
+@dataclass(slots=True, frozen=True)
+class TokenHistory:
+    """One sequence's tokens so far: the count for min_tokens and seeding, the ids for penalties.
+
+    The id arrays may be left empty for a row that uses no penalty.
+    """
+
+    num_outputs: int
+    prompt_ids: np.ndarray  # [P] int64
+    output_ids: np.ndarray  # [O] int64
+
+    @classmethod
+    def of(cls, prompt_ids: list[int], output_ids: list[int]) -> TokenHistory:
+        return cls(
+            len(output_ids), np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)
+        )
+
+
+def rows_needing_token_ids(params: SamplingArrays) -> np.ndarray:  # -> [S] bool
+    """Rows whose penalties read the prompt and output ids in their TokenHistory."""
+    return (
+        (params.repetition_penalty != 1.0)
+        | (params.frequency_penalty != 0.0)
+        | (params.presence_penalty != 0.0)
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class SampleOutput:
+    token_ids: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor  # [S] float32, raw-distribution logprob of the sampled token
+    ranks: torch.Tensor  # [S] int64, 1 = the most likely token
+    top_ids: torch.Tensor  # [S, K] int64, K = max num_logprobs (0 when none asked)
+    top_logprobs: torch.Tensor  # [S, K] float32
+
+
+def seeded_generator(seed: int, output_index: int) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed((seed * _SEED_MIX + output_index) & _SEED_MASK)
+    return generator
+
+
+def logprob_summary(
+    logprobs: torch.Tensor,  # logprobs: [S, V] float32, log_softmax of raw logits
+    token_ids: torch.Tensor,  # token_ids: [S] int64
+    num_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob of token_ids [S], their ranks [S], top ids [S, K], top logprobs [S, K])."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+    top_logprobs, top_ids = (
+        logprobs.topk(num_top, dim=1)
+        if num_top > 0
+        else (
+            logprobs.new_zeros((logprobs.shape[0], 0)),
+            token_ids.new_zeros((logprobs.shape[0], 0)),
+        )
+    )
+    return chosen, ranks, top_ids, top_logprobs
+
+
+def _id_mask(ids: np.ndarray, vocab_size: int) -> torch.Tensor:  # ids: [S, N] -> [S, V] bool
+    mask = torch.zeros((ids.shape[0], vocab_size), dtype=torch.bool)
+    rows, cols = np.nonzero((ids >= 0) & (ids < vocab_size))
+    mask[torch.from_numpy(rows), torch.from_numpy(ids[rows, cols].astype(np.int64))] = True
+    return mask
+
+
+def _apply_token_rules(
+    logits: torch.Tensor, params: SamplingArrays, history: Sequence[TokenHistory]
+) -> None:
+    vocab_size = logits.shape[1]
+    if params.allowed_token_ids.size and (params.allowed_token_ids >= 0).any():
+        allowed = _id_mask(params.allowed_token_ids, vocab_size)
+        restricted = allowed.any(dim=1, keepdim=True)
+        logits.masked_fill_(restricted & ~allowed, float("-inf"))
+    if params.bad_token_ids.size and (params.bad_token_ids >= 0).any():
+        logits.masked_fill_(_id_mask(params.bad_token_ids, vocab_size), float("-inf"))
+    num_outputs = np.array([h.num_outputs for h in history], dtype=np.int64)
+    too_short = num_outputs < params.min_tokens
+    if too_short.any() and params.stop_token_ids.size:
+        stop = _id_mask(np.where(too_short[:, None], params.stop_token_ids, -1), vocab_size)
+        logits.masked_fill_(stop, float("-inf"))
+    if params.logit_bias_ids.size and (params.logit_bias_ids >= 0).any():
+        rows, cols = np.nonzero((params.logit_bias_ids >= 0) & (params.logit_bias_ids < vocab_size))
+        ids = torch.from_numpy(params.logit_bias_ids[rows, cols].astype(np.int64))
+        bias = torch.from_numpy(params.logit_bias_values[rows, cols].astype(np.float32))
+        logits.index_put_((torch.from_numpy(rows), ids), bias, accumulate=True)
+
+
+def _apply_penalties(
+    logits: torch.Tensor, params: SamplingArrays, history: Sequence[TokenHistory]
+) -> None:
+    """Repetition (CTRL/HF: over prompt and output), frequency and presence (OpenAI: output only)."""
+    vocab_size = logits.shape[1]
+    repetition = params.repetition_penalty != 1.0
+    additive = (params.frequency_penalty != 0.0) | (params.presence_penalty != 0.0)
+    for row in np.nonzero(rows_needing_token_ids(params))[0].tolist():
+        output = torch.from_numpy(history[row].output_ids.astype(np.int64))
+        counts = torch.bincount(output, minlength=vocab_size)[:vocab_size].float()
+        if repetition[row]:
+            prompt = torch.from_numpy(history[row].prompt_ids.astype(np.int64))
+            seen = torch.zeros(vocab_size, dtype=torch.bool)
+            seen[prompt[prompt < vocab_size]] = True
+            seen |= counts > 0
+            penalty = float(params.repetition_penalty[row])
+            values = logits[row]
+            logits[row] = torch.where(
+                seen, torch.where(values > 0, values / penalty, values * penalty), values
+            )
+        if additive[row]:
+            logits[row] -= float(params.frequency_penalty[row]) * counts
+            logits[row] -= float(params.presence_penalty[row]) * (counts > 0).float()
+
+
+def _filter_top_k_top_p_min_p(logits: torch.Tensor, params: SamplingArrays) -> None:
+    """Set to -inf what top_k, top_p and min_p exclude; the most likely token always stays."""
+    top_k = torch.from_numpy(params.top_k.astype(np.int64))
+    top_p = torch.from_numpy(params.top_p.astype(np.float32))
+    min_p = torch.from_numpy(params.min_p.astype(np.float32))
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=1)
+        threshold = min_p.unsqueeze(1) * probs.max(dim=1, keepdim=True).values
+        logits.masked_fill_(probs < threshold, float("-inf"))
+    use_k = top_k > 0
+    use_p = top_p < 1.0
+    if not bool(use_k.any() or use_p.any()):
+        return
+    sorted_logits, order = logits.sort(dim=1, descending=True)
+    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    drop = use_k.unsqueeze(1) & (ranks >= top_k.unsqueeze(1))
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=1)
+    mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
+    drop |= use_p.unsqueeze(1) & (mass_before >= top_p.unsqueeze(1))
+    drop[:, 0] = False
+    logits.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def sample(
+    logits: torch.Tensor,  # logits: [S, V] float32, raw model output
+    params: SamplingArrays,
+    history: Sequence[TokenHistory],
+    generator: torch.Generator | None = None,
+) -> SampleOutput:
+    """One token per row. `generator` drives rows without a seed."""
+    raw_logprobs = torch.log_softmax(logits.float(), dim=1)
+    logits = logits.float().clone()
+    _apply_token_rules(logits, params, history)
+    _apply_penalties(logits, params, history)
+
+    temperature = torch.from_numpy(params.temperature.astype(np.float32))
+    greedy = temperature < _GREEDY_BELOW_TEMPERATURE
+    token_ids = logits.argmax(dim=1)
+    random_rows = torch.nonzero(~greedy).squeeze(1)
+    if random_rows.numel():
+        rows_np = random_rows.numpy()
+        scaled = logits[random_rows] / temperature[random_rows].unsqueeze(1)
+        _filter_top_k_top_p_min_p(scaled, params.select(rows_np))
+        probs = torch.softmax(scaled, dim=1)
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows_np):
+            seed = int(params.seed[row])
+            row_generator = (
+                seeded_generator(seed, history[row].num_outputs) if seed >= 0 else generator
+            )
+            noise[i].exponential_(generator=row_generator)
+        # Exponential race: argmax p / E with E ~ Exp(1) draws from p (the Gumbel-max trick).
+        token_ids[random_rows] = (probs / noise).argmax(dim=1)
+
+    num_top = max(0, int(params.num_logprobs.max(initial=-1)))
+    chosen, ranks, top_ids, top_logprobs = logprob_summary(raw_logprobs, token_ids, num_top)
+    return SampleOutput(token_ids, chosen, ranks, top_ids, top_logprobs)

@@ -1,0 +1,128 @@
+"""`pipeline-bench offline`: drive the engine in-process, without HTTP, and show where time goes.
+
+The bench process is the owner of the pipeline (as the server process would be). Requests are token
+prompts of exactly `--prompt-tokens` random ids; each load level runs after a warm-up, and reads
+every stage's trace spans and every process's CPU time over exactly that window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from perf.pipeline_stats import gantt_spans, overhead_per_token, stage_figures
+from perf.stats import percentiles_ms
+
+
+@dataclass(frozen=True, slots=True)
+class OfflineArgs:
+    model_path: str
+    dummy: bool = False
+    concurrency: tuple[int, ...] = (1,)
+    num_requests: int = 0
+    prompt_tokens: int = 204
+    max_tokens: int = 128
+    seed: int = 0
+    dtype: str = "float32"
+    quantization: str | None = None
+    threads: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    gantt_seconds: float = 2.0
+
+
+async def _worker(one, pending: list[int], samples: dict[str, list[float]]) -> int:  # type: ignore[no-untyped-def]
+    """Closed loop: take the next request as soon as the last one finished."""
+    done = 0
+    while pending:
+        done += await one(pending.pop(), samples)
+    return done
+
+
+async def run_offline(args: OfflineArgs) -> tuple[dict[str, Any], list[tuple[str, float, float]]]:
+    from pipeline.clock import now_ns
+    from stages.api import GenerateRequest, SamplingParams, TokensPrompt
+    from stages.config import EngineConfig
+    from stages.engine import Engine
+
+    engine = Engine(
+        EngineConfig(
+            model_path=args.model_path,
+            dummy=args.dummy,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            threads=args.threads,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_bytes=args.kv_cache_bytes,
+            log_format="json",
+            log_level="warning",
+        )
+    )
+    await engine.start()
+    rng = np.random.default_rng(args.seed)
+    vocab = engine.bundle.vocab_size
+    special = np.array(sorted(engine.bundle.special_token_ids), np.int64)
+    runs: list[dict[str, Any]] = []
+    gantt: list[tuple[str, float, float]] = []
+
+    def prompt() -> TokensPrompt:
+        ids = rng.integers(0, vocab, args.prompt_tokens)
+        ids[np.isin(ids, special)] = 0 if 0 not in special else ids[0]
+        return TokensPrompt(ids.tolist())
+
+    async def one(i: int, samples: dict[str, list[float]]) -> int:
+        request = GenerateRequest(
+            f"offline-{i}",
+            prompt(),
+            SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
+            arrival_ns=now_ns(),
+        )
+        start = last = time.perf_counter()
+        tokens = 0
+        async for out in engine.generate(request):
+            now = time.perf_counter()
+            if out.token_ids:
+                if tokens == 0:
+                    samples["ttft"].append(now - start)
+                else:
+                    samples["itl"].append(now - last)
+                last = now
+                tokens += len(out.token_ids)
+        return tokens
+
+    try:
+        for concurrency in args.concurrency:
+            count = args.num_requests or max(8, 4 * concurrency)
+            await asyncio.gather(
+                *(one(-1, {"ttft": [], "itl": []}) for _ in range(min(concurrency, 4)))
+            )
+            engine.read_traces()
+            cpu0, wall0 = engine.cpu_seconds(), time.perf_counter()
+            samples: dict[str, list[float]] = {"ttft": [], "itl": []}
+            pending = list(range(count))
+            workers = (_worker(one, pending, samples) for _ in range(concurrency))
+            tokens = sum(await asyncio.gather(*workers))
+            wall = time.perf_counter() - wall0
+            spans, cpu1 = engine.read_traces(), engine.cpu_seconds()
+            runs.append(
+                {
+                    "concurrency": concurrency,
+                    "completed": count,
+                    "duration_s": wall,
+                    "output_tok_per_s": tokens / wall,
+                    "ttft_ms": percentiles_ms(samples["ttft"]),
+                    "itl_ms": percentiles_ms(samples["itl"]),
+                    "stages": stage_figures(spans, wall),
+                    "overhead": overhead_per_token(cpu0, cpu1, spans, tokens),
+                }
+            )
+            gantt = gantt_spans(spans, args.gantt_seconds)
+    finally:
+        await engine.stop()
+    return {"runs": runs}, gantt

@@ -1,0 +1,92 @@
+"""Where the time goes: per-stage figures from trace spans and process CPU times over one window."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from perf.stats import percentiles_ms
+
+FORWARD_KIND = 4  # stages.messages.SPAN_FORWARD (perf/ does not import the stages)
+SPAN_NAMES = {1: "render", 2: "plan", 3: "result", 4: "forward", 5: "detokenize"}
+
+
+def stage_figures(spans: dict[str, np.ndarray], window_s: float) -> dict[str, Any]:
+    """Busy fraction, time per span, batch and queue depth of each stage's spans in the window."""
+    out: dict[str, Any] = {}
+    for stage, s in spans.items():
+        if len(s) == 0:
+            out[stage] = {"spans": 0, "busy_fraction": 0.0}
+            continue
+        durations = (s["t_end_ns"] - s["t_start_ns"]) / 1e9
+        out[stage] = {
+            "spans": len(s),
+            "busy_fraction": float(durations.sum() / window_s) if window_s else 0.0,
+            "span_ms": percentiles_ms(durations.tolist()),
+            "mean_batch": float(s["batch"].mean()),
+            "mean_tokens": float(s["tokens"].mean()),
+            "mean_depth": float(s["depth"].mean()),
+            "max_depth": int(s["depth"].max()),
+            "kinds": sorted({SPAN_NAMES.get(int(k), str(k)) for k in s["kind"]}),
+        }
+    return out
+
+
+def overhead_per_token(
+    cpu_before: dict[str, float],
+    cpu_after: dict[str, float],
+    spans: dict[str, np.ndarray],
+    tokens: int,
+) -> dict[str, float]:
+    """CPU microseconds per generated token, all pipeline processes, outside the forward pass."""
+    used = {name: cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0) for name in cpu_after}
+    forward_s = sum(
+        float(s["cpu_ns"][s["kind"] == FORWARD_KIND].sum()) / 1e9 for s in spans.values() if len(s)
+    )
+    total = sum(used.values())
+    per_token = (total - forward_s) / tokens * 1e6 if tokens else 0.0
+    return {
+        "tokens": tokens,
+        "cpu_s_total": total,
+        "cpu_s_forward": forward_s,
+        "overhead_us_per_token": per_token,
+        **{f"cpu_s_{name}": value for name, value in used.items()},
+    }
+
+
+def gantt_spans(spans: dict[str, np.ndarray], seconds: float) -> list[tuple[str, float, float]]:
+    """The last `seconds` of spans as (stage, start_s, end_s) relative to the earliest start shown."""
+    all_ends = [int(s["t_end_ns"].max()) for s in spans.values() if len(s)]
+    if not all_ends:
+        return []
+    end = max(all_ends)
+    start = end - int(seconds * 1e9)
+    rows = []
+    for stage, s in spans.items():
+        keep = s[s["t_end_ns"] >= start]
+        rows += [
+            (stage, (a - start) / 1e9, (b - start) / 1e9)
+            for a, b in zip(keep["t_start_ns"], keep["t_end_ns"], strict=True)
+        ]
+    return rows
+
+
+def format_stages(figures: dict[str, Any], overhead: dict[str, float]) -> str:
+    lines = [
+        f"{'stage':<12} {'spans':>7} {'busy':>6} {'span p50':>9} {'p99':>8} {'batch':>6} {'depth':>6}"
+    ]
+    for stage, f in figures.items():
+        if not f["spans"]:
+            lines.append(f"{stage:<12} {0:>7}")
+            continue
+        lines.append(
+            f"{stage:<12} {f['spans']:>7} {f['busy_fraction']:>6.0%} {f['span_ms']['p50']:>8.2f}m "
+            f"{f['span_ms']['p99']:>7.2f}m {f['mean_batch']:>6.1f} {f['mean_depth']:>6.2f}"
+        )
+    lines.append(
+        f"pipeline CPU outside the forward pass: {overhead['overhead_us_per_token']:.1f} us per generated "
+        f"token ({overhead['tokens']} tokens, {overhead['cpu_s_total']:.2f} s CPU in all, "
+        f"{overhead['cpu_s_forward']:.2f} s in forward)"
+    )
+    return "\n".join(lines)

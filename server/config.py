@@ -1,0 +1,17 @@
+"""The front end's configuration, built once from the CLI and frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None = the engine's ModelInfo.served_model_name
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
+    enable_per_request_metrics: bool = False
+    log_format: str = "auto"  # auto (JSON unless stderr is a terminal) | json | console
+    log_level: str = "info"
+    shutdown_timeout_s: float = 10.0  # how long Hypercorn lets open requests finish on SIGTERM

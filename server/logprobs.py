@@ -1,0 +1,93 @@
+"""Engine logprobs in OpenAI's two shapes: chat (`content[...]`) and completions (parallel lists)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from stages.api import TokenLogprob
+
+# JSON has no -inf; vLLM clamps to the same floor.
+_LOGPROB_FLOOR = -9999.0
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, _LOGPROB_FLOOR)
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], top_n: int) -> dict[str, Any]:
+    """`{"content": [{token, logprob, bytes, top_logprobs}]}` for the tokens of one delta."""
+    return {
+        "content": [
+            {
+                "token": entry.token,
+                "logprob": _clamp(entry.logprob),
+                "bytes": list(entry.token_bytes),
+                "top_logprobs": [
+                    {"token": text, "logprob": _clamp(logprob), "bytes": list(raw)}
+                    for _, text, raw, logprob in entry.top[:top_n]
+                ],
+            }
+            for entry in entries
+        ]
+    }
+
+
+class CompletionLogprobs:
+    """Builds `{tokens, token_logprobs, top_logprobs, text_offset}` with offsets that run on
+    across the chunks of one stream (offsets count characters of the returned text)."""
+
+    def __init__(self, top_n: int, text_offset: int = 0) -> None:
+        self.top_n = top_n
+        self.text_offset = text_offset
+
+    def prompt_entries(
+        self, first_token_text: str, entries: Sequence[TokenLogprob | None]
+    ) -> dict[str, Any]:
+        """The prompt's logprobs for `echo`; the first prompt token has none."""
+        out = _empty()
+        for entry in entries:
+            if entry is None:
+                self._append(out, first_token_text, None, None)
+            else:
+                self._append(out, entry.token, _clamp(entry.logprob), self._top(entry))
+        return out
+
+    def entries(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        out = _empty()
+        for entry in entries:
+            self._append(out, entry.token, _clamp(entry.logprob), self._top(entry))
+        return out
+
+    def _top(self, entry: TokenLogprob) -> dict[str, float]:
+        # vLLM's shape: the sampled token is always among the alternatives
+        top = {entry.token: _clamp(entry.logprob)}
+        for _, text, _, logprob in entry.top[: self.top_n]:
+            top.setdefault(text, _clamp(logprob))
+        return top
+
+    def _append(
+        self,
+        out: dict[str, Any],
+        token: str,
+        logprob: float | None,
+        top: dict[str, float] | None,
+    ) -> None:
+        out["tokens"].append(token)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(self.text_offset)
+        self.text_offset += len(token)
+
+
+def merge(into: dict[str, Any] | None, more: dict[str, Any]) -> dict[str, Any]:
+    """Concatenates two completions-shaped logprobs (non-streaming responses)."""
+    if into is None:
+        return more
+    for key, values in more.items():
+        into[key].extend(values)
+    return into
+
+
+def _empty() -> dict[str, Any]:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

@@ -1,0 +1,140 @@
+"""Server-wide Prometheus metrics under vLLM's names, one registry per app.
+
+Gauges are read from `engine.stats()` at scrape time; counters and histograms are fed by the
+outputs the server streams to its clients.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from stages.api import RequestMetrics
+
+_LATENCY_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+# Gauges a dashboard expects even before the engine reports them.
+_ENGINE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_:]")
+
+
+class _EngineStatsCollector(Collector):
+    """Turns `engine.stats()` into gauges (and `*_total` keys into counters) at scrape time."""
+
+    def __init__(
+        self, stats: Callable[[], Mapping[str, float]], model_name: str, owned: frozenset[str]
+    ) -> None:
+        self._stats = stats
+        self._model_name = model_name
+        self._owned = owned  # names the server itself exports; the engine's copies are skipped
+
+    def collect(self) -> Iterator[Metric]:
+        values = {name: 0.0 for name in _ENGINE_GAUGES}
+        for key, value in self._stats().items():
+            values[_NAME_UNSAFE.sub("_", key.removeprefix("vllm:"))] = float(value)
+        for name, value in sorted(values.items()):
+            full = f"vllm:{name}"
+            if full in self._owned:
+                continue
+            if name.endswith("_total"):
+                family: CounterMetricFamily | GaugeMetricFamily = CounterMetricFamily(
+                    full.removesuffix("_total"), f"engine counter {name}", labels=["model_name"]
+                )
+            else:
+                family = GaugeMetricFamily(full, f"engine gauge {name}", labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._model_name = model_name
+        labels = ["model_name"]
+        owned: set[str] = set()
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            owned.update((name, f"{name}_total"))
+            return Counter(name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            owned.add(name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.")
+        self.request_success = counter(
+            "vllm:request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS_S
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS_S
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to last output.", _LATENCY_BUCKETS_S
+        )
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds", "Time waiting to be scheduled.", _LATENCY_BUCKETS_S
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds", "Time in prefill.", _LATENCY_BUCKETS_S
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds", "Time in decode.", _LATENCY_BUCKETS_S
+        )
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds", "Prefill plus decode.", _LATENCY_BUCKETS_S
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        )
+        self.registry.register(_EngineStatsCollector(stats, model_name, frozenset(owned)))
+
+    def observe_first_output(self, num_prompt_tokens: int, ttft_s: float) -> None:
+        self.prompt_tokens.labels(self._model_name).inc(num_prompt_tokens)
+        self.ttft.labels(self._model_name).observe(ttft_s)
+
+    def observe_tokens(self, num_new_tokens: int, gap_s: float | None) -> None:
+        """`gap_s`: time since the previous output, spread over the tokens it brought."""
+        if num_new_tokens <= 0:
+            return
+        self.generation_tokens.labels(self._model_name).inc(num_new_tokens)
+        if gap_s is not None:
+            per_token = gap_s / num_new_tokens
+            for _ in range(num_new_tokens):
+                self.itl.labels(self._model_name).observe(per_token)
+
+    def observe_finish(
+        self,
+        finish_reason: str,
+        e2e_s: float,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        metrics: RequestMetrics | None,
+    ) -> None:
+        name = self._model_name
+        self.request_success.labels(name, finish_reason).inc()
+        self.e2e.labels(name).observe(e2e_s)
+        self.request_prompt_tokens.labels(name).observe(num_prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(num_output_tokens)
+        if metrics is not None:
+            self.queue.labels(name).observe(metrics.queue_s)
+            self.prefill.labels(name).observe(metrics.prefill_s)
+            self.decode.labels(name).observe(metrics.decode_s)
+            self.inference.labels(name).observe(metrics.prefill_s + metrics.decode_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,179 @@
+"""What chat and text completions share: starting a request on the engine, watching its outputs
+for the server's metrics, SSE framing, usage, and closing the engine's stream (which aborts)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+
+from server.errors import APIError
+from server.metrics import ServerMetrics
+from server.request_metrics import request_metrics_body
+from stages.api import EngineClient, EngineError, GenerateRequest, RequestMetrics, RequestOutput
+
+log = structlog.get_logger("server")
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True, frozen=True)
+class ResponseContext:
+    """The fields every response and chunk of one request repeats."""
+
+    request_id: str
+    model: str
+    created: int
+    system_fingerprint: str
+    include_request_metrics: bool
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def usage_body(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }
+
+
+class Tracker:
+    """Follows one request's outputs: usage so far, finish, and the server-wide metrics."""
+
+    def __init__(self, metrics: ServerMetrics, request_id: str, arrival_ns: int) -> None:
+        self._metrics = metrics
+        self._request_id = request_id
+        self._arrival_ns = arrival_ns
+        self._last_output_ns: int | None = None
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.request_metrics: RequestMetrics | None = None
+
+    def see(self, output: RequestOutput) -> None:
+        now_ns = time.monotonic_ns()
+        self.num_prompt_tokens = output.num_prompt_tokens
+        self.num_output_tokens = output.num_output_tokens
+        if self._last_output_ns is None:
+            self._metrics.observe_first_output(
+                output.num_prompt_tokens, (now_ns - self._arrival_ns) / 1e9
+            )
+            gap_s = None
+        else:
+            gap_s = (now_ns - self._last_output_ns) / 1e9
+        self._metrics.observe_tokens(len(output.token_ids), gap_s)
+        self._last_output_ns = now_ns
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+            self.stop_reason = output.stop_reason
+            self.request_metrics = output.metrics
+            self._finish(output.finish_reason)
+
+    def abandon(self) -> None:
+        """The client left (or the stream failed) before the engine finished the request."""
+        if self.finish_reason is None:
+            self.finish_reason = "abort"
+            self._finish("abort")
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return usage_body(self.num_prompt_tokens, self.num_output_tokens)
+
+    def metrics_body(self) -> dict[str, Any] | None:
+        return None if self.request_metrics is None else request_metrics_body(self.request_metrics)
+
+    def _finish(self, reason: str) -> None:
+        log.info(
+            "request finished",
+            request_id=self._request_id,
+            finish_reason=reason,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_output_tokens,
+        )
+        self._metrics.observe_finish(
+            reason,
+            (time.monotonic_ns() - self._arrival_ns) / 1e9,
+            self.num_prompt_tokens,
+            self.num_output_tokens,
+            self.request_metrics,
+        )
+
+
+async def close_outputs(outputs: AsyncIterator[Any]) -> None:
+    """Leaving the engine's stream early is how a request is aborted (stages.api)."""
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def start(
+    engine: EngineClient, request: GenerateRequest
+) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    """Waits for the first output, so that errors the engine finds in the prompt (too long, bad
+    template) are answered with their own status instead of a 200 stream that carries an error."""
+    outputs = aiter(engine.generate(request))
+    try:
+        first = await anext(outputs)
+    except EngineError as error:
+        await close_outputs(outputs)
+        raise APIError.from_engine(error) from error
+    except StopAsyncIteration as error:
+        raise APIError("the engine ended the request without any output", status=500) from error
+    except BaseException:
+        await close_outputs(outputs)
+        raise
+    return first, outputs
+
+
+async def chain(
+    first: RequestOutput, rest: AsyncIterator[RequestOutput], tracker: Tracker
+) -> AsyncIterator[RequestOutput]:
+    tracker.see(first)
+    yield first
+    if first.finish_reason is not None:
+        return
+    async for output in rest:
+        tracker.see(output)
+        yield output
+        if output.finish_reason is not None:
+            return
+
+
+def stream_error(error: Exception, request_id: str) -> bytes:
+    """An error after the 200 went out becomes an SSE error event (the client then sees [DONE])."""
+    if isinstance(error, EngineError):
+        api_error = APIError.from_engine(error)
+    elif isinstance(error, APIError):
+        api_error = error
+    else:
+        log.exception("stream failed", request_id=request_id)
+        api_error = APIError(f"internal error: {error}", status=500)
+    return sse(api_error.body())
+
+
+async def guarded_stream(
+    body: AsyncIterator[bytes],
+    outputs: AsyncIterator[RequestOutput],
+    tracker: Tracker,
+    request_id: str,
+) -> AsyncGenerator[bytes, None]:
+    """Frames `body` as an SSE stream that always ends with [DONE], turns failures into an error
+    event, and closes the engine's stream however the response ends (a disconnect included)."""
+    try:
+        async for piece in body:
+            yield piece
+    except Exception as error:
+        yield stream_error(error, request_id)
+    finally:
+        tracker.abandon()
+        await close_outputs(body)
+        await close_outputs(outputs)
+    yield SSE_DONE

@@ -1,0 +1,178 @@
+"""What the HTTP front end asks of the engine, and what it gets back. Torch-free.
+
+The server builds a `GenerateRequest` from a validated OpenAI request and iterates
+`EngineClient.generate`, which yields one `RequestOutput` per engine step that produced something
+for the request, the last one with `finish_reason` set. Leaving the iteration early (a client that
+disconnects) aborts the request in every stage. Engine-side errors that the client caused (a prompt
+too long, a chat template that raises) arrive as `EngineError` with the HTTP status to answer with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling and stopping, with vLLM's meanings and defaults."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = None  # None = what is left of the context
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # None = no logprobs; k >= 0 = sampled token's plus top k
+    prompt_logprobs: int | None = None
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    messages: Sequence[Mapping[str, Any]]  # OpenAI chat messages, as JSON values
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TextPrompt:
+    text: str
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TokensPrompt:
+    token_ids: Sequence[int]
+
+
+Prompt = ChatPrompt | TextPrompt | TokensPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower runs first (vLLM's convention); ties in arrival order
+    arrival_ns: int = 0  # CLOCK_MONOTONIC when the server accepted it
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str  # the token's text ("bytes:\\xNN" style escapes are the server's business)
+    token_bytes: bytes
+    logprob: float
+    rank: int  # 1-based rank in the model's distribution
+    top: tuple[tuple[int, str, bytes, float], ...] = ()  # (id, text, bytes, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Monotonic stamps (ns) the stages took for one request, and what the server derives."""
+
+    arrival_ns: int
+    rendered_ns: int  # render finished (template + tokenize)
+    scheduled_ns: int  # first scheduled (queue time ends)
+    first_token_ns: int  # first output token left execute
+    last_token_ns: int
+    finished_ns: int  # the detokenizer emitted the final delta
+    render_s: float
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    detokenize_s: float  # time spent detokenizing this request's tokens
+    num_generated_tokens: int
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+    spec_num_steps: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_acceptance_histogram: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one engine step produced for one request (text is the new part only)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...] | None  # on the first output only
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, when asked for
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # on the first output
+    metrics: RequestMetrics | None = None  # on the final output
+
+
+class EngineError(Exception):
+    """An error for one request, with the HTTP status and OpenAI error fields to answer with."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "BadRequestError",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    served_model_name: str
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    created: int  # Unix seconds the engine started
+
+
+class EngineClient(Protocol):
+    """The engine as the server sees it."""
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    @property
+    def ready(self) -> bool:
+        """True once every stage has reported ready and none has failed."""
+        ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; raises EngineError (before or during the stream)."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
+        """Token ids the engine would see for this prompt (chat template applied); EngineError on bad input."""
+        ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    def stats(self) -> Mapping[str, float]:
+        """Engine-wide gauges and counters for /metrics (names as vLLM's where the meaning is the same)."""
+        ...

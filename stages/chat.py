@@ -1,0 +1,79 @@
+"""OpenAI chat messages to prompt text: the request-level rules (continue_final_message, text
+content parts) around gpu.chat_template's sandboxed rendering, with errors as 400s."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpu.chat_template import ChatTemplateError
+from gpu.chat_template import render_chat as render_template
+from stages.api import EngineError
+
+
+def render_chat(
+    template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+) -> str:
+    """The prompt text for these messages; EngineError (400) for anything the request got wrong."""
+    if template is None:
+        raise EngineError("this model has no chat template; use /v1/completions", param="messages")
+    if continue_final_message and add_generation_prompt:
+        raise EngineError(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise EngineError(
+            "continue_final_message needs a final assistant message", param="messages"
+        )
+    reserved = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
+    extra = {k: v for k, v in (template_kwargs or {}).items() if k not in reserved}
+    try:
+        text = render_template(
+            template,
+            [_normalise(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tools=[dict(t) for t in tools] if tools else None,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **extra,
+        )
+    except ChatTemplateError as exc:
+        raise EngineError(f"chat template error: {exc}", param="messages") from None
+    if continue_final_message:
+        final = _text_of(messages[-1].get("content"))
+        cut = text.rfind(final) if final else -1
+        if cut >= 0:
+            text = text[: cut + len(final)]
+    return text
+
+
+def _normalise(message: Mapping[str, Any]) -> dict[str, Any]:
+    """Content given as a list of text parts becomes one string, as most templates expect."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list):
+        out["content"] = _text_of(content)
+    return out
+
+
+def _text_of(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            parts.append(str(part.get("text", "")))
+        else:
+            raise EngineError("only text content parts are supported", param="messages")
+    return "".join(parts)

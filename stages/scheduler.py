@@ -1,0 +1,329 @@
+"""Continuous batching: which tokens of which requests run in the next engine step.
+
+Each step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
+Running requests go first, so new prompts never stall running streams: each decode takes one token,
+an unfinished prefill takes a chunk of what is left of the budget; then waiting requests are admitted
+by (priority, arrival) while blocks and budget last, their prompts chunked to fit. When the KV cache
+runs out, the most recently admitted running request is preempted: its blocks are freed and it
+waits to be recomputed from its prompt and the tokens it has generated.
+
+Steps are planned one ahead of the results (the scheduler plans step N+1 while execute runs step
+N), so a decode's input token may not be known yet: it is sent as -1 and execute uses the token it
+sampled for that request last step. A request that stops on a token id is found one step late; the
+extra token is dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stages import messages as m
+
+
+class Status(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class BlockManager:
+    """Fixed-size KV blocks: a free list and each request's block table."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def grow(self, blocks: list[int], num_tokens: int) -> bool:
+        """Extend a block table to hold num_tokens; False (and no change) if blocks run out."""
+        need = self.blocks_for(num_tokens) - len(blocks)
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            blocks.append(self._free.popleft())
+        return True
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+        blocks.clear()
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request as the scheduler tracks it."""
+
+    handle: int
+    priority: int
+    arrival_ns: int
+    prompt_ids: np.ndarray  # [P] int32
+    max_tokens: int
+    stop_ids: frozenset[int]
+    sampling: np.ndarray  # [1] SAMPLING_ROW
+    stop_list: np.ndarray  # [Ns] int32
+    bias_ids: np.ndarray
+    bias_values: np.ndarray
+    allowed_ids: np.ndarray
+    detok: bytes
+    render_start_ns: int = 0
+    rendered_ns: int = 0
+    scheduled_ns: int = 0  # first scheduled
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+    num_prompt: int = 0  # set from prompt_ids
+    output_ids: list[int] = field(default_factory=list)  # confirmed outputs
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens fed to the model (KV written, or being written in flight)
+    pending_outputs: int = 0  # tokens sampled in steps whose results are not back yet
+    steps_in_flight: int = 0
+    status: Status = Status.WAITING
+    finish: int = m.FINISH_NONE
+    num_preemptions: int = 0
+    sent_to_execute: bool = False
+    sent_to_detok: bool = False
+
+    def __post_init__(self) -> None:
+        self.num_prompt = len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that exist or will once the steps in flight return."""
+        return self.num_prompt + len(self.output_ids) + self.pending_outputs
+
+    def token_at(self, position: int) -> int:
+        """The token at a position, or -1 if it is still being sampled."""
+        if position < self.num_prompt:
+            return int(self.prompt_ids[position])
+        index = position - self.num_prompt
+        return self.output_ids[index] if index < len(self.output_ids) else -1
+
+    def token_ids(self, start: int, end: int) -> np.ndarray:
+        """Tokens at positions [start, end); -1 for any still being sampled."""
+        if end <= self.num_prompt:
+            return self.prompt_ids[start:end]
+        out = np.full(end - start, -1, np.int32)
+        known = min(end, self.num_prompt + len(self.output_ids))
+        prompt_end = min(known, self.num_prompt)
+        if start < prompt_end:
+            out[: prompt_end - start] = self.prompt_ids[start:prompt_end]
+        first = max(start, self.num_prompt)
+        if known > first:
+            out[first - start : known - start] = self.output_ids[
+                first - self.num_prompt : known - self.num_prompt
+            ]
+        return out
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position fed
+    num_tokens: int
+    sample: bool
+
+
+@dataclass(slots=True)
+class Step:
+    step_id: int
+    seqs: list[ScheduledSeq]
+    new_for_execute: list[Sequence]
+    free_handles: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.waiting: list[Sequence] = []  # kept sorted by (priority, arrival)
+        self.running: list[Sequence] = []  # in admission order
+        self.by_handle: dict[int, Sequence] = {}
+        self.in_flight: deque[Step] = deque()
+        self._next_step = 0
+        self._to_free: list[int] = []  # handles execute may forget, sent with the next step
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.by_handle[seq.handle] = seq
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        key = (seq.priority, seq.arrival_ns)
+        index = len(self.waiting)
+        while (
+            index > 0
+            and (self.waiting[index - 1].priority, self.waiting[index - 1].arrival_ns) > key
+        ):
+            index -= 1
+        self.waiting.insert(index, seq)
+
+    def finish(self, seq: Sequence, reason: int) -> None:
+        """Finish a request now: free its blocks; execute forgets it with the next step."""
+        if seq.status == Status.FINISHED:
+            return
+        if seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish = reason
+        # Blocks are safe to reuse at once: execute runs steps in order, so a step in flight that
+        # still writes them runs before any step that gives them to another request.
+        self.blocks.free(seq.blocks)
+        if seq.sent_to_execute:
+            self._to_free.append(seq.handle)
+        if seq.steps_in_flight == 0:
+            self.by_handle.pop(seq.handle, None)
+
+    def abort(self, handle: int) -> Sequence | None:
+        seq = self.by_handle.get(handle)
+        if seq is None or seq.status == Status.FINISHED:
+            return None
+        self.finish(seq, m.FINISH_ABORT)
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- planning --------------------------------------------------------------------------------
+
+    def schedule(self) -> Step | None:
+        budget = self.config.max_num_batched_tokens
+        planned: list[ScheduledSeq] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != Status.RUNNING:
+                continue  # preempted while making room for an earlier one
+            if len(seq.output_ids) + seq.pending_outputs >= seq.max_tokens:
+                continue  # its last token is in flight
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if count <= 0 or not self._make_room(seq, seq.num_computed + count):
+                continue
+            planned.append(self._plan(seq, count))
+            budget -= count
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            # A preempted request waits for its steps in flight before it is recomputed.
+            admit = next((s for s in self.waiting if s.steps_in_flight == 0), None)
+            if admit is None:
+                break
+            count = min(admit.num_tokens - admit.num_computed, budget)
+            if not self.blocks.grow(admit.blocks, admit.num_computed + count):
+                break
+            self.waiting.remove(admit)
+            admit.status = Status.RUNNING
+            self.running.append(admit)
+            planned.append(self._plan(admit, count))
+            budget -= count
+        if not planned:
+            return None
+        new = [p.seq for p in planned if not p.seq.sent_to_execute]
+        for seq in new:
+            seq.sent_to_execute = True
+        step = Step(self._next_step, planned, new, self._to_free)
+        self._to_free = []
+        self._next_step += 1
+        self.in_flight.append(step)
+        return step
+
+    def _plan(self, seq: Sequence, count: int) -> ScheduledSeq:
+        start = seq.num_computed
+        seq.num_computed += count
+        sample = seq.num_computed == seq.num_tokens
+        if sample:
+            seq.pending_outputs += 1
+        seq.steps_in_flight += 1
+        return ScheduledSeq(seq, start, count, sample)
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for seq to hold num_tokens, preempting later-admitted requests if needed."""
+        while not self.blocks.grow(seq.blocks, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the request's blocks; it waits to be recomputed from prompt and outputs."""
+        self.running.remove(seq)
+        self.blocks.free(seq.blocks)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def complete(
+        self, step_id: int, handles: np.ndarray, token_ids: np.ndarray
+    ) -> list[tuple[Sequence, int]]:
+        """Apply one step's sampled tokens; the (sequence, token) pairs to pass on, in order.
+
+        A pair's token is -1 for a request that finished without a new token to show.
+        """
+        step = self.in_flight.popleft()
+        if step.step_id != step_id:
+            raise RuntimeError(f"result for step {step_id} while step {step.step_id} was oldest")
+        out: list[tuple[Sequence, int]] = []
+        for scheduled, handle, token in zip(
+            step.seqs, handles.tolist(), token_ids.tolist(), strict=True
+        ):
+            seq = scheduled.seq
+            if seq.handle != handle:
+                raise RuntimeError(f"step {step_id}: result row for {handle}, planned {seq.handle}")
+            seq.steps_in_flight -= 1
+            if scheduled.sample:
+                seq.pending_outputs -= 1
+            if seq.status == Status.FINISHED:
+                if seq.steps_in_flight == 0:
+                    self.by_handle.pop(seq.handle, None)
+                continue
+            if not scheduled.sample:
+                continue
+            seq.output_ids.append(token)
+            out.append((seq, token))
+            if token in seq.stop_ids:
+                self.finish(seq, m.FINISH_STOP)
+            elif (
+                len(seq.output_ids) >= seq.max_tokens
+                or seq.num_prompt + len(seq.output_ids) >= self.config.max_model_len
+            ):
+                self.finish(seq, m.FINISH_LENGTH)
+        return out
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "kv_cache_usage_perc": self.blocks.usage,
+            "num_free_blocks": self.blocks.num_free,
+            "num_preemptions_total": self.num_preemptions,
+            "num_blocks": self.blocks.num_blocks,
+        }

@@ -1,0 +1,231 @@
+"""pipeline-serve as a real process tree (server + four stages) on a tiny random model, driven by
+the official openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from pipeline.names import names_in_shm, pid_alive
+from tests.server.live import free_port
+from tests.stages.tiny import build_tiny_chat_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+def metric(port: int, name: str) -> float:
+    _, text = http_get(port, "/metrics")
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = build_tiny_chat_model(tmp_path_factory.mktemp("tiny"))
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("logs") / "serve.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        str(model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "2MiB",
+        "--max-num-seqs",
+        "64",
+        "--threads",
+        "1",
+        "--enable-per-request-metrics",
+        "--log-format",
+        "json",
+    ]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None, log_path.read_text()[-3000:]
+                try:
+                    if http_get(port, "/health")[0] == 200:
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.1)
+            yield port, process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    port, _ = server
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+
+
+def chat(client, content="Hello world!", **kwargs):
+    return client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": content}], **kwargs
+    )
+
+
+def test_non_streaming_usage_and_metrics(client):
+    response = chat(client, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert response.usage.completion_tokens == 10
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 10
+    metrics = response.model_extra["metrics"]
+    assert metrics["time_to_first_token_ms"] > 0 and metrics["generation_time_ms"] > 0
+    assert set(metrics["stage_time_ms"]) >= {"render", "queue", "prefill", "decode", "detokenize"}
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(client):
+    full = chat(client, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    stream = chat(
+        client,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_stop_string_and_seed(client):
+    base = (
+        chat(client, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+        .choices[0]
+        .message.content
+    )
+    stop = base[4:7]
+    cut = chat(
+        client, max_tokens=20, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == base[: base.find(stop)]
+    seeded = [
+        chat(client, max_tokens=10, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+
+
+def test_64_concurrent_streams_all_complete(client):
+    def one(i: int) -> int:
+        stream = chat(
+            client,
+            content=f"stream number {i}",
+            max_tokens=16,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        return [c for c in stream][-1].usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        assert list(pool.map(one, range(64))) == [16] * 64
+
+
+def test_disconnect_frees_every_kv_block(server, client):
+    port, _ = server
+    streams = [
+        chat(
+            client,
+            content=f"long {i}",
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for i in range(6)
+    ]
+    for stream in streams:
+        next(iter(stream))
+    assert metric(port, "vllm:kv_cache_usage_perc") > 0
+    for stream in streams:
+        stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metric(port, "vllm:kv_cache_usage_perc") > 0:
+        time.sleep(0.1)
+    assert metric(port, "vllm:kv_cache_usage_perc") == 0
+    assert metric(port, "vllm:num_requests_running") == 0
+
+
+def test_bad_requests_get_openai_errors_and_the_next_request_succeeds(client):
+    cases = [
+        (dict(model="nope"), openai.NotFoundError),
+        (dict(temperature=5), openai.BadRequestError),
+        (dict(max_tokens=0), openai.BadRequestError),
+        (dict(max_tokens=10_000), openai.BadRequestError),  # past max_model_len
+        (dict(n=3), openai.BadRequestError),
+        (dict(extra_body={"top_k": "x"}), openai.BadRequestError),
+    ]
+    for kwargs, error in cases:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **kwargs}
+        with pytest.raises(error) as info:
+            client.chat.completions.create(**body)
+        assert info.value.body and "message" in json.dumps(info.value.body)
+        ok = chat(client, max_tokens=2, extra_body={"ignore_eos": True})
+        assert ok.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        chat(client, content="word " * 400, max_tokens=2)
+
+
+def test_sigterm_stops_every_process_and_leaves_no_names(server):
+    port, process = server
+    assert http_get(port, "/health")[0] == 200
+    found = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout
+    children = [int(pid) for pid in found.split()]
+    assert len(children) >= 4  # render, schedule, execute, detokenize
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+    assert not [n for n in names_in_shm() if f"pserve.{process.pid}." in n]
+    deadline = time.monotonic() + 10  # the stages are gone; multiprocessing's tracker follows
+    while [pid for pid in children if pid_alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in children if pid_alive(pid)]

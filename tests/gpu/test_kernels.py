@@ -1,0 +1,477 @@
+"""Every Triton kernel in gpu.kernels against its torch reference (interpreter on CPU, or CUDA)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first import of triton kernels: @triton.jit picks the interpreter then.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gpu import kernels
+from gpu.kernels import launch, reference
+
+# The package re-exports the function under the module's name, so fetch the module itself.
+paged_attention_module = sys.modules["gpu.kernels.paged_attention"]
+
+DEVICE = "cpu" if launch.interpreting() else "cuda"
+# (atol, rtol) against the float32 reference, per input dtype. Beyond bf16's coarse mantissa,
+# Triton's interpreter truncates float32 -> bf16 where a GPU rounds to nearest: up to 1 ulp.
+TOLERANCE = {
+    torch.float32: (2e-5, 1e-5),
+    torch.float16: (4e-3, 2e-3),
+    torch.bfloat16: (3e-2, 1.6e-2),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+needs_cuda_compiler = pytest.mark.skipif(
+    not torch.cuda.is_available() or launch.interpreting(),
+    reason="needs a CUDA device and TRITON_INTERPRET unset",
+)
+
+
+@dataclass(slots=True, frozen=True)
+class PagedBatch:
+    q: torch.Tensor  # [T, H, D]
+    k_new: torch.Tensor  # [T, KVH, D]
+    v_new: torch.Tensor  # [T, KVH, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, KVH, D], cached tokens written, rest NaN
+    v_cache: torch.Tensor  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    context_lens: torch.Tensor  # [B] int32
+    slot_mapping: torch.Tensor  # [T] int64, slots of the new tokens
+
+
+def make_batch(
+    q_lens: list[int],
+    cached_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int = 16,
+    seed: int = 0,
+    device: str = DEVICE,
+) -> PagedBatch:
+    """A step whose sequences already hold `cached_lens` tokens and add `q_lens` new ones.
+
+    Blocks are handed out in a random order, so block tables are not contiguous, and every
+    cache slot no sequence owns holds NaN, so a kernel that reads past a context fails.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    context_lens = [c + q for c, q in zip(cached_lens, q_lens, strict=True)]
+    blocks_per_seq = [-(-ctx // block_size) for ctx in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq) + 2
+    block_tables = torch.zeros(len(q_lens), max_blocks, dtype=torch.int32)
+    for seq, count in enumerate(blocks_per_seq):
+        block_tables[seq, :count] = torch.tensor([free_blocks.pop() for _ in range(count)])
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    new_slots = []
+    for seq, (cached, ctx) in enumerate(zip(cached_lens, context_lens, strict=True)):
+        slots = [
+            int(block_tables[seq, pos // block_size]) * block_size + pos % block_size
+            for pos in range(ctx)
+        ]
+        old = torch.tensor(slots[:cached], dtype=torch.int64)
+        reference.write_kv(
+            randn(cached, num_kv_heads, head_dim),
+            randn(cached, num_kv_heads, head_dim),
+            k_cache,
+            v_cache,
+            old,
+        )
+        new_slots += slots[cached:]
+    num_tokens = sum(q_lens)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return PagedBatch(
+        q=randn(num_tokens, num_heads, head_dim).to(device),
+        k_new=randn(num_tokens, num_kv_heads, head_dim).to(device),
+        v_new=randn(num_tokens, num_kv_heads, head_dim).to(device),
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
+        block_tables=block_tables.to(device),
+        query_start_loc=query_start_loc.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(new_slots, dtype=torch.int64, device=device),
+    )
+
+
+# (q_lens, cached_lens): what the scheduler mixes into one step.
+SCENARIOS = {
+    "decode_only": ([1, 1, 1, 1], [0, 15, 16, 70]),
+    "prefill_only": ([9, 40], [0, 0]),
+    "chunked_prefill_with_cache": ([33, 5], [31, 64]),
+    "mixed": ([1, 20, 1, 35, 3], [30, 13, 0, 50, 0]),
+}
+
+
+def run_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
+    """The kernels' step: write the new K/V (into copies of the caches), then attend."""
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    kernels.write_kv(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    return kernels.paged_attention(
+        batch.q,
+        k_cache,
+        v_cache,
+        batch.block_tables,
+        batch.query_start_loc,
+        batch.context_lens,
+        batch.q.shape[-1] ** -0.5,
+        sliding_window,
+    )
+
+
+def reference_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
+    """The same step in the torch reference, on CPU and in float32."""
+    k_cache, v_cache = batch.k_cache.cpu().clone(), batch.v_cache.cpu().clone()
+    reference.write_kv(
+        batch.k_new.cpu(), batch.v_new.cpu(), k_cache, v_cache, batch.slot_mapping.cpu()
+    )
+    return reference.paged_attention(
+        batch.q.cpu().float(),
+        k_cache.float(),
+        v_cache.float(),
+        batch.block_tables.cpu(),
+        batch.query_start_loc.cpu(),
+        batch.context_lens.cpu(),
+        batch.q.shape[-1] ** -0.5,
+        sliding_window,
+    )
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == dtype
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.cpu().float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 2)], ids=["mha", "gqa3"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_paged_attention_matches_reference(
+    scenario: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    q_lens, cached_lens = SCENARIOS[scenario]
+    batch = make_batch(q_lens, cached_lens, num_heads, num_kv_heads, 32, dtype)
+    assert_close(run_attention(batch), reference_attention(batch), dtype)
+
+
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (24, 8), (16, 32)])
+def test_paged_attention_head_dims_and_block_sizes(head_dim: int, block_size: int) -> None:
+    batch = make_batch([1, 17, 1], [40, 9, 3], 3, 1, head_dim, torch.float32, block_size)
+    assert_close(run_attention(batch), reference_attention(batch), torch.float32)
+
+
+@pytest.mark.parametrize("scenario", ["decode_only", "mixed"])
+def test_paged_attention_sliding_window(scenario: str) -> None:
+    q_lens, cached_lens = SCENARIOS[scenario]
+    batch = make_batch(q_lens, cached_lens, 4, 2, 32, torch.float32, seed=1)
+    expected = reference_attention(batch, sliding_window=7)
+    assert_close(run_attention(batch, sliding_window=7), expected, torch.float32)
+    # A window this short must change the answer, or the test would not be testing it.
+    assert not torch.allclose(expected, reference_attention(batch), atol=1e-3)
+
+
+def test_paged_attention_reads_strided_queries() -> None:
+    batch = make_batch([1, 12], [20, 4], 2, 2, 32, torch.float32)
+    qkv = torch.cat([batch.q, batch.q], dim=1)  # [T, 2H, D]: q is a strided view into it
+    strided = replace(batch, q=qkv[:, :2])
+    assert not strided.q.is_contiguous()
+    assert_close(run_attention(strided), reference_attention(batch), torch.float32)
+
+
+@pytest.mark.parametrize("scenario", ["decode_only", "mixed"])
+def test_paged_attention_with_a_float32_cache_and_float16_queries(scenario: str) -> None:
+    q_lens, cached_lens = SCENARIOS[scenario]
+    batch = make_batch(q_lens, cached_lens, 6, 2, 32, torch.float32, seed=2)
+    half = replace(batch, q=batch.q.half(), k_new=batch.k_new.half(), v_new=batch.v_new.half())
+    assert_close(run_attention(half), reference_attention(half), torch.float16)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_decode_matches_reference(dtype: torch.dtype, sliding_window: int | None) -> None:
+    # Partitions of 64 positions: contexts end inside, on and past partition edges, and
+    # sliding windows leave the first partitions of long contexts empty.
+    batch = make_batch([1] * 6, [0, 14, 63, 64, 199, 129], 6, 2, 32, dtype, seed=3)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    kernels.write_kv(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    out = paged_attention_module.paged_decode(
+        batch.q,
+        k_cache,
+        v_cache,
+        batch.block_tables,
+        batch.context_lens,
+        32**-0.5,
+        sliding_window,
+        partition_size=64,
+    )
+    assert_close(out, reference_attention(batch, sliding_window), dtype)
+
+
+def test_decode_splits_only_when_the_batch_cannot_fill_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(paged_attention_module, "_multiprocessor_count", lambda device: 132)
+    choose = paged_attention_module.decode_partition_size
+    cuda = torch.device("cuda")
+    assert choose(1, 9, 4096, cuda) == paged_attention_module.DECODE_PARTITION_SIZE
+    assert choose(64, 9, 4096, cuda) is None  # 576 programs already fill 132 SMs
+    assert choose(1, 9, 256, cuda) is None  # one partition anyway
+    assert choose(1, 9, 4096, torch.device("cpu")) is None
+
+
+def test_decode_of_an_empty_padding_sequence_writes_zeros() -> None:
+    batch = make_batch([1, 1, 1], [5, 20, 3], 4, 2, 16, torch.float32)
+    expected = reference_attention(batch)
+    padded = replace(batch, context_lens=torch.tensor([5 + 1, 0, 3 + 1], dtype=torch.int32))
+    out = run_attention(padded).cpu()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out[[0, 2]], expected[[0, 2]], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_write_kv_fills_exactly_the_mapped_slots(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 16, 3, 24
+    k = torch.randn(7, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(7, num_kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.tensor([17, 3, -1, 79, 40, -1, 64], dtype=torch.int64)  # -1: padding
+    caches = [
+        torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for _ in range(2)
+    ]
+    expected = [c.clone() for c in caches]
+    reference.write_kv(k, v, *expected, slots)
+    actual = [c.clone().to(DEVICE) for c in caches]
+    kernels.write_kv(k.to(DEVICE), v.to(DEVICE), *actual, slots.to(DEVICE))
+    for got, want in zip(actual, expected, strict=True):
+        assert torch.equal(got.cpu(), want)
+    assert not torch.equal(expected[0], caches[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 576, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+    out = kernels.rms_norm(x.to(DEVICE), weight.to(DEVICE), 1e-5)
+    assert_close(out, reference.rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(4, 200, generator=gen).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(200, generator=gen)).to(dtype)
+    inputs = (x.clone().to(DEVICE), residual.clone().to(DEVICE))
+    normed, summed = kernels.fused_add_rms_norm(*inputs, weight.to(DEVICE), 1e-6)
+    want_normed, want_summed = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
+    if dtype == torch.bfloat16 and launch.interpreting():
+        assert_close(summed, want_summed, dtype)  # truncating bf16 rounding, see TOLERANCE
+    else:
+        assert torch.equal(summed.cpu(), want_summed)
+    assert_close(normed, want_normed, dtype)
+    assert torch.equal(inputs[1].cpu(), residual)  # the residual input is left alone
+
+
+def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:  # [D / 2], as HF Llama builds it
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(6)
+    num_tokens, num_heads, num_kv_heads, head_dim = 6, 3, 1, 64
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 2, 37, 500, 2047])
+    inv_freq = rope_inv_freq(head_dim, 100000.0)
+    cache = kernels.rotary_cos_sin_cache(inv_freq.to(DEVICE), 2048)
+    q_dev, k_dev = q.clone().to(DEVICE), k.clone().to(DEVICE)
+    q_out, k_out = kernels.rotary(q_dev, k_dev, positions.to(DEVICE), cache)
+    assert q_out is q_dev and k_out is k_dev  # rotated in place
+    want_q, want_k = reference.rotary(q, k, positions, inv_freq)
+    assert_close(q_out, want_q, dtype)
+    assert_close(k_out, want_k, dtype)
+
+
+def test_rotary_reference_is_transformers_llama() -> None:
+    modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(5, 2, 16, generator=gen)
+    k = torch.randn(5, 1, 16, generator=gen)
+    positions = torch.tensor([3, 0, 9, 100, 41])
+    inv_freq = rope_inv_freq(16, 10000.0)
+    emb = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)
+    # HF takes [batch, heads, seq, D] with cos/sin [batch, seq, D].
+    hf_q, hf_k = modeling_llama.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos()[None], emb.sin()[None]
+    )
+    want_q, want_k = reference.rotary(q, k, positions, inv_freq)
+    torch.testing.assert_close(want_q, hf_q[0].transpose(0, 1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(want_k, hf_k[0].transpose(0, 1), atol=1e-5, rtol=0)
+
+
+def test_rotary_rotates_strided_views_of_qkv() -> None:
+    gen = torch.Generator().manual_seed(8)
+    qkv = torch.randn(4, 2 + 1 + 1, 32, generator=gen)  # [T, H + 2 * KVH, D]
+    q_before, k_before = qkv[:, :2].clone(), qkv[:, 2:3].clone()
+    v_before = qkv[:, 3:].clone()
+    positions = torch.tensor([5, 6, 7, 8])
+    # Any frequencies work, such as Llama 3's rescaled ones: the cache is built from them.
+    inv_freq = rope_inv_freq(32, 10000.0) * torch.linspace(1.0, 0.125, 16)
+    fused = qkv.to(DEVICE)
+    cache = kernels.rotary_cos_sin_cache(inv_freq.to(DEVICE), 16)
+    kernels.rotary(fused[:, :2], fused[:, 2:3], positions.to(DEVICE), cache)
+    want_q, want_k = reference.rotary(q_before, k_before, positions, inv_freq)
+    torch.testing.assert_close(fused[:, :2].cpu(), want_q, atol=2e-5, rtol=0)
+    torch.testing.assert_close(fused[:, 2:3].cpu(), want_k, atol=2e-5, rtol=0)
+    assert torch.equal(fused[:, 3:].cpu(), v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    gate_up = (3 * torch.randn(3, 2 * 1536, generator=gen)).to(dtype)
+    assert_close(kernels.silu_mul(gate_up.to(DEVICE)), reference.silu_mul(gate_up), dtype)
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        kernels.silu_mul(torch.zeros(2, 8))
+
+
+def test_empty_step_launches_nothing() -> None:
+    cache = torch.zeros(2, 16, 1, 16, device=DEVICE)
+    q = torch.zeros(0, 2, 16, device=DEVICE)
+    out = kernels.paged_attention(
+        q,
+        cache,
+        cache,
+        torch.zeros(0, 1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(0, dtype=torch.int32, device=DEVICE),
+        0.25,
+    )
+    assert out.shape == (0, 2, 16)
+
+
+def test_attention_rejects_mismatched_heads() -> None:
+    batch = make_batch([1, 1], [3, 4], 5, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="evenly"):
+        run_attention(batch)
+
+
+# Compiles every kernel for sm_90 with the ptxas bundled in the triton wheel, no GPU needed, so
+# that CI catches what the interpreter accepts but the compiler rejects. Runs in a subprocess:
+# the interpreter is chosen when the kernels are first imported.
+COMPILE_FOR_SM90 = """
+import importlib, inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def compile_kernel(module, name, constexprs, dtype, pointer_types=(), floats=()):
+    fn = getattr(importlib.import_module("gpu.kernels." + module), name)
+    parameters = inspect.signature(fn.fn).parameters
+    params = list(parameters)
+    declared = {p for p, v in parameters.items() if "constexpr" in str(v.annotation)}
+    assert declared == set(constexprs), (name, declared ^ set(constexprs))
+    pointers = dict(pointer_types)
+    signature = {
+        p: "constexpr" if p in constexprs
+        else pointers.get(p, "*" + dtype) if p.endswith("_ptr")
+        else "fp32" if p in floats
+        else "i32"
+        for p in params
+    }
+    constants = {(params.index(k),): v for k, v in constexprs.items()}
+    kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"], name
+    return kernel.asm["ptx"]
+
+tables = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
+attention = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_SIZE=16, QUERIES_PER_KV=3)
+for dtype in ("fp16", "fp32"):
+    for splits in (1, 8):
+        compile_kernel("paged_attention", "_paged_decode_kernel",
+                       {**attention, "BLOCK_N": 64, "PARTITION_SIZE": 512, "SPLIT": splits > 1},
+                       dtype, {**tables, "partial_out_ptr": "*fp32", "partial_max_ptr": "*fp32",
+                               "partial_sum_ptr": "*fp32"}, ["qk_scale_log2"])
+    compile_kernel("paged_attention", "_paged_decode_reduce_kernel",
+                   dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=8), dtype,
+                   {"partial_out_ptr": "*fp32", "partial_max_ptr": "*fp32",
+                    "partial_sum_ptr": "*fp32"})
+    ptx = compile_kernel(
+        "paged_attention", "_paged_prefill_kernel",
+        {**attention, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_B": 16, "DOT_FP32": False,
+         "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"},
+        dtype, tables, ["qk_scale_log2"])
+    assert ("mma" in ptx) == (dtype == "fp16"), "16-bit attention must use tensor cores"
+compile_kernel("kv_cache", "_write_kv_kernel",
+               dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK_H=4, BLOCK_D=64, BLOCK_SIZE=16),
+               "bf16", {"slot_mapping_ptr": "*i64"})
+for add_residual in (False, True):
+    compile_kernel("norm", "_rms_norm_kernel",
+                   dict(HIDDEN=576, BLOCK=1024, ADD_RESIDUAL=add_residual), "bf16", (), ["eps"])
+compile_kernel("rotary", "_rotary_kernel",
+               dict(NUM_HEADS=9, NUM_KV_HEADS=3, HALF_DIM=32, BLOCK_H=16, BLOCK_KVH=4, BLOCK_HALF=32),
+               "bf16", {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32"})
+compile_kernel("activation", "_silu_mul_kernel", dict(INTERMEDIATE=1536, BLOCK=1024), "bf16")
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_cuda_without_a_gpu(tmp_path: Path) -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
+    repo_root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip() == "compiled"
+
+
+@pytest.mark.cuda
+@needs_cuda_compiler
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_paged_attention_cuda_realistic_shapes(dtype: torch.dtype) -> None:
+    # SmolLM2 attention shape (9 query heads, 3 KV heads, D = 64) at a serving-sized batch.
+    q_lens = [1] * 24 + [300, 77, 512]
+    gen = torch.Generator().manual_seed(10)
+    cached_lens = [*torch.randint(1, 2000, (24,), generator=gen).tolist(), 0, 900, 1500]
+    batch = make_batch(q_lens, cached_lens, 9, 3, 64, dtype, device="cuda")
+    assert_close(run_attention(batch), reference_attention(batch), dtype)
+    decodes = make_batch(
+        [1] * 64, cached_lens[:24] * 2 + [4000] * 16, 9, 3, 64, dtype, device="cuda"
+    )
+    assert_close(run_attention(decodes), reference_attention(decodes), dtype)
+    # One long sequence cannot fill the GPU: the split (flash-decoding) path.
+    single = make_batch([1], [6000], 9, 3, 64, dtype, device="cuda")
+    max_context = single.block_tables.shape[1] * single.k_cache.shape[1]
+    assert paged_attention_module.decode_partition_size(1, 9, max_context, single.q.device)
+    assert_close(run_attention(single), reference_attention(single), dtype)

@@ -1,0 +1,129 @@
+"""The paged model against transformers on the same weights, over mixed prefill/decode batches."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.config import load_model_config
+from gpu.kv_cache import KVCache
+from gpu.loader import iter_weights
+from gpu.model import AttentionInputs, CausalLM
+from tests.gpu.paged import BlockPool, PagedSequence, StepBatch, build_step
+
+BLOCK_SIZE = 4
+
+
+def load_ours(path) -> CausalLM:
+    config = load_model_config(str(path))
+    model = CausalLM(config).eval()
+    model.load_weights(iter_weights(str(path), config, torch.float32))
+    return model
+
+
+def reference_logits(path, token_ids: list[int]) -> torch.Tensor:  # -> [L, vocab]
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def run_step(model: CausalLM, cache: KVCache, step: StepBatch) -> torch.Tensor:  # -> [T, vocab]
+    inputs = AttentionInputs(
+        query_start_loc=torch.from_numpy(step.query_start_loc),
+        context_lens=torch.from_numpy(step.context_lens),
+        block_tables=torch.from_numpy(step.block_tables),
+        slot_mapping=torch.from_numpy(step.slot_mapping),
+    )
+    with torch.inference_mode():
+        return model(
+            torch.from_numpy(step.input_ids),
+            torch.from_numpy(step.positions),
+            cache.layers,
+            inputs,
+            torch.arange(len(step.input_ids)),
+        )
+
+
+# Each step lists (sequence index, new tokens): whole prefills, chunked prefills, and decodes.
+SCHEDULE = [
+    [(0, 21), (1, 16)],
+    [(0, 1), (1, 9), (2, 11)],
+    [(0, 1), (1, 1), (2, 1)],
+    [(2, 1), (0, 1), (1, 1)],
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2", "mistral", "mistral_swa"])
+def test_mixed_paged_batches_match_transformers(tiny_models, arch):
+    path = tiny_models[arch]
+    model = load_ours(path)
+    rng = np.random.default_rng(1)
+    totals = [sum(n for step in SCHEDULE for s, n in step if s == i) for i in range(3)]
+    seqs = [PagedSequence(rng.integers(0, model.config.vocab_size, n).tolist()) for n in totals]
+    pool = BlockPool(num_blocks=64, block_size=BLOCK_SIZE, seed=3)
+    cache = KVCache(model.config, num_blocks=64, block_size=BLOCK_SIZE)
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for schedule in SCHEDULE:
+        step = build_step(pool, [(seqs[i], n) for i, n in schedule])
+        logits = run_step(model, cache, step)
+        for row, (i, _) in enumerate(schedule):
+            got[i].append(logits[step.query_start_loc[row] : step.query_start_loc[row + 1]])
+    for seq, pieces in zip(seqs, got, strict=True):
+        expected = reference_logits(path, seq.token_ids)
+        ours = torch.cat(pieces)
+        scale = expected.abs().max().item()
+        assert (ours - expected).abs().max().item() < 1e-4 * max(1.0, scale)
+
+
+def test_batch_gives_each_sequence_what_it_gets_alone(tiny_models):
+    model = load_ours(tiny_models["qwen2"])
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (5, 13, 8)]
+
+    def run(indices: list[int]) -> dict[int, torch.Tensor]:
+        pool = BlockPool(num_blocks=32, block_size=BLOCK_SIZE, seed=len(indices))
+        cache = KVCache(model.config, num_blocks=32, block_size=BLOCK_SIZE)
+        seqs = {i: PagedSequence([*prompts[i], 7, 9]) for i in indices}
+        out = {i: [] for i in indices}
+        for chunk in ([len(prompts[i]) for i in indices], [1] * len(indices), [1] * len(indices)):
+            step = build_step(pool, [(seqs[i], n) for i, n in zip(indices, chunk, strict=True)])
+            logits = run_step(model, cache, step)
+            for row, i in enumerate(indices):
+                out[i].append(logits[step.query_start_loc[row + 1] - 1])
+        return {i: torch.stack(v) for i, v in out.items()}
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        alone = run([i])[i]
+        torch.testing.assert_close(together[i], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
+)
+def test_triton_attention_backend_matches_the_torch_path(tiny_models):
+    from gpu.kernels import paged_attention, write_kv
+    from gpu.model import AttentionBackend
+
+    path = tiny_models["mistral_swa"]
+    config = load_model_config(str(path))
+    triton_model = CausalLM(config, AttentionBackend(write_kv, paged_attention)).eval()
+    triton_model.load_weights(iter_weights(str(path), config, torch.float32))
+    torch_model = load_ours(path)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (9, 3)]
+    outputs = []
+    for model in (torch_model, triton_model):
+        seqs = [PagedSequence(list(p)) for p in prompts]
+        pool = BlockPool(num_blocks=16, block_size=BLOCK_SIZE, seed=5)
+        cache = KVCache(config, num_blocks=16, block_size=BLOCK_SIZE)
+        mixed = run_step(model, cache, build_step(pool, [(seqs[0], 9), (seqs[1], 2)]))
+        decode = run_step(model, cache, build_step(pool, [(seqs[1], 1)]))
+        outputs.append(torch.cat([mixed, decode]))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)

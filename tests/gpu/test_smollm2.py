@@ -1,0 +1,49 @@
+"""The default model, SmolLM2-135M-Instruct Q4_1 GGUF, against transformers reading the same file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from gpu.runner import ModelRunner, RunnerConfig
+from gpu.tokenizer import load_tokenizer
+from tests.gpu.test_runner import Request, generate
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+]
+NEW_TOKENS = 16
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers(smollm2_gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = os.path.dirname(smollm2_gguf), os.path.basename(smollm2_gguf)
+    reference_tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    reference = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    ).eval()
+    bundle = load_tokenizer(smollm2_gguf)
+    runner = ModelRunner.from_path(smollm2_gguf, RunnerConfig(kv_cache_bytes=32 << 20, threads=2))
+
+    requests = []
+    for i, prompt in enumerate(PROMPTS):
+        text = reference_tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids = bundle.encode(text)
+        assert prompt_ids == reference_tokenizer(text, add_special_tokens=False).input_ids
+        requests.append(Request(i, prompt_ids, NEW_TOKENS))
+    generate(runner, requests, chunk_tokens=24)
+
+    for request in requests:
+        with torch.no_grad():
+            expected = reference.generate(
+                torch.tensor([request.prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
+            )[0, len(request.prompt) :].tolist()
+        assert request.outputs[: len(expected)] == expected, bundle.decode(request.outputs)

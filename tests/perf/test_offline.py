@@ -1,0 +1,51 @@
+"""pipeline-bench offline on the null model: throughput, per-stage figures, overhead, the Gantt chart."""
+
+from __future__ import annotations
+
+import json
+
+from perf.cli import main
+from tests.stages.tiny import build_tiny_chat_model
+
+
+def test_offline_dummy_reports_where_time_goes(tmp_path, capsys):
+    model = build_tiny_chat_model(tmp_path / "model")
+    out = tmp_path / "offline.json"
+    code = main(
+        [
+            "offline",
+            str(model),
+            "--dummy",
+            "--concurrency",
+            "1,8",
+            "--num-requests",
+            "8",
+            "--prompt-tokens",
+            "20",
+            "--max-tokens",
+            "16",
+            "--json",
+            str(out),
+            "--report",
+            str(tmp_path / "charts"),
+        ]
+    )
+    assert code == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["concurrency"] for r in runs] == [1, 8]
+    for run in runs:
+        assert run["completed"] == 8 and run["output_tok_per_s"] > 0
+        stages = run["stages"]
+        assert set(stages) == {"render", "schedule", "execute", "detokenize"}
+        assert stages["render"]["spans"] == 8  # one render span per request
+        assert stages["execute"]["spans"] >= 16  # at least one step per output token
+        assert 0 < stages["schedule"]["busy_fraction"] <= 1
+        overhead = run["overhead"]
+        assert overhead["tokens"] == 8 * 16
+        assert (
+            overhead["overhead_us_per_token"] > 0 and overhead["cpu_s_forward"] == 0
+        )  # null model
+    # Eight requests in flight share steps: the mean batch grows with concurrency.
+    assert runs[1]["stages"]["execute"]["mean_batch"] > runs[0]["stages"]["execute"]["mean_batch"]
+    assert (tmp_path / "charts" / "stages_gantt.png").stat().st_size > 1000
+    assert "us per generated token" in capsys.readouterr().out

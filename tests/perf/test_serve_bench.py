@@ -1,0 +1,167 @@
+"""pipeline-bench serve's statistics against a fake server whose timings are known."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+from aiohttp import web
+
+from perf.cli import main
+from perf.serve_bench import RequestResult, Slo, summarize
+
+TTFT_S, ITL_S, TOKENS = 0.060, 0.020, 6
+
+
+def fake_app() -> web.Application:
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"count": 2 * len(body["prompt"].split()), "tokens": []})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["messages"][0]["content"].startswith("FAIL"):
+            return web.json_response({"error": {"message": "no"}}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(TTFT_S)
+        for i in range(TOKENS):
+            if i:
+                await asyncio.sleep(ITL_S)
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": TOKENS}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(fake_app())
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.run_until_complete(runner.cleanup())
+    loop.close()
+
+
+def test_measures_the_fake_servers_known_timings(fake_url, tmp_path):
+    out = tmp_path / "serve.json"
+    code = main(
+        [
+            "serve",
+            "--url",
+            fake_url,
+            "--concurrency",
+            "1,4",
+            "--num-requests",
+            "8",
+            "--max-tokens",
+            "6",
+            "--json",
+            str(out),
+            "--report",
+            str(tmp_path / "charts"),
+            "--slo",
+            "ttft=500,itl=200",
+        ]
+    )
+    assert code == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["concurrency"] for r in runs] == [1, 4]
+    for run in runs:
+        assert run["completed"] == 8 and run["errors"] == 0
+        assert run["ttft_ms"]["p50"] == pytest.approx(TTFT_S * 1e3, abs=25)
+        assert run["itl_ms"]["p50"] == pytest.approx(ITL_S * 1e3, abs=10)
+        assert run["tpot_ms"]["p50"] == pytest.approx(ITL_S * 1e3, abs=10)
+        e2e = (TTFT_S + (TOKENS - 1) * ITL_S) * 1e3
+        assert run["e2e_ms"]["p50"] == pytest.approx(e2e, abs=40)
+        assert run["mean_output_tokens"] == TOKENS and run["slo_attainment"] == 1.0
+    # Four streams at a time finish about four times as many requests per second as one.
+    assert runs[1]["request_per_s"] / runs[0]["request_per_s"] == pytest.approx(4, rel=0.35)
+    assert {p.name for p in (tmp_path / "charts").iterdir()} == {
+        "ttft_cdf.png",
+        "itl_cdf.png",
+        "throughput.png",
+    }
+
+
+def test_compare_runs_both_servers_and_prints_ratios(fake_url, capsys):
+    assert (
+        main(
+            [
+                "serve",
+                "--url",
+                fake_url,
+                "--compare",
+                fake_url,
+                "--num-requests",
+                "4",
+                "--max-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count(fake_url[-24:]) >= 2  # one row per server
+    assert f"c=1: {fake_url} / {fake_url}:" in out and "x output tok/s" in out
+
+
+def test_open_loop_and_errors_are_counted(fake_url, tmp_path):
+    data = tmp_path / "reqs.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "FAIL" if i % 2 else "hi"}], "max_tokens": 6}
+        for i in range(6)
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "open.json"
+    main(
+        [
+            "serve",
+            "--url",
+            fake_url,
+            "--request-rate",
+            "50",
+            "--dataset",
+            str(data),
+            "--json",
+            str(out),
+            "--warmup",
+            "0",
+        ]
+    )
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["request_rate"] == 50 and run["completed"] == 3 and run["errors"] == 3
+
+
+def test_goodput_counts_only_requests_within_the_slo():
+    fast = RequestResult(
+        ok=True, start_s=0, ttft_s=0.1, e2e_s=0.5, itl_s=[0.05] * 4, output_tokens=5
+    )
+    slow = RequestResult(
+        ok=True, start_s=0, ttft_s=2.0, e2e_s=3.0, itl_s=[0.05] * 4, output_tokens=5
+    )
+    summary = summarize([fast, slow], wall_s=1.0, cpu_s=0.1, slo=Slo.parse("ttft=1000"))
+    assert summary["goodput_req_per_s"] == 1.0 and summary["slo_attainment"] == 0.5
+    assert summary["tpot_ms"]["p50"] == pytest.approx((100.0 + 250.0) / 2)  # decode time / 4 tokens
+    with pytest.raises(ValueError):
+        Slo.parse("latency=3")

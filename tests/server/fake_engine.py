@@ -1,0 +1,223 @@
+"""A deterministic EngineClient for the server tests: it echoes the words of the prompt.
+
+Tokens are whitespace-separated words ("hello world" is two tokens, the second with text
+" world"); ids come from a vocabulary that grows as words are seen. Generation replays the last
+chat message (or the text prompt) word by word with an optional delay per token, honouring
+max_tokens, stop strings and logprobs, and records requests and aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from stages.api import (
+    ChatPrompt,
+    EngineError,
+    GenerateRequest,
+    ModelInfo,
+    RequestMetrics,
+    RequestOutput,
+    TextPrompt,
+    TokenLogprob,
+    TokensPrompt,
+)
+
+FAIL_MIDSTREAM = "FAIL_MIDSTREAM"  # a prompt with this word fails after two tokens
+BAD_TEMPLATE = "BAD_TEMPLATE"  # a chat message with this word fails to render
+FIRST_WORD_ID = 10
+MAX_MODEL_LEN = 64
+VOCAB_SIZE = 1000
+
+
+@dataclass
+class FakeEngine:
+    token_delay_s: float = 0.0
+    ready: bool = True
+    requests: list[GenerateRequest] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    running: set[str] = field(default_factory=set)
+    _ids: dict[str, int] = field(default_factory=dict)
+    _words: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo("fake-model", "/models/fake", MAX_MODEL_LEN, VOCAB_SIZE, 1_700_000_000)
+
+    def word_id(self, word: str) -> int:
+        if word not in self._ids:
+            token_id = FIRST_WORD_ID + len(self._ids)
+            self._ids[word] = token_id
+            self._words[token_id] = word
+        return self._ids[word]
+
+    def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
+        return [self.word_id(word) for word in self._prompt_words(prompt)]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return " ".join(self._words.get(token_id, f"<{token_id}>") for token_id in token_ids)
+
+    def stats(self) -> Mapping[str, float]:
+        return {
+            "vllm:num_requests_running": float(len(self.running)),
+            "num_requests_waiting": 0.0,
+            "kv_cache_usage_perc": 0.25,
+        }
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def _prompt_words(self, prompt: ChatPrompt | TextPrompt) -> list[str]:
+        if isinstance(prompt, TextPrompt):
+            return prompt.text.split()
+        words: list[str] = []
+        for message in prompt.messages:
+            if BAD_TEMPLATE in str(message.get("content")):
+                raise EngineError("chat template error: bad message", param="messages")
+            words += [f"{message['role']}:", *str(message.get("content") or "").split()]
+        if prompt.add_generation_prompt:
+            words.append("assistant:")
+        return words
+
+    def _reply_words(self, request: GenerateRequest) -> list[str]:
+        prompt = request.prompt
+        if isinstance(prompt, ChatPrompt):
+            return str(prompt.messages[-1].get("content") or "").split()
+        if isinstance(prompt, TextPrompt):
+            return prompt.text.split()
+        return self.detokenize(prompt.token_ids).split()
+
+    def _logprob(self, token_id: int, text: str, index: int, top_n: int) -> TokenLogprob:
+        logprob = -0.25 * (index + 1)
+        alternatives = tuple(
+            (VOCAB_SIZE - 1 - k, f"alt{k}", f"alt{k}".encode(), logprob - 1.0 - k)
+            for k in range(max(top_n - 1, 0))
+        )
+        top = ((token_id, text, text.encode(), logprob), *alternatives)
+        return TokenLogprob(token_id, text, text.encode(), logprob, 1, top[:top_n])
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        return self._generate(request)
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self.requests.append(request)
+        prompt = request.prompt
+        if isinstance(prompt, TokensPrompt):
+            prompt_ids = list(prompt.token_ids)
+        else:
+            prompt_ids = self.tokenize(prompt)
+        if len(prompt_ids) >= MAX_MODEL_LEN:
+            raise EngineError(
+                f"This model's maximum context length is {MAX_MODEL_LEN} tokens; "
+                f"the prompt has {len(prompt_ids)}",
+                param="messages" if isinstance(prompt, ChatPrompt) else "prompt",
+                code="context_length_exceeded",
+            )
+        sampling = request.sampling
+        max_tokens = sampling.max_tokens or (MAX_MODEL_LEN - len(prompt_ids))
+        words = self._reply_words(request)
+        prompt_logprobs = None
+        if sampling.prompt_logprobs is not None:
+            prompt_logprobs = (
+                None,
+                *(
+                    self._logprob(
+                        t, " " + self._words.get(t, f"<{t}>"), i, sampling.prompt_logprobs
+                    )
+                    for i, t in enumerate(prompt_ids[1:])
+                ),
+            )
+        start_ns = time.monotonic_ns()
+        first_token_ns = 0
+        text_so_far = ""
+        self.running.add(request.request_id)
+        done = False
+        try:
+            for index, word in enumerate(words[:max_tokens]):
+                if word == FAIL_MIDSTREAM and index >= 2:
+                    raise EngineError("engine failure", status=500, type="InternalServerError")
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                else:
+                    await asyncio.sleep(0)
+                first_token_ns = first_token_ns or time.monotonic_ns()
+                text = word if index == 0 else " " + word
+                token_id = self.word_id(word)
+                finish, stop_reason = None, None
+                hit = next((s for s in sampling.stop if s in text_so_far + text), None)
+                if hit is not None:
+                    full = text_so_far + text
+                    cut = full.index(hit) + (len(hit) if sampling.include_stop_str_in_output else 0)
+                    text = full[:cut][len(text_so_far) :]
+                    finish, stop_reason = "stop", hit
+                elif index + 1 == max_tokens:
+                    finish = "length"
+                elif index + 1 == len(words):
+                    finish = "stop"
+                text_so_far += text
+                logprobs = None
+                if sampling.logprobs is not None:
+                    logprobs = (self._logprob(token_id, text, index, sampling.logprobs),)
+                metrics = None
+                if finish is not None:
+                    metrics = self._metrics(request, start_ns, first_token_ns, index + 1)
+                    done = True
+                    self.finished.append(request.request_id)
+                yield RequestOutput(
+                    request_id=request.request_id,
+                    text=text,
+                    token_ids=(token_id,),
+                    prompt_token_ids=tuple(prompt_ids) if index == 0 else None,
+                    num_prompt_tokens=len(prompt_ids),
+                    num_output_tokens=index + 1,
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs if index == 0 else None,
+                    metrics=metrics,
+                )
+                if finish is not None:
+                    return
+            done = True
+            self.finished.append(request.request_id)
+            yield RequestOutput(
+                request_id=request.request_id,
+                text="",
+                token_ids=(),
+                prompt_token_ids=tuple(prompt_ids),
+                num_prompt_tokens=len(prompt_ids),
+                num_output_tokens=0,
+                finish_reason="stop",
+                metrics=self._metrics(request, start_ns, start_ns, 0),
+            )
+        finally:
+            self.running.discard(request.request_id)
+            if not done:
+                self.aborted.append(request.request_id)
+
+    def _metrics(
+        self, request: GenerateRequest, start_ns: int, first_token_ns: int, num_tokens: int
+    ) -> RequestMetrics:
+        now_ns = time.monotonic_ns()
+        arrival_ns = request.arrival_ns or start_ns
+        return RequestMetrics(
+            arrival_ns=arrival_ns,
+            rendered_ns=start_ns,
+            scheduled_ns=start_ns,
+            first_token_ns=first_token_ns,
+            last_token_ns=now_ns,
+            finished_ns=now_ns,
+            render_s=(start_ns - arrival_ns) / 1e9,
+            queue_s=0.001,
+            prefill_s=(first_token_ns - start_ns) / 1e9,
+            decode_s=(now_ns - first_token_ns) / 1e9,
+            detokenize_s=0.0005,
+            num_generated_tokens=num_tokens,
+            spec_num_steps=2 if num_tokens > 2 else 0,
+            spec_num_draft_tokens=4 if num_tokens > 2 else 0,
+            spec_num_accepted_tokens=3 if num_tokens > 2 else 0,
+            spec_acceptance_histogram=(0, 1, 1) if num_tokens > 2 else (),
+        )

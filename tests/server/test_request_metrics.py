@@ -1,0 +1,66 @@
+"""Per-request metrics derived from the stages' stamps."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.request_metrics import request_metrics_body
+from stages.api import RequestMetrics
+
+MS = 1_000_000
+
+
+def stamps(**overrides: object) -> RequestMetrics:
+    fields: dict[str, object] = dict(
+        arrival_ns=0,
+        rendered_ns=2 * MS,
+        scheduled_ns=5 * MS,
+        first_token_ns=20 * MS,
+        last_token_ns=110 * MS,
+        finished_ns=125 * MS,
+        render_s=0.002,
+        queue_s=0.003,
+        prefill_s=0.015,
+        decode_s=0.09,
+        detokenize_s=0.001,
+        num_generated_tokens=10,
+    )
+    fields.update(overrides)
+    return RequestMetrics(**fields)  # type: ignore[arg-type]
+
+
+def test_timings() -> None:
+    body = request_metrics_body(stamps())
+    assert body["time_to_first_token_ms"] == pytest.approx(20.0)
+    assert body["generation_time_ms"] == pytest.approx(90.0)
+    assert body["mean_itl_ms"] == pytest.approx(10.0)
+    assert body["queue_time_ms"] == pytest.approx(3.0)
+    assert body["tokens_per_second"] == pytest.approx(80.0)
+    assert body["stage_time_ms"] == pytest.approx(
+        {"render": 2.0, "queue": 3.0, "prefill": 15.0, "decode": 90.0, "detokenize": 1.0}
+    )
+    assert "speculative_decoding" not in body
+
+
+def test_single_token_has_no_itl() -> None:
+    body = request_metrics_body(stamps(num_generated_tokens=1, last_token_ns=20 * MS))
+    assert body["mean_itl_ms"] == 0.0
+
+
+def test_speculative_decoding() -> None:
+    body = request_metrics_body(
+        stamps(
+            spec_num_steps=4,
+            spec_num_draft_tokens=12,
+            spec_num_accepted_tokens=9,
+            spec_acceptance_histogram=(1, 0, 1, 2),
+        )
+    )
+    assert body["speculative_decoding"] == {
+        "num_spec_steps": 4,
+        "num_draft_tokens": 12,
+        "num_accepted_draft_tokens": 9,
+        "draft_acceptance_rate": 0.75,
+        "mean_acceptance_length": 3.25,
+        "acceptance_histogram": [1, 0, 1, 2],
+    }

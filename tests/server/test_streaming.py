@@ -1,0 +1,162 @@
+"""SSE framing and the abort path, driven without a network (Quart's test client, direct calls)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from quart import Quart
+
+from server.chat import stream_chat
+from server.metrics import ServerMetrics
+from server.schemas import ChatCompletionRequest
+from server.serving import ResponseContext, Tracker, start
+from stages.api import ChatPrompt, GenerateRequest, SamplingParams
+from tests.server.fake_engine import FakeEngine
+
+pytestmark = pytest.mark.anyio
+
+MESSAGES = [{"role": "user", "content": "one two three four"}]
+
+
+def events(text: str) -> list[Any]:
+    frames = text.split("\n\n")
+    assert frames[-2:] == ["data: [DONE]", ""]
+    return [json.loads(frame.removeprefix("data: ")) for frame in frames[:-2]]
+
+
+async def test_metrics_ride_on_finish_chunk_without_include_usage(app: Quart) -> None:
+    response = await app.test_client().post(
+        "/v1/chat/completions", json={"messages": MESSAGES, "stream": True}
+    )
+    chunks = events(await response.get_data(as_text=True))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["metrics"]["stage_time_ms"]["queue"] == pytest.approx(1.0)
+    assert all("metrics" not in c for c in chunks[:-1])
+
+
+async def test_no_metrics_unless_enabled(make_app: Any) -> None:
+    app = make_app()
+    client = app.test_client()
+    response = await client.post("/v1/chat/completions", json={"messages": MESSAGES})
+    assert "metrics" not in await response.get_json()
+    response = await client.post(
+        "/v1/completions",
+        json={"prompt": "a b", "stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert all("metrics" not in c for c in events(await response.get_data(as_text=True)))
+
+
+async def test_completion_echo_streams_prompt_first(app: Quart) -> None:
+    response = await app.test_client().post(
+        "/v1/completions", json={"prompt": "red blue", "echo": True, "stream": True}
+    )
+    chunks = events(await response.get_data(as_text=True))
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert texts == ["red blue", "red", " blue", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_closing_the_stream_aborts_the_request(engine: FakeEngine) -> None:
+    metrics = ServerMetrics(engine.stats, "fake-model")
+    body = ChatCompletionRequest(messages=MESSAGES, stream=True)
+    request = GenerateRequest("r-1", ChatPrompt(MESSAGES), SamplingParams(), 0, time.monotonic_ns())
+    tracker = Tracker(metrics, "r-1", request.arrival_ns)
+    first, outputs = await start(engine, request)
+    ctx = ResponseContext("r-1", "fake-model", 0, "fp", False)
+    stream = stream_chat(ctx, body, first, outputs, tracker)
+    pieces = [await anext(stream), await anext(stream), await anext(stream)]
+    assert b'"content":" two"' in pieces[-1]
+    await stream.aclose()  # what Quart does when the client goes away
+    assert engine.aborted == ["r-1"]
+    assert tracker.finish_reason == "abort"
+    assert b'vllm:request_success_total{finished_reason="abort",model_name="fake-model"} 1.0' in (
+        metrics.render()
+    )
+
+
+async def test_counters_follow_the_outputs(app: Quart) -> None:
+    client = app.test_client()
+    for _ in range(2):
+        await client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 2})
+    text = (await (await client.get("/metrics")).get_data(as_text=True)).splitlines()
+    assert 'vllm:prompt_tokens_total{model_name="fake-model"} 6.0' in text
+    assert 'vllm:generation_tokens_total{model_name="fake-model"} 4.0' in text
+    assert (
+        'vllm:request_success_total{finished_reason="length",model_name="fake-model"} 2.0' in text
+    )
+    assert 'vllm:time_to_first_token_seconds_count{model_name="fake-model"} 2.0' in text
+    assert 'vllm:inter_token_latency_seconds_count{model_name="fake-model"} 2.0' in text
+
+
+async def test_sampling_params_reach_the_engine(app: Quart, engine: FakeEngine) -> None:
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}],
+            }
+        ],
+        "temperature": 0,
+        "top_p": 0.5,
+        "top_k": 7,
+        "min_p": 0.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "seed": 3,
+        "max_completion_tokens": 9,
+        "max_tokens": 99,
+        "min_tokens": 1,
+        "stop": "x",
+        "stop_token_ids": [2],
+        "ignore_eos": True,
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+        "logprobs": True,
+        "top_logprobs": 4,
+        "logit_bias": {"12": -5},
+        "priority": -1,
+        "add_generation_prompt": False,
+        "continue_final_message": False,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "auto",
+        "response_format": {"type": "text"},
+    }
+    response = await app.test_client().post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    request = engine.requests[-1]
+    assert request.priority == -1
+    assert request.sampling == SamplingParams(
+        temperature=0.0,
+        top_p=0.5,
+        top_k=7,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        seed=3,
+        max_tokens=9,
+        min_tokens=1,
+        stop=("x",),
+        stop_token_ids=(2,),
+        ignore_eos=True,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        logprobs=4,
+        logit_bias={12: -5.0},
+    )
+    prompt = request.prompt
+    assert isinstance(prompt, ChatPrompt)
+    assert prompt.messages == [{"role": "user", "content": "hi\nthere"}]
+    assert prompt.add_generation_prompt is False
+    assert prompt.chat_template_kwargs == {"enable_thinking": False}
+    assert prompt.tools == [{"type": "function", "function": {"name": "f"}}]
+
+
+async def test_defaults_leave_max_tokens_to_the_engine(app: Quart, engine: FakeEngine) -> None:
+    await app.test_client().post("/v1/completions", json={"prompt": "a"})
+    assert engine.requests[-1].sampling == SamplingParams()

@@ -1,0 +1,196 @@
+"""The engine end to end through its four processes, on a tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pipeline.clock import now_ns
+from stages.api import (
+    ChatPrompt,
+    EngineError,
+    GenerateRequest,
+    SamplingParams,
+    TextPrompt,
+    TokensPrompt,
+)
+
+
+def request(prompt="Hello world!", rid="r", **sampling) -> GenerateRequest:
+    if isinstance(prompt, str):
+        prompt = TextPrompt(prompt)
+    return GenerateRequest(rid, prompt, SamplingParams(**sampling), arrival_ns=now_ns())
+
+
+async def collect(engine, req):
+    return [out async for out in engine.generate(req)]
+
+
+def test_greedy_stream_counts_and_metrics(engine_loop):
+    engine, loop = engine_loop
+    outs = loop.run(collect(engine, request(temperature=0, max_tokens=12, ignore_eos=True)))
+    final = outs[-1]
+    assert final.finish_reason == "length"
+    assert final.num_output_tokens == 12
+    assert sum(len(o.token_ids) for o in outs) == 12
+    assert final.num_prompt_tokens == len(engine.bundle.encode("Hello world!"))
+    m = final.metrics
+    assert m is not None and m.arrival_ns <= m.rendered_ns <= m.scheduled_ns <= m.first_token_ns
+    assert m.first_token_ns <= m.last_token_ns <= m.finished_ns
+    assert m.prefill_s > 0 and m.decode_s > 0 and m.num_generated_tokens == 12
+    # The text is the detokenization of exactly the tokens generated.
+    ids = [t for o in outs for t in o.token_ids]
+    assert "".join(o.text for o in outs) == engine.bundle.decode(ids, skip_special_tokens=True)
+
+
+def test_greedy_is_deterministic_and_seed_reproducible(engine_loop):
+    engine, loop = engine_loop
+    greedy = [
+        loop.run(collect(engine, request(temperature=0, max_tokens=8, ignore_eos=True)))
+        for _ in range(2)
+    ]
+    flat = [[t for o in run for t in o.token_ids] for run in greedy]
+    assert flat[0] == flat[1]
+    seeded = [
+        loop.run(collect(engine, request(temperature=1.0, seed=123, max_tokens=8, ignore_eos=True)))
+        for _ in range(2)
+    ]
+    flat = [[t for o in run for t in o.token_ids] for run in seeded]
+    assert flat[0] == flat[1]
+    other = loop.run(
+        collect(engine, request(temperature=1.0, seed=124, max_tokens=8, ignore_eos=True))
+    )
+    assert [t for o in other for t in o.token_ids] != flat[0]
+
+
+def test_chat_prompt_uses_the_template(engine_loop):
+    engine, loop = engine_loop
+    prompt = ChatPrompt([{"role": "user", "content": "What is the capital of France?"}])
+    expected = engine.tokenize(prompt)
+    assert engine.detokenize(expected).startswith("<|im_start|>user\nWhat is the capital")
+    outs = loop.run(collect(engine, request(prompt, temperature=0, max_tokens=4, ignore_eos=True)))
+    assert outs[-1].num_prompt_tokens == len(expected)
+
+
+def test_stop_string_finishes_and_is_not_streamed(engine_loop):
+    engine, loop = engine_loop
+    base = loop.run(collect(engine, request(temperature=0, max_tokens=24, ignore_eos=True)))
+    text = "".join(o.text for o in base)
+    stop = text[5:8]
+    assert len(stop) == 3 and stop in text
+    outs = loop.run(
+        collect(engine, request(temperature=0, max_tokens=24, ignore_eos=True, stop=(stop,)))
+    )
+    got = "".join(o.text for o in outs)
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    assert got == text[: text.find(stop)]
+    kept = loop.run(
+        collect(
+            engine,
+            request(
+                temperature=0,
+                max_tokens=24,
+                ignore_eos=True,
+                stop=(stop,),
+                include_stop_str_in_output=True,
+            ),
+        )
+    )
+    assert "".join(o.text for o in kept) == text[: text.find(stop) + len(stop)]
+
+
+def test_too_long_prompt_is_a_400_and_the_engine_keeps_serving(engine_loop):
+    engine, loop = engine_loop
+    with pytest.raises(EngineError) as info:
+        loop.run(collect(engine, request(TokensPrompt([5] * 600), max_tokens=4)))
+    assert info.value.status == 400 and "maximum context length" in info.value.message
+    with pytest.raises(EngineError, match="out of vocabulary"):
+        loop.run(collect(engine, request(TokensPrompt([10_000]), max_tokens=4)))
+    with pytest.raises(EngineError, match=r"chat template error|need"):
+        loop.run(
+            collect(
+                engine,
+                request(
+                    ChatPrompt(
+                        [{"role": "user", "content": "x"}],
+                        continue_final_message=True,
+                        add_generation_prompt=False,
+                    )
+                ),
+            )
+        )
+    outs = loop.run(collect(engine, request(temperature=0, max_tokens=3, ignore_eos=True)))
+    assert outs[-1].num_output_tokens == 3
+
+
+def test_many_concurrent_streams_all_complete(engine_loop):
+    engine, loop = engine_loop
+
+    async def many():
+        reqs = [
+            request(
+                f"stream {i} says hello",
+                rid=f"c{i}",
+                temperature=0.8,
+                seed=i,
+                max_tokens=20,
+                ignore_eos=True,
+            )
+            for i in range(64)
+        ]
+        return await asyncio.gather(*(collect(engine, r) for r in reqs))
+
+    results = loop.run(many(), timeout=300)
+    assert all(r[-1].finish_reason == "length" and r[-1].num_output_tokens == 20 for r in results)
+    stats = engine.stats()
+    assert stats["num_requests_running"] == 0 and stats["kv_cache_usage_perc"] == 0
+
+
+def test_disconnect_aborts_and_frees_every_kv_block(engine_loop):
+    engine, loop = engine_loop
+
+    async def leave_early():
+        streams = [
+            engine.generate(
+                request(f"long request {i}", rid=f"d{i}", max_tokens=400, ignore_eos=True)
+            )
+            for i in range(8)
+        ]
+        for s in streams:
+            await anext(s)
+        busy = engine.stats()["kv_cache_usage_perc"]
+        for s in streams:
+            await s.aclose()  # what a client that disconnects looks like to the engine
+        return busy
+
+    busy = loop.run(leave_early())
+    assert busy > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and engine.stats()["kv_cache_usage_perc"] > 0:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats["kv_cache_usage_perc"] == 0 and stats["num_requests_running"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_dummy_execute_runs_the_pipeline_without_a_model(tiny_chat_model):
+    from stages.config import EngineConfig
+    from stages.engine import Engine
+    from tests.stages.conftest import LoopThread
+
+    runner = LoopThread()
+    engine = Engine(
+        EngineConfig(model_path=tiny_chat_model, dummy=True, log_format="json", log_level="warning")
+    )
+    try:
+        runner.run(engine.start())
+        outs = runner.run(collect(engine, request(max_tokens=50)))
+        assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 50
+        again = runner.run(collect(engine, request(max_tokens=50)))
+        tokens = [t for o in outs for t in o.token_ids]
+        assert len(tokens) == 50 and [t for o in again for t in o.token_ids] == tokens
+    finally:
+        runner.run(engine.stop())
+        runner.close()
