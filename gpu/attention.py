@@ -112,30 +112,36 @@ def _decode_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:  # -> [B, H, D] float32
-    """All decodes at once: one gather of each sequence's blocks, padded to the longest."""
+    """All decodes at once: one gather of each sequence's blocks, padded to the longest.
+
+    The gather takes whole blocks (contiguous [block_size, KVH, D] pieces), the fastest copy there
+    is; the keys then stay as [B, L * KVH, D], with every KV head of a position side by side. One
+    bmm scores each query head against all KV heads (KVH times the FLOPs of the head it needs: tiny
+    next to the bytes moved), and the scores of its own KV head are picked out, so no transpose of
+    the gathered cache is ever copied. Probabilities go back to the same [L * KVH] layout, zero for
+    the other heads, for the second bmm.
+    """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_len = int(context_lens.max())
     num_blocks = -(-max_len // block_size)
-    # index_select on a head-major view writes its copy as [KVH, B * nb, bs, D], so (KVH, B)
-    # folds into one bmm batch dimension without a second copy.
     length = num_blocks * block_size
     flat_blocks = block_tables[:, :num_blocks].long().flatten()
-    shape = (num_kv_heads * batch, length, head_dim)
-    keys = k_cache.permute(2, 0, 1, 3).index_select(1, flat_blocks).float().reshape(shape)
-    values = v_cache.permute(2, 0, 1, 3).index_select(1, flat_blocks).float().reshape(shape)
-    grouped = q.float().view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # [KVH, B, G, D]
-    grouped = grouped.reshape(num_kv_heads * batch, group, head_dim)
-    scores = torch.bmm(grouped, keys.transpose(1, 2)).mul_(scale)  # [KVH * B, G, L]
+    keys = k_cache.index_select(0, flat_blocks).view(batch, length * num_kv_heads, head_dim)
+    values = v_cache.index_select(0, flat_blocks).view(batch, length * num_kv_heads, head_dim)
+    scores = torch.bmm(q.float(), keys.float().transpose(1, 2))  # [B, H, L * KVH]
+    scores = scores.view(batch, num_kv_heads, group, length, num_kv_heads)
+    own = torch.diagonal(scores, dim1=1, dim2=4).permute(0, 3, 1, 2)  # [B, KVH, G, L]
+    own = own.mul(scale)
     key_pos = torch.arange(length, device=q.device).unsqueeze(0)  # [1, L]
     lens = context_lens.long().unsqueeze(1)  # [B, 1]
     hidden = key_pos >= lens  # [B, L]
     if sliding_window is not None:
         hidden |= key_pos <= lens - 1 - sliding_window
-    scores = scores.view(num_kv_heads, batch, group, length).masked_fill_(
-        hidden[None, :, None, :], float("-inf")
-    )
-    probs = torch.softmax(scores, dim=-1).view(num_kv_heads * batch, group, length)
-    out = torch.bmm(probs, values).view(num_kv_heads, batch, group, head_dim)
-    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
+    own.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    probs = torch.softmax(own, dim=-1)  # [B, KVH, G, L]
+    spread = torch.zeros(batch, num_kv_heads, group, length, num_kv_heads, device=q.device)
+    torch.diagonal(spread, dim1=1, dim2=4).copy_(probs.permute(0, 2, 3, 1))
+    out = torch.bmm(spread.view(batch, num_heads, length * num_kv_heads), values.float())
+    return out  # [B, H, D]

@@ -18,7 +18,7 @@ from torch import nn
 from gpu import attention as torch_attention
 from gpu.config import ModelConfig, RopeScaling, UnsupportedModelError
 from gpu.loader import GgufRawTensor
-from gpu.quant import Int4Linear, Int8Linear
+from gpu.quant import Int4Linear, Int8Linear, ThinThickLinear
 
 QUANTIZATION_MODES = ("int8", "int4")
 
@@ -272,13 +272,16 @@ def quantize_linears(
     mode: str,
     q4_1_blocks: Mapping[str, GgufRawTensor] | None = None,
     compute_dtype: torch.dtype = torch.bfloat16,
+    max_thin_rows: int | None = 8,
 ) -> None:
     """Replace every decoder-layer linear with a weight-only quantized one, in place.
 
     "int8": per-channel int8. "int4": group-32 int4; a layer whose GGUF parts are all Q4_1
     (`q4_1_blocks`, by Hugging Face name) takes their blocks unchanged, which is lossless.
-    Embeddings and the LM head stay in float. The quantized matmuls compute in `compute_dtype`:
-    torch's int4/int8 CPU kernels are 10-100x slower in float32 than in bfloat16.
+    The quantized matmuls compute in `compute_dtype`: torch's int4/int8 CPU kernels are 10-100x
+    slower in float32 than in bfloat16. With `max_thin_rows`, inputs of more rows go through a
+    dense bf16 copy instead (ThinThickLinear), and the LM head gets an int8 copy for thin inputs;
+    the embedding table stays in float.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization {mode!r} is not supported; use one of {QUANTIZATION_MODES}")
@@ -309,6 +312,11 @@ def quantize_linears(
                 )
             else:
                 quantized = Int4Linear.from_float(linear.weight.detach(), 32, dtype)
+            if max_thin_rows is not None:
+                quantized = ThinThickLinear(quantized, linear.weight, max_thin_rows)
             if linear.bias is not None:
                 quantized = _WithBias(quantized, linear.bias)
             setattr(parent, attr, quantized)
+    if max_thin_rows is not None:
+        head = model.lm_head.weight.detach()
+        model.lm_head = ThinThickLinear(Int8Linear.from_float(head, dtype), head, max_thin_rows)

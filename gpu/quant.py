@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Q4_1_BLOCK_WEIGHTS = 32
@@ -216,3 +217,24 @@ class Int4Linear(nn.Module):
             Q4_1_BLOCK_WEIGHTS,
             compute_dtype,
         )
+
+
+class ThinThickLinear(nn.Module):
+    """A weight-only quantized linear for thin inputs, a dense bf16 one for thick inputs.
+
+    torch's int4/int8 CPU kernels read a quarter to a half of the bytes, which wins while a matmul
+    is bound by memory (decode: a few rows); once it is bound by compute (prefill chunks, large
+    decode batches) dense bf16 is about twice as fast. llama.cpp switches kernels the same way.
+    """
+
+    def __init__(self, quantized: nn.Module, weight: torch.Tensor, max_thin_rows: int = 8) -> None:
+        super().__init__()
+        self.quantized = quantized
+        self.max_thin_rows = max_thin_rows
+        self.register_buffer("dense_weight", weight.detach().to(torch.bfloat16).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N] in x's dtype
+        rows = x.numel() // x.shape[-1]
+        if rows <= self.max_thin_rows:
+            return self.quantized(x)
+        return F.linear(x.to(torch.bfloat16), self.dense_weight).to(x.dtype)

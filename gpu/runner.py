@@ -48,6 +48,9 @@ class RunnerConfig:
     seed: int = 0  # drives requests that carry no seed of their own
     quantization: str | None = None  # None, "int8" or "int4": weight-only, decoder linears
     quantized_compute_dtype: str = "bfloat16"  # what the quantized matmuls compute in
+    # Inputs with more rows than this use a dense bf16 copy (faster once compute-bound); None:
+    # quantized matmuls for every input.
+    quantized_max_rows: int | None = 8
 
 
 @dataclass(slots=True, frozen=True)
@@ -132,7 +135,11 @@ class ModelRunner:
             is_gguf = model_path.endswith(".gguf")
             q4_1 = read_gguf_raw_tensors(model_path, model_config, "Q4_1") if is_gguf else {}
             quantize_linears(
-                model, config.quantization, q4_1, _DTYPES[config.quantized_compute_dtype]
+                model,
+                config.quantization,
+                q4_1,
+                _DTYPES[config.quantized_compute_dtype],
+                config.quantized_max_rows,
             )
         model = model.to(device=config.device)
         kv_cache = KVCache.from_budget(

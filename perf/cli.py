@@ -68,7 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     offline.add_argument("--json", dest="json_path")
     offline.add_argument("--report", help="write the stage timeline (Gantt) PNG into this folder")
 
+    model = sub.add_parser("model", help="model runner prefill/decode throughput per weight format")
+    model.add_argument("model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)")
+    model.add_argument("--weights", default="fp32,bf16,int8,int4")
+    model.add_argument("--batches", default="1,8,32,64")
+    model.add_argument("--context", type=int, default=256)
+    model.add_argument("--prefill-tokens", type=int, default=512)
+    model.add_argument("--steps", type=int, default=8, help="timed decode steps per point (median)")
+    model.add_argument("--threads", type=int, default=0)
+    model.add_argument("--no-baseline", action="store_true")
+    model.add_argument("--json", dest="json_path")
+
     args = parser.parse_args(argv)
+    if args.mode == "model":
+        return run_model_cli(args)
     if args.mode == "offline":
         return run_offline_cli(args)
     if args.mode == "serve":
@@ -141,6 +154,33 @@ def run_serve_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             )
             print(f"wrote {path}", file=sys.stderr)
     return 1 if any(run["completed"] == 0 for run in report["runs"]) else 0
+
+
+def run_model_cli(args: argparse.Namespace) -> int:
+    import json
+
+    from perf import model_bench
+    from pipeline.logs import configure_logging
+    from stages.config import default_model_path
+
+    configure_logging("console", "warning")
+    report = model_bench.run_model_bench(
+        model_bench.ModelBenchArgs(
+            model_path=args.model or default_model_path(),
+            weights=tuple(w for w in args.weights.split(",") if w),
+            batches=tuple(int(b) for b in args.batches.split(",") if b),
+            context=args.context,
+            prefill_tokens=args.prefill_tokens,
+            steps=args.steps,
+            threads=args.threads,
+            baseline=not args.no_baseline,
+        )
+    )
+    print(model_bench.format_table(report))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
 
 
 def run_offline_cli(args: argparse.Namespace) -> int:

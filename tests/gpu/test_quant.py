@@ -148,3 +148,24 @@ def test_default_model_q4_1_tensor_maps_losslessly() -> None:
     x = random_input(3, in_features)
     expected = x.double() @ dequantized.double().T
     torch.testing.assert_close(layer(x).double(), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_thin_inputs_go_quantized_and_thick_inputs_dense():
+    from gpu.quant import Int4Linear, ThinThickLinear
+
+    torch.manual_seed(0)
+    weight = torch.randn(64, 96)
+    layer = ThinThickLinear(Int4Linear.from_float(weight, 32), weight, max_thin_rows=4)
+    calls = []
+    layer.quantized.register_forward_hook(lambda *args: calls.append(1))
+    thin, thick = torch.randn(3, 96), torch.randn(9, 96)
+
+    def relative_error(x: torch.Tensor) -> float:
+        exact = x @ weight.T
+        return float((layer(x) - exact).norm() / exact.norm())
+
+    assert relative_error(thin) < 0.15  # 4-bit weights
+    assert calls == [1]
+    assert relative_error(thick) < 0.01  # bf16 weights
+    assert calls == [1]  # the dense bf16 copy served the thick input
+    assert layer(thick).dtype == thick.dtype

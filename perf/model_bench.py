@@ -1,0 +1,294 @@
+"""`pipeline-bench model`: the model runner's prefill and decode throughput per weight format,
+beside a plain unpaged fp32 torch baseline run in the same process, and against the memory roofline.
+
+Decode runs B sequences at a given context (their KV blocks hold whatever is there: the cost of a
+step does not depend on the values), one token each per step, through `ModelRunner.step` with
+greedy sampling. The baseline is the same fp32 weights with contiguous per-sequence KV tensors,
+repeated KV heads and torch's SDPA: what a plain implementation does. The roofline is the bytes one
+decode step must read (weights + KV) over this machine's measured read bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gpu.model import CausalLM, apply_rotary
+from gpu.runner import ModelRunner, RunnerConfig, StepBatch
+from gpu.sampler import SamplingArrays
+
+WEIGHTS = {  # name -> (model dtype, quantization)
+    "fp32": ("float32", None),
+    "bf16": ("bfloat16", None),
+    "int8": ("float32", "int8"),
+    "int4": ("float32", "int4"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelBenchArgs:
+    model_path: str
+    weights: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+    batches: tuple[int, ...] = (1, 8, 32, 64)
+    context: int = 256
+    prefill_tokens: int = 512
+    steps: int = 8
+    threads: int = 0
+    baseline: bool = True
+
+
+def read_bandwidth_gb_s(megabytes: int = 1024) -> float:
+    """Bytes per second this machine reads from memory: a large tensor summed on torch's threads
+    (all cores, as the model runs), best of 5."""
+    data = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def weight_bytes_read(model: torch.nn.Module, rows: int) -> int:
+    """Bytes of weights one forward pass of `rows` input rows reads: of a ThinThickLinear only the
+    copy that serves those rows, of an embedding table only the rows looked up."""
+    from gpu.quant import ThinThickLinear
+
+    total = 0
+    skip: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, ThinThickLinear):
+            used = module.quantized if rows <= module.max_thin_rows else None
+            tensors = list(used.buffers()) if used is not None else [module.dense_weight]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+            skip.update(id(t) for t in module.buffers())
+        elif isinstance(module, torch.nn.Embedding):
+            total += rows * module.embedding_dim * module.weight.element_size()
+            skip.add(id(module.weight))
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in skip:
+            skip.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _median_time(fn: Any, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def decode_batch(
+    runner: ModelRunner, batch: int, context: int, rng: np.random.Generator
+) -> StepBatch:
+    block = runner.kv_cache.block_size
+    per_seq = -(-(context + 1) // block)
+    tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
+    positions = np.full(batch, context, np.int64)
+    slots = tables[:, context // block].astype(np.int64) * block + context % block
+    return StepBatch(
+        request_ids=np.arange(batch, dtype=np.int64),
+        input_ids=rng.integers(0, runner.model_config.vocab_size, batch),
+        positions=positions,
+        query_start_loc=np.arange(batch + 1, dtype=np.int32),
+        context_lens=np.full(batch, context + 1, np.int32),
+        block_tables=tables,
+        slot_mapping=slots,
+        prompt_lens=np.full(batch, context, np.int32),
+        sample=np.ones(batch, bool),
+        sampling=SamplingArrays.defaults(batch),
+        prompt_logprobs=np.full(batch, -1, np.int32),
+    )
+
+
+def prefill_batch(runner: ModelRunner, tokens: int, rng: np.random.Generator) -> StepBatch:
+    block = runner.kv_cache.block_size
+    tables = np.arange(-(-tokens // block), dtype=np.int32)[None, :]
+    positions = np.arange(tokens, dtype=np.int64)
+    return StepBatch(
+        request_ids=np.array([10_000], np.int64),
+        input_ids=rng.integers(0, runner.model_config.vocab_size, tokens),
+        positions=positions,
+        query_start_loc=np.array([0, tokens], np.int32),
+        context_lens=np.array([tokens], np.int32),
+        block_tables=tables,
+        slot_mapping=tables[0, positions // block].astype(np.int64) * block + positions % block,
+        prompt_lens=np.array([tokens], np.int32),
+        sample=np.ones(1, bool),
+        sampling=SamplingArrays.defaults(1),
+        prompt_logprobs=np.full(1, -1, np.int32),
+    )
+
+
+class UnpagedBaseline:
+    """The same fp32 layers with contiguous KV tensors and plain SDPA (no paging, GQA by repeat)."""
+
+    def __init__(self, model: CausalLM, batch: int, max_len: int) -> None:
+        self.model = model
+        c = model.config
+        self.k = [
+            torch.zeros(batch, c.num_kv_heads, max_len, c.head_dim) for _ in range(c.num_layers)
+        ]
+        self.v = [torch.zeros_like(k) for k in self.k]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+        # input_ids: [B, S] int64; positions start..start+S-1 for every sequence
+        m, c = self.model, self.model.config
+        batch, length = input_ids.shape
+        positions = torch.arange(start, start + length)
+        freqs = positions.float()[:, None] * m.inv_freq[None, :]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        x = m.model.embed_tokens(input_ids)  # [B, S, hidden]
+        group = c.num_heads // c.num_kv_heads
+        for i, layer in enumerate(m.model.layers):
+            h = layer.input_layernorm(x.reshape(-1, c.hidden_size))
+            q, k, v = layer.self_attn.qkv_proj(h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = apply_rotary(
+                q.view(-1, c.num_heads, c.head_dim),
+                cos.repeat(batch, 1, 1),
+                sin.repeat(batch, 1, 1),
+            )
+            k = apply_rotary(
+                k.view(-1, c.num_kv_heads, c.head_dim),
+                cos.repeat(batch, 1, 1),
+                sin.repeat(batch, 1, 1),
+            )
+            q = q.view(batch, length, c.num_heads, c.head_dim).transpose(1, 2)
+            self.k[i][:, :, start : start + length] = k.view(
+                batch, length, c.num_kv_heads, c.head_dim
+            ).transpose(1, 2)
+            self.v[i][:, :, start : start + length] = v.reshape(
+                batch, length, c.num_kv_heads, c.head_dim
+            ).transpose(1, 2)
+            keys = self.k[i][:, :, : start + length].repeat_interleave(group, dim=1)
+            values = self.v[i][:, :, : start + length].repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=length > 1)
+            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(batch, length, c.q_size))
+            x = x + layer.mlp(layer.post_attention_layernorm(x.reshape(-1, c.hidden_size))).view_as(
+                x
+            )
+        return m.lm_head(m.model.norm(x[:, -1])).float()
+
+
+def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    bandwidth = read_bandwidth_gb_s()
+    print(f"memory read bandwidth: {bandwidth:.1f} GB/s", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    max_batch = max(args.batches)
+    per_seq = -(-(args.context + 1) // 16) + 1
+    rows: list[dict[str, Any]] = []
+    baseline_decode: dict[int, float] = {}
+    baseline_prefill = 0.0
+    for weights in args.weights:
+        dtype, quantization = WEIGHTS[weights]
+        element = 4 if dtype == "float32" else 2
+        config = RunnerConfig(
+            dtype=dtype,
+            quantization=quantization,
+            kv_cache_bytes=max(max_batch * per_seq, -(-args.prefill_tokens // 16) + 1)
+            * 16
+            * 2
+            * _kv_row_bytes(args.model_path, element),
+            threads=args.threads,
+        )
+        print(f"[{weights}] loading ...", file=sys.stderr, flush=True)
+        runner = ModelRunner.from_path(args.model_path, config)
+        c = runner.model_config
+        if args.baseline and weights == "fp32":
+            print("[baseline] unpaged fp32 ...", file=sys.stderr, flush=True)
+            base = UnpagedBaseline(runner.model, 1, args.prefill_tokens + 1)
+            prompt = torch.from_numpy(rng.integers(0, c.vocab_size, (1, args.prefill_tokens)))
+            baseline_prefill = args.prefill_tokens / _median_time(
+                partial(base.forward, prompt, 0), 2
+            )
+            for batch in args.batches:
+                base = UnpagedBaseline(runner.model, batch, args.context + 1)
+                token = torch.from_numpy(rng.integers(0, c.vocab_size, (batch, 1)))
+                baseline_decode[batch] = batch / _median_time(
+                    partial(base.forward, token, args.context), args.steps
+                )
+        step = prefill_batch(runner, args.prefill_tokens, rng)
+        seconds = _median_time(partial(runner.step, step), 2)
+        runner.free([10_000])
+        rows.append(
+            {
+                "mode": "prefill",
+                "batch": 1,
+                "context": args.prefill_tokens,
+                "weights": weights,
+                "tok_per_s": args.prefill_tokens / seconds,
+                "baseline_tok_per_s": baseline_prefill,
+                "roofline_fraction": None,
+            }
+        )
+        print(
+            f"[{weights}] prefill {args.prefill_tokens}: {args.prefill_tokens / seconds:.0f} tok/s",
+            file=sys.stderr,
+        )
+        for batch in args.batches:
+            step = decode_batch(runner, batch, args.context, rng)
+            seconds = _median_time(partial(runner.step, step), args.steps)
+            runner.free(np.arange(batch))
+            kv_bytes = batch * (args.context + 1) * _kv_row_bytes(args.model_path, element) * 2
+            w_bytes = weight_bytes_read(runner.model, batch)
+            ideal = (w_bytes + kv_bytes) / (bandwidth * 1e9)
+            rows.append(
+                {
+                    "mode": "decode",
+                    "batch": batch,
+                    "context": args.context,
+                    "weights": weights,
+                    "tok_per_s": batch / seconds,
+                    "baseline_tok_per_s": baseline_decode.get(batch, 0.0),
+                    "roofline_fraction": ideal / seconds,
+                    "step_ms": seconds * 1e3,
+                    "bytes_per_step": w_bytes + kv_bytes,
+                }
+            )
+            print(
+                f"[{weights}] decode batch {batch}: {batch / seconds:.0f} tok/s ({seconds * 1e3:.1f} ms/step)",
+                file=sys.stderr,
+            )
+    return {"bandwidth_gb_s": bandwidth, "rows": rows}
+
+
+def _kv_row_bytes(model_path: str, element: int) -> int:
+    """Bytes of K (or V) for one token across all layers."""
+    from gpu.config import load_model_config
+
+    c = load_model_config(model_path)
+    return c.num_layers * c.num_kv_heads * c.head_dim * element
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [
+        f"{'mode':<8} {'weights':<7} {'batch':>5} {'ctx':>5} {'tok/s':>9} {'baseline':>9} {'x base':>7} {'ms/step':>8} {'roofline':>9}",
+        "-" * 75,
+    ]
+    for r in report["rows"]:
+        ratio = (
+            r["tok_per_s"] / r["baseline_tok_per_s"] if r["baseline_tok_per_s"] else float("nan")
+        )
+        roof = f"{r['roofline_fraction']:.0%}" if r["roofline_fraction"] is not None else "-"
+        step = f"{r['step_ms']:.1f}" if "step_ms" in r else "-"
+        lines.append(
+            f"{r['mode']:<8} {r['weights']:<7} {r['batch']:>5} {r['context']:>5} {r['tok_per_s']:>9.0f} "
+            f"{r['baseline_tok_per_s']:>9.0f} {ratio:>6.2f}x {step:>8} {roof:>9}"
+        )
+    lines.append(f"\nmemory read bandwidth {report['bandwidth_gb_s']:.1f} GB/s")
+    return "\n".join(lines)
