@@ -137,6 +137,9 @@ def run_serve_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
             load = run.get("concurrency", run.get("request_rate"))
             print(f"\n{run['url']} at {load}:\n{format_stages(run['stages'], run['overhead'])}")
+        if "request_stage_ms" in run:
+            parts = ", ".join(f"{k} {v['mean']:.1f}" for k, v in run["request_stage_ms"].items())
+            print(f"time per request in each stage (ms, mean): {parts}")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)

@@ -89,6 +89,9 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str = ""
+    stage_ms: dict[str, float] = field(
+        default_factory=dict
+    )  # from the server's per-request metrics
 
     @property
     def tpot_s(self) -> float:
@@ -204,6 +207,9 @@ class Client:
                         result.error = str(chunk["error"])[:200]
                         return result
                     now = time.perf_counter()
+                    stages = (chunk.get("metrics") or {}).get("stage_time_ms")
+                    if stages:
+                        result.stage_ms = {k: float(v) for k, v in stages.items()}
                     if chunk.get("usage"):
                         result.output_tokens = chunk["usage"].get("completion_tokens", 0)
                         result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
@@ -310,6 +316,14 @@ def summarize(
         "client_cpu_fraction": cpu_s / wall_s if wall_s else 0.0,
         "error_samples": sorted({r.error for r in results if not r.ok})[:3],
     }
+    stage_names = sorted({name for r in ok for name in r.stage_ms})
+    if (
+        stage_names
+    ):  # the server sends per-request metrics (pipeline-serve --enable-per-request-metrics)
+        summary["request_stage_ms"] = {
+            name: percentiles_ms([r.stage_ms.get(name, 0.0) / 1e3 for r in ok])
+            for name in stage_names
+        }
     if slo is not None:
         good = [r for r in results if slo.met(r)]
         summary["goodput_req_per_s"] = len(good) / wall_s if wall_s else 0.0

@@ -87,7 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes for the KV cache: 1073741824, 512MiB, 4GiB, 2GB",
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16"])
-    parser.add_argument("--quantization")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="weight-only quantized linears; auto: int4 for a GGUF whose linears are Q4_1 "
+        "(its blocks map onto int4 without loss, as the default model's do), none otherwise",
+    )
     parser.add_argument("--threads", type=_positive_int, help="CPU threads for the model")
     parser.add_argument("--seed", type=int, help="seed of the engine's default generator")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
@@ -138,7 +144,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "block_size": args.block_size,
         "kv_cache_bytes": args.kv_cache_memory,
         "dtype": None if args.dtype == "auto" else _DTYPE_ALIASES.get(args.dtype, args.dtype),
-        "quantization": args.quantization,
+        "quantization": _quantization(args.quantization, args.model),
         "threads": args.threads,
         "seed": args.seed,
     }
@@ -151,6 +157,24 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         **{name: value for name, value in engine_overrides.items() if value is not None},
     )
     return config, engine_config
+
+
+def _quantization(choice: str, model_path: str) -> str | None:
+    if choice == "none":
+        return None
+    if choice != "auto":
+        return choice
+    return "int4" if _is_q4_1_gguf(model_path) else None
+
+
+def _is_q4_1_gguf(model_path: str) -> bool:
+    """True for a GGUF whose file type is "mostly Q4_1" (llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_1 = 3)."""
+    if not (model_path.endswith(".gguf") and Path(model_path).is_file()):
+        return False
+    import gguf
+
+    field = gguf.GGUFReader(model_path).fields.get("general.file_type")
+    return field is not None and int(field.parts[field.data[0]][0]) == 3
 
 
 def _url(config: ServerConfig) -> str:

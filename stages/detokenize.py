@@ -182,18 +182,14 @@ class DetokenizeActor(AsyncActor):
                     detokenize_ns=state.busy_ns,
                     num_preemptions=n_preempt,
                 )
-            out_rows.append((handle, final, n_prompt, n_output, 1 if token >= 0 else 0))
+            out_rows.append((handle, final, n_prompt, n_output, token))
             texts.append(text.encode("utf-8"))
-            extras.append(
-                encoder.encode(
-                    DeltaExtra(
-                        token_ids=[token] if token >= 0 else [],
-                        logprobs=logprobs,
-                        stop_reason=stop_reason,
-                        metrics=metrics,
-                    )
-                )
-            )
+            # Most rows are a token and its text: only the others carry an encoded extra.
+            if logprobs is None and stop_reason is None and metrics is None:
+                extras.append(b"")
+            else:
+                extra = DeltaExtra(logprobs=logprobs, stop_reason=stop_reason, metrics=metrics)
+                extras.append(encoder.encode(extra))
         if not out_rows:
             return None, stopped
         return {

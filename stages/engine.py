@@ -37,6 +37,7 @@ from stages.config import EngineConfig, num_kv_blocks
 from stages.render import prompt_token_ids, resolve_max_model_len
 from stages.schedule import GAUGES
 from stages.wire import (
+    DeltaExtra,
     WireLogprob,
     WireMetrics,
     encode_request,
@@ -47,6 +48,7 @@ from stages.wire import (
 log = structlog.get_logger("stages.engine")
 
 STOP_ORDER = ("render", "schedule", "execute", "detokenize")
+_PLAIN = DeltaExtra()  # a delta row with only a token and its text
 
 
 def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpec]]:
@@ -323,16 +325,17 @@ class Engine:
                     text = message["text"].tobytes()
                     extra_offsets = message["extra_offsets"].tolist()
                     extra = message["extra"].tobytes()
-                for i, (handle, finish, n_prompt, n_output, _) in enumerate(rows):
+                for i, (handle, finish, n_prompt, n_output, token) in enumerate(rows):
                     queue = self._streams.get(handle)
                     if queue is None:
                         continue
-                    info = extra_decoder.decode(extra[extra_offsets[i] : extra_offsets[i + 1]])
+                    start, end = extra_offsets[i], extra_offsets[i + 1]
+                    info = extra_decoder.decode(extra[start:end]) if end > start else _PLAIN
                     queue.put_nowait(
                         RequestOutput(
                             request_id=self._ids.get(handle, ""),
                             text=text[text_offsets[i] : text_offsets[i + 1]].decode("utf-8"),
-                            token_ids=tuple(info.token_ids),
+                            token_ids=(token,) if token >= 0 else (),
                             prompt_token_ids=None,
                             num_prompt_tokens=n_prompt,
                             num_output_tokens=n_output,

@@ -164,7 +164,7 @@ DELTA_ROW = np.dtype(
         ("finish", np.int8),
         ("num_prompt_tokens", np.int32),
         ("num_output_tokens", np.int32),
-        ("num_new_tokens", np.int32),
+        ("token_id", np.int64),  # the new token, -1 if none
     ]
 )
 DELTAS = Record(

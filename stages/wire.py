@@ -95,11 +95,11 @@ class WireMetrics(msgspec.Struct, array_like=True):
 
 
 class DeltaExtra(msgspec.Struct, array_like=True, omit_defaults=True):
-    token_ids: list[int]
+    """What a delta row carries beyond its token and text; rows with none of it carry no bytes."""
+
     logprobs: list[WireLogprob] | None = None
     stop_reason: str | int | None = None
     metrics: WireMetrics | None = None
-    prompt_token_ids: list[int] | None = None
 
 
 def encode_request(request: api.GenerateRequest) -> bytes:

@@ -28,6 +28,7 @@ def test_bench_profiles_a_dummy_server(tmp_path, capsys):
                 str(port),
                 "--log-format",
                 "json",
+                "--enable-per-request-metrics",
             ],
             cwd=ROOT,
             stdout=log,
@@ -75,6 +76,9 @@ def test_bench_profiles_a_dummy_server(tmp_path, capsys):
     assert run["stages"]["render"]["spans"] == 16
     assert run["overhead"]["tokens"] == 16 * 32 and run["overhead"]["overhead_us_per_token"] > 0
     assert run["overhead"]["cpu_s_server"] > 0
+    stages = run["request_stage_ms"]  # each request's own time in each stage, from its metrics
+    assert {"render", "queue", "prefill", "decode", "detokenize"} <= set(stages)
+    assert stages["decode"]["mean"] > 0
     charts = set(os.listdir(tmp_path / "charts"))
     assert {"ttft_cdf.png", "itl_cdf.png", "throughput.png", "gantt_concurrency_8.png"} <= charts
     assert "us per generated token" in capsys.readouterr().out

@@ -35,7 +35,11 @@ def fake_app() -> web.Application:
                 await asyncio.sleep(ITL_S)
             chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        usage = {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": TOKENS}}
+        usage = {
+            "choices": [],
+            "usage": {"prompt_tokens": 10, "completion_tokens": TOKENS},
+            "metrics": {"stage_time_ms": {"render": 1.5, "queue": 0.5, "decode": 100.0}},
+        }
         await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         return resp
 
@@ -95,6 +99,8 @@ def test_measures_the_fake_servers_known_timings(fake_url, tmp_path):
         e2e = (TTFT_S + (TOKENS - 1) * ITL_S) * 1e3
         assert run["e2e_ms"]["p50"] == pytest.approx(e2e, abs=40)
         assert run["mean_output_tokens"] == TOKENS and run["slo_attainment"] == 1.0
+        assert run["request_stage_ms"]["render"]["mean"] == pytest.approx(1.5)
+        assert run["request_stage_ms"]["decode"]["p50"] == pytest.approx(100.0)
     # Four streams at a time finish about four times as many requests per second as one.
     assert runs[1]["request_per_s"] / runs[0]["request_per_s"] == pytest.approx(4, rel=0.35)
     assert {p.name for p in (tmp_path / "charts").iterdir()} == {

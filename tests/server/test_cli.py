@@ -19,9 +19,11 @@ def test_defaults_use_the_embedded_model() -> None:
     config, engine_config = parse_args([])
     assert Path(default).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert config == ServerConfig(served_model_name="SmolLM2-135M-Instruct.Q4_1")
+    # The default model's linears are Q4_1: int4 runs them without loss, and fastest.
     assert engine_config == EngineConfig(
-        model_path=default, served_model_name="SmolLM2-135M-Instruct.Q4_1"
+        model_path=default, served_model_name="SmolLM2-135M-Instruct.Q4_1", quantization="int4"
     )
+    assert parse_args(["--quantization", "none"])[1].quantization is None
 
 
 def test_every_flag(tmp_path: Path) -> None:
