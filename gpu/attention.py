@@ -44,7 +44,7 @@ def paged_attention(
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
     decode_rows = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if len(decode_rows) > 1:
+    if decode_rows:
         rows = torch.tensor(decode_rows, dtype=torch.long, device=q.device)
         token_index = query_start_loc[:-1].long()[rows]
         out[token_index] = _decode_attention(

@@ -30,6 +30,7 @@ WEIGHTS = {  # name -> (model dtype, quantization)
     "bf16": ("bfloat16", None),
     "int8": ("float32", "int8"),
     "int4": ("float32", "int4"),
+    "int4_bf16": ("bfloat16", "int4"),  # int4 linears with bf16 activations and KV cache
 }
 
 

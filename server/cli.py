@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=_positive_int)
     parser.add_argument("--max-num-seqs", type=_positive_int)
     parser.add_argument("--max-num-batched-tokens", type=_positive_int)
+    parser.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=_positive_int,
+        help="prompt tokens a step may carry beside running decodes (bounds their ITL); "
+        "alone, a prompt gets the whole --max-num-batched-tokens",
+    )
     parser.add_argument("--block-size", type=_positive_int)
     parser.add_argument(
         "--kv-cache-memory",
@@ -141,6 +147,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding,
         "block_size": args.block_size,
         "kv_cache_bytes": args.kv_cache_memory,
         "dtype": None if args.dtype == "auto" else _DTYPE_ALIASES.get(args.dtype, args.dtype),

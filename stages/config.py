@@ -26,6 +26,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's context length
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
+    max_prefill_tokens_while_decoding: int = 128  # bounds ITL when prompts arrive during decodes
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024 * 1024
     dtype: str = "float32"

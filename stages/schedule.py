@@ -33,6 +33,7 @@ class ScheduleActor(AsyncActor):
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
                 max_model_len=resolve_max_model_len(config),
                 num_blocks=num_kv_blocks(config),
                 block_size=config.block_size,

@@ -151,6 +151,8 @@ class SchedulerConfig:
     max_model_len: int
     num_blocks: int
     block_size: int
+    # Prefill tokens a step may carry beside decodes (the whole budget when none run).
+    max_prefill_tokens_while_decoding: int = 128
 
 
 class Scheduler:
@@ -216,18 +218,28 @@ class Scheduler:
     def schedule(self) -> Step | None:
         budget = self.config.max_num_batched_tokens
         planned: list[ScheduledSeq] = []
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq.status != Status.RUNNING:
-                continue  # preempted while making room for an earlier one
-            if len(seq.output_ids) + seq.pending_outputs >= seq.max_tokens:
-                continue  # its last token is in flight
-            count = min(seq.num_tokens - seq.num_computed, budget)
-            if count <= 0 or not self._make_room(seq, seq.num_computed + count):
-                continue
-            planned.append(self._plan(seq, count))
-            budget -= count
+        taken: set[int] = set()  # handles in this step: never preempted to make room for another
+        # Decodes first, then unfinished prefills, then new requests. Beside decodes, prefills
+        # share a bounded allowance, which bounds the running streams' inter-token latency.
+        for decoding in (True, False):
+            if not decoding and planned:
+                budget = min(budget, self.config.max_prefill_tokens_while_decoding)
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status != Status.RUNNING or seq.handle in taken:
+                    continue  # preempted while making room, or already in this step
+                if len(seq.output_ids) + seq.pending_outputs >= seq.max_tokens:
+                    continue  # its last token is in flight
+                left = seq.num_tokens - seq.num_computed
+                if (left == 1) != decoding:
+                    continue
+                count = min(left, budget)
+                if count <= 0 or not self._make_room(seq, seq.num_computed + count, taken):
+                    continue
+                planned.append(self._plan(seq, count))
+                taken.add(seq.handle)
+                budget -= count
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             # A preempted request waits for its steps in flight before it is recomputed.
             admit = next((s for s in self.waiting if s.steps_in_flight == 0), None)
@@ -261,10 +273,13 @@ class Scheduler:
         seq.steps_in_flight += 1
         return ScheduledSeq(seq, start, count, sample)
 
-    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Blocks for seq to hold num_tokens, preempting later-admitted requests if needed."""
+    def _make_room(self, seq: Sequence, num_tokens: int, taken: set[int]) -> bool:
+        """Blocks for seq to hold num_tokens, preempting the latest-admitted requests not already in
+        this step; seq itself is the last resort (it then waits to be recomputed)."""
         while not self.blocks.grow(seq.blocks, num_tokens):
-            victim = self.running[-1]
+            victim = next((s for s in reversed(self.running) if s.handle not in taken), None)
+            if victim is None:
+                return False
             self._preempt(victim)
             if victim is seq:
                 return False

@@ -135,3 +135,19 @@ def test_priority_orders_admission():
     s.add(seq(2, 4, priority=0))
     step = s.schedule()
     assert step is not None and [x.seq.handle for x in step.seqs] == [2]
+
+
+def test_prefill_beside_decodes_is_capped_but_alone_takes_the_budget():
+    s = Scheduler(SchedulerConfig(8, 64, 512, 64, 4, max_prefill_tokens_while_decoding=10))
+    s.add(seq(1, 40))
+    step, _ = run_step(s)
+    assert [x.num_tokens for x in step.seqs] == [40]  # nothing decoding: the whole prompt at once
+    s.add(seq(2, 40))
+    s.add(seq(3, 40))
+    step, _ = run_step(s)
+    assert {x.seq.handle: x.num_tokens for x in step.seqs} == {
+        1: 1,
+        2: 10,
+    }  # capped beside a decode
+    step, _ = run_step(s)
+    assert {x.seq.handle: x.num_tokens for x in step.seqs} == {1: 1, 2: 10}
