@@ -4,32 +4,18 @@ the official openai client."""
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import openai
 import pytest
 
 from pipeline.names import names_in_shm, pid_alive
+from tests.e2e.serving import http_get, running_server
 from tests.server.live import free_port
 from tests.stages.tiny import build_tiny_chat_model
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def http_get(port: int, path: str) -> tuple[int, str]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        connection.close()
 
 
 def metric(port: int, name: str) -> float:
@@ -45,13 +31,8 @@ def server(tmp_path_factory):
     model = build_tiny_chat_model(tmp_path_factory.mktemp("tiny"))
     port = free_port()
     log_path = tmp_path_factory.mktemp("logs") / "serve.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "server.cli",
+    args = [
         str(model),
-        "--port",
-        str(port),
         "--served-model-name",
         "tiny",
         "--max-model-len",
@@ -63,31 +44,9 @@ def server(tmp_path_factory):
         "--threads",
         "1",
         "--enable-per-request-metrics",
-        "--log-format",
-        "json",
     ]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                assert process.poll() is None, log_path.read_text()[-3000:]
-                try:
-                    if http_get(port, "/health")[0] == 200:
-                        break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-                time.sleep(0.1)
-            yield port, process
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+    with running_server(args, port, log_path) as process:
+        yield port, process
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,51 @@
+"""`pipeline-serve` as a real process tree for end-to-end tests: start it, wait for /health, stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], port: int, log_path: Path) -> Iterator[subprocess.Popen]:
+    """`python -m server.cli ARGS --port PORT`, ready (200 on /health) within 120 s; SIGTERM after."""
+    argv = [sys.executable, "-m", "server.cli", *args, "--port", str(port), "--log-format", "json"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None, log_path.read_text()[-3000:]
+                with contextlib.suppress(OSError):
+                    if http_get(port, "/health")[0] == 200:
+                        break
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.1)
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
