@@ -433,6 +433,8 @@ class Producer(_RingEnd):
         self._staging = np.empty(0, np.uint8)
         self._pending: tuple[int, np.ndarray, int] | None = None  # type_id, body, bytes sent
         self._type_ids = {r.name: i for i, r in enumerate(self.vocabulary.records)}
+        # The shape whose counts each slot holds now, so an unchanged one is not written again.
+        self._slot_shapes: list[tuple[int, int, tuple[int, ...]] | None] = [None] * self._n_slots
 
     # -- sync API --------------------------------------------------------------------------------
 
@@ -449,7 +451,8 @@ class Producer(_RingEnd):
         type_id, rec = self._lookup(record)
         # Fast path: this shape was laid out in this slot before; its views are still valid.
         slot = self._seq % self._n_slots
-        cached = self._views.get((type_id, slot, tuple(counts)))
+        key = (type_id, slot, tuple(counts))
+        cached = self._views.get(key)
         if cached is not None and not self._holds_space:
             try:
                 self._spaces.acquire(0)
@@ -457,7 +460,9 @@ class Producer(_RingEnd):
                 self._wait(self._spaces, timeout_s)
             self._holds_space = True
             size, views = cached
-            rec.pack_counts(self._map, self._offsets[slot] + SLOT_HEADER_BYTES, counts)
+            if self._slot_shapes[slot] != key:  # the counts in the slot are another message's
+                rec.pack_counts(self._map, self._offsets[slot] + SLOT_HEADER_BYTES, counts)
+                self._slot_shapes[slot] = key
             self._draft = (type_id, size, None)
             return views
         size = rec.body_bytes(counts)
@@ -534,6 +539,7 @@ class Producer(_RingEnd):
             slot = self._seq % self._n_slots
             offset = self._offsets[slot] + SLOT_HEADER_BYTES
             key = (type_id, slot, tuple(counts))
+            self._slot_shapes[slot] = key
             cached = self._views.get(key)
             if cached is None:
                 views = rec.write_layout(self._map, offset, counts)
@@ -585,6 +591,7 @@ class Producer(_RingEnd):
         chunk = min(self._chunk_capacity, len(body) - sent)
         slot = self._seq % self._n_slots
         self._slots[slot, SLOT_HEADER_BYTES : SLOT_HEADER_BYTES + chunk] = body[sent : sent + chunk]
+        self._slot_shapes[slot] = None
         flags = (FIRST if sent == 0 else 0) | (LAST if sent + chunk == len(body) else 0)
         self._publish_slot(type_id, flags, len(body), chunk)
         sent += chunk

@@ -259,3 +259,15 @@ def test_names_are_prefixed_and_removable():
     assert len(made) == 5 and all(n.removeprefix("sem.").startswith("pserve.") for n in made)
     handle.unlink()
     assert names_in_shm(ns) == []
+
+
+def test_repeated_and_alternating_shapes_keep_their_counts(ring_factory):
+    handle = ring_factory(n_slots=2, slot_bytes=1024)
+    shapes = [3, 5] * 4 + [5, 3] * 4 + [3, 3, 7, 3]  # slots see the same shape, then the other
+    with handle.producer() as producer, handle.consumer() as consumer:
+        for i, size in enumerate(shapes):
+            data = np.full(size, i, np.uint8)
+            producer.send(BLOB, {"meta": np.array([i, 0, 0], np.int64), "data": data})
+            with consumer.recv(timeout_s=1) as msg:
+                assert msg["data"].tolist() == data.tolist()
+                assert msg["meta"][0] == i
