@@ -4,18 +4,43 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 
+import psutil
 import pytest
 
 from pipeline.names import names_in_shm, pid_alive
+
+
+def _stray_children() -> list[psutil.Process]:
+    """Processes this test run started that are still alive (multiprocessing's resource tracker,
+    which lives as long as the test process by design, aside)."""
+    stray = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()) and child.status() != "zombie":
+                stray.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return stray
 
 
 @pytest.fixture(autouse=True, scope="session")
 def no_leftovers():
     before = set(names_in_shm())
     yield
+    deadline = time.monotonic() + 10  # processes told to stop get a moment to finish
+    while _stray_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stray = _stray_children()
+    described = []
+    for child in stray:
+        try:
+            described.append((child.pid, " ".join(child.cmdline())[:120]))
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
     for child in multiprocessing.active_children():
-        child.kill()
         child.join(5)
     # Names of a live process other than this one belong to someone else running on the machine.
     left = sorted(
@@ -24,4 +49,5 @@ def no_leftovers():
         if (pid := int(name.removeprefix("sem.").split(".")[1])) == os.getpid()
         or not pid_alive(pid)
     )
+    assert not described, f"the suite left processes behind: {described}"
     assert not left, f"the suite left shared-memory names behind: {left}"
