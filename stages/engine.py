@@ -48,6 +48,8 @@ from stages.wire import (
 log = structlog.get_logger("stages.engine")
 
 STOP_ORDER = ("render", "schedule", "execute", "detokenize")
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 300.0
 _PLAIN = DeltaExtra()  # a delta row with only a token and its text
 
 
@@ -117,8 +119,24 @@ class Engine:
             vocab_size=self.bundle.vocab_size,
             created=int(time.time()),
         )
+        self.supervisor = self._new_supervisor()
+        self._restarts: list[float] = []  # monotonic times of recent restarts
+        self._restarting: asyncio.Task[None] | None = None
+        self._handles = itertools.count(1)
+        self._streams: dict[int, asyncio.Queue[RequestOutput | EngineError]] = {}
+        self._ids: dict[int, str] = {}
+        self._send_lock = asyncio.Lock()
+        self._aborts: asyncio.Queue[int] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready = False
+        self._failure: ActorFailed | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _new_supervisor(self) -> Supervisor:
+        config = self.config
         rings, actors = pipeline_layout(config)
-        self.supervisor = Supervisor(
+        return Supervisor(
             rings,
             actors,
             SupervisorConfig(
@@ -131,19 +149,9 @@ class Engine:
             owner_inboxes=("errors", "deltas"),
             owner_outboxes=("requests",),
         )
-        self._handles = itertools.count(1)
-        self._streams: dict[int, asyncio.Queue[RequestOutput | EngineError]] = {}
-        self._ids: dict[int, str] = {}
-        self._send_lock = asyncio.Lock()
-        self._aborts: asyncio.Queue[int] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._ready = False
-        self._failure: ActorFailed | None = None
-
-    # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start every stage (in a thread: model loading takes a while), then the reader tasks."""
+        """Start every stage (the loop keeps serving while models load), then the reader tasks."""
         await self.supervisor.start_async()
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -162,19 +170,52 @@ class Engine:
 
     async def stop(self) -> None:
         self._ready = False
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
+        if self._restarting is not None:
+            self._restarting.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+                await self._restarting
+        await self._stop_pipeline()
+
+    async def _stop_pipeline(self) -> None:
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        for task in self._tasks:
+            if task is not current:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._tasks = []
         await asyncio.to_thread(self.supervisor.stop, STOP_ORDER)
 
     def _on_failure(self, failure: ActorFailed) -> None:
+        """A stage died or hung: fail the requests in flight, then bring up a fresh pipeline.
+
+        The server stays up throughout (/health says 503 until the new stages are ready). More than
+        MAX_RESTARTS failures within RESTART_WINDOW_S leave the engine down, with the last reason.
+        """
         self._ready = False
         self._failure = failure
         error = EngineError(f"the engine failed: {failure}", status=500, type="InternalServerError")
         for queue in self._streams.values():
             queue.put_nowait(error)
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(self._restarts) > MAX_RESTARTS:
+            log.error("engine failed too often; not restarting", reason=str(failure))
+            return
+        self._restarting = asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        log.warning("restarting the pipeline", reason=str(self._failure))
+        await self._stop_pipeline()
+        self.supervisor = self._new_supervisor()
+        try:
+            await self.start()
+        except Exception as exc:
+            log.error("the pipeline did not come back", error=str(exc))
+            return
+        self._failure = None
 
     # -- EngineClient ----------------------------------------------------------------------------
 
