@@ -102,20 +102,25 @@ class ServerMetrics:
             "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
         )
         self.registry.register(_EngineStatsCollector(stats, model_name, frozenset(owned)))
+        # The per-token paths use these children directly: `.labels()` costs a lock and a lookup.
+        self._prompt_tokens = self.prompt_tokens.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(model_name)
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
 
     def observe_first_output(self, num_prompt_tokens: int, ttft_s: float) -> None:
-        self.prompt_tokens.labels(self._model_name).inc(num_prompt_tokens)
-        self.ttft.labels(self._model_name).observe(ttft_s)
+        self._prompt_tokens.inc(num_prompt_tokens)
+        self._ttft.observe(ttft_s)
 
     def observe_tokens(self, num_new_tokens: int, gap_s: float | None) -> None:
         """`gap_s`: time since the previous output, spread over the tokens it brought."""
         if num_new_tokens <= 0:
             return
-        self.generation_tokens.labels(self._model_name).inc(num_new_tokens)
+        self._generation_tokens.inc(num_new_tokens)
         if gap_s is not None:
             per_token = gap_s / num_new_tokens
             for _ in range(num_new_tokens):
-                self.itl.labels(self._model_name).observe(per_token)
+                self._itl.observe(per_token)
 
     def observe_finish(
         self,
