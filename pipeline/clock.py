@@ -18,3 +18,15 @@ def elapsed_ms(start_ns: int, end_ns: int) -> float:
     if start_ns <= 0 or end_ns <= 0:
         return 0.0
     return (end_ns - start_ns) / 1e6
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (all threads) the process has used, to the nanosecond.
+
+    The kernel's per-process CPU clock: clockid ((~pid) << 3) | 2 (CPUCLOCK_SCHED of that process),
+    where /proc's tick counts would round to 10 ms. Raises ProcessLookupError for a process gone.
+    """
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError as exc:
+        raise ProcessLookupError(pid) from exc

@@ -19,6 +19,7 @@ import structlog
 
 from gpu.tokenizer import load_tokenizer
 from pipeline.actor import ActorSpec
+from pipeline.clock import process_cpu_s
 from pipeline.errors import ActorFailed, RuntimeFault
 from pipeline.ring import RingSpec
 from pipeline.supervisor import Supervisor, SupervisorConfig
@@ -69,9 +70,17 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
     execute_entry = (
         "stages.execute:ExecuteActor" if not config.dummy else "stages.dummy:DummyExecuteActor"
     )
+    # The asyncio stages do not spin: a spin blocks their whole event loop, several readers each
+    # spin, and messages come once per step (milliseconds apart), so spinning would only burn one
+    # of two cores. Execute, a blocking loop fed a step ahead, keeps the short default spin.
     actors = [
         ActorSpec(
-            "render", "stages.render:RenderActor", config, ("requests",), ("prompts", "errors")
+            "render",
+            "stages.render:RenderActor",
+            config,
+            ("requests",),
+            ("prompts", "errors"),
+            spin_s=0.0,
         ),
         ActorSpec(
             "schedule",
@@ -79,6 +88,7 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
             config,
             ("prompts", "results", "stop_hits"),
             ("plan", "tokens"),
+            spin_s=0.0,
         ),
         ActorSpec(
             "execute", execute_entry, config, ("plan",), ("results",), heartbeat_interval_s=0.5
@@ -89,6 +99,7 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
             config,
             ("tokens",),
             ("deltas", "stop_hits"),
+            spin_s=0.0,
         ),
     ]
     return rings, actors
@@ -145,6 +156,7 @@ class Engine:
                 heartbeat_timeout_s=120.0,
                 log_format=config.log_format,
                 log_level=config.log_level,
+                spin_s=0.0,  # the server's event loop serves HTTP: it must not spin either
             ),
             owner_inboxes=("errors", "deltas"),
             owner_outboxes=("requests",),
@@ -318,17 +330,14 @@ class Engine:
         return {name: buffer.read_new() for name, buffer in self.supervisor.traces.items()}
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds (user + system, all threads) each process of the pipeline has used so far."""
+        """CPU seconds (all threads) each process of the pipeline has used so far."""
         import os
-
-        import psutil
 
         pids = {"server": os.getpid(), **self.supervisor.pids()}
         out = {}
         for name, pid in pids.items():
-            with contextlib.suppress(psutil.Error):
-                times = psutil.Process(pid).cpu_times()
-                out[name] = times.user + times.system
+            with contextlib.suppress(ProcessLookupError):
+                out[name] = process_cpu_s(pid)
         return out
 
     # -- readers ---------------------------------------------------------------------------------

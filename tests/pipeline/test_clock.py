@@ -30,3 +30,27 @@ def test_helpers():
     import time
 
     assert abs((now_ns() + offset) - time.time_ns()) < 50_000_000
+
+
+def test_process_cpu_of_another_process_is_precise():
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from pipeline.clock import process_cpu_s
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.05: pass\nprint(1, flush=True)\ntime.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", busy], stdout=subprocess.PIPE)
+    try:
+        proc.stdout.readline()  # it has burnt 50 ms
+        used = process_cpu_s(proc.pid)
+        assert 0.05 <= used < 5.0
+        time.sleep(0.1)
+        assert process_cpu_s(proc.pid) - used < 0.01  # asleep: no more CPU
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(ProcessLookupError):
+        process_cpu_s(proc.pid)
