@@ -221,21 +221,29 @@ class Scheduler:
         taken: set[int] = set()  # handles in this step: never preempted to make room for another
         # Decodes first, then unfinished prefills, then new requests. Beside decodes, prefills
         # share a bounded allowance, which bounds the running streams' inter-token latency.
-        for decoding in (True, False):
-            if not decoding and planned:
+        decodes: list[tuple[Sequence, int]] = []
+        prefills: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if (
+                seq.num_prompt + len(seq.output_ids) + seq.pending_outputs
+                >= seq.max_tokens + seq.num_prompt
+            ):
+                continue  # its last token is in flight
+            left = seq.num_tokens - seq.num_computed
+            (decodes if left == 1 else prefills).append((seq, left))
+        capacity = self.blocks.block_size
+        for group in (decodes, prefills):
+            if group is prefills and planned:
                 budget = min(budget, self.config.max_prefill_tokens_while_decoding)
-            for seq in list(self.running):
+            for seq, left in group:
                 if budget == 0:
                     break
-                if seq.status != Status.RUNNING or seq.handle in taken:
-                    continue  # preempted while making room, or already in this step
-                if len(seq.output_ids) + seq.pending_outputs >= seq.max_tokens:
-                    continue  # its last token is in flight
-                left = seq.num_tokens - seq.num_computed
-                if (left == 1) != decoding:
-                    continue
+                if seq.status != Status.RUNNING:
+                    continue  # preempted while making room for an earlier one
                 count = min(left, budget)
-                if count <= 0 or not self._make_room(seq, seq.num_computed + count, taken):
+                need = seq.num_computed + count
+                # Most steps stay inside the last block: only a crossing asks for room.
+                if need > len(seq.blocks) * capacity and not self._make_room(seq, need, taken):
                     continue
                 planned.append(self._plan(seq, count))
                 taken.add(seq.handle)
