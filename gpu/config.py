@@ -174,3 +174,11 @@ def config_from_gguf(reader: Any) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         sliding_window=None if sliding_window is None else int(sliding_window),
     )
+
+
+def kv_block_bytes_for(config: ModelConfig, block_size: int, element_bytes: int) -> int:
+    """Bytes one KV block takes across all layers, K and V together (torch-free: the scheduler
+    sizes the cache with it too)."""
+    return (
+        2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_bytes
+    )

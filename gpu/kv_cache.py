@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from gpu.config import ModelConfig
+from gpu.config import ModelConfig, kv_block_bytes_for
 
 DEFAULT_BLOCK_SIZE = 16
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V together."""
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    return (
-        2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_bytes
-    )
+    return kv_block_bytes_for(config, block_size, torch.empty((), dtype=dtype).element_size())
 
 
 def num_blocks_for_budget(

@@ -152,15 +152,21 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
         log.exception("request failed", path=request.path)
         return json_response(error_body(f"internal error: {error}", "InternalServerError"), 500)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
+    async def generation_route(
+        schema: Any,
+        id_prefix: str,
+        prompt_of: Callable[[Any], Any],
+        stream_builder: Callable[..., Any],
+        collector: Callable[..., Any],
+    ) -> Response:
+        """Decode and validate the body, build the engine request, answer streaming or not."""
         arrival_ns = time.monotonic_ns()
-        body = await decode_body(ChatCompletionRequest)
+        body = await decode_body(schema)
         model = check_model(body.model)
         body.validate(engine.model_info.vocab_size)
         generate_request = GenerateRequest(
-            request_id=request_id_for(body.request_id, "chatcmpl"),
-            prompt=body.prompt(),
+            request_id=request_id_for(body.request_id, id_prefix),
+            prompt=prompt_of(body),
             sampling=body.sampling_params(),
             priority=body.priority,
             arrival_ns=arrival_ns,
@@ -169,33 +175,28 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
             generate_request,
             model,
             body.stream,
-            lambda ctx, first, outputs, tracker: stream_chat(ctx, body, first, outputs, tracker),
-            lambda ctx, first, outputs, tracker: collect_chat(ctx, body, first, outputs, tracker),
+            lambda ctx, first, outputs, tracker: stream_builder(ctx, body, first, outputs, tracker),
+            lambda ctx, first, outputs, tracker: collector(ctx, body, first, outputs, tracker),
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await generation_route(
+            ChatCompletionRequest,
+            "chatcmpl",
+            lambda body: body.prompt(),
+            stream_chat,
+            collect_chat,
         )
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        arrival_ns = time.monotonic_ns()
-        body = await decode_body(CompletionRequest)
-        model = check_model(body.model)
-        body.validate(engine.model_info.vocab_size)
-        generate_request = GenerateRequest(
-            request_id=request_id_for(body.request_id, "cmpl"),
-            prompt=body.prompt_value(),
-            sampling=body.sampling_params(),
-            priority=body.priority,
-            arrival_ns=arrival_ns,
-        )
-        return await generate(
-            generate_request,
-            model,
-            body.stream,
-            lambda ctx, first, outputs, tracker: stream_completion(
-                ctx, engine, body, first, outputs, tracker
-            ),
-            lambda ctx, first, outputs, tracker: collect_completion(
-                ctx, engine, body, first, outputs, tracker
-            ),
+        return await generation_route(
+            CompletionRequest,
+            "cmpl",
+            lambda body: body.prompt_value(),
+            lambda ctx, body, *rest: stream_completion(ctx, engine, body, *rest),
+            lambda ctx, body, *rest: collect_completion(ctx, engine, body, *rest),
         )
 
     @app.get("/v1/models")

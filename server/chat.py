@@ -13,7 +13,16 @@ from typing import Any
 
 from server.logprobs import chat_logprobs
 from server.schemas import ChatCompletionRequest
-from server.serving import ResponseContext, Tracker, chain, guarded_stream, sse, usage_body
+from server.serving import (
+    ResponseContext,
+    Tracker,
+    chain,
+    finish_event,
+    guarded_stream,
+    sse,
+    usage_body,
+    usage_event,
+)
 from stages.api import RequestOutput, TokenLogprob
 
 
@@ -71,17 +80,11 @@ def stream_chat(
                 content = _choice({"content": output.text}, logprobs)
                 yield sse(_chunk(ctx, [content], usage_now()))
             if output.finish_reason is not None:
-                finish = _chunk(
-                    ctx, [_choice({}, None, output.finish_reason, output.stop_reason)], usage_now()
-                )
-                if ctx.include_request_metrics and not request.include_usage:
-                    finish["metrics"] = tracker.metrics_body()
-                yield sse(finish)
+                choice = _choice({}, None, output.finish_reason, output.stop_reason)
+                finish = _chunk(ctx, [choice], usage_now())
+                yield finish_event(finish, ctx, tracker, request.include_usage)
         if request.include_usage:
-            final = _chunk(ctx, [], tracker.usage)
-            if ctx.include_request_metrics:
-                final["metrics"] = tracker.metrics_body()
-            yield sse(final)
+            yield usage_event(_chunk(ctx, [], tracker.usage), ctx, tracker)
 
     return guarded_stream(body(), outputs, tracker, ctx.request_id)
 

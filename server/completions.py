@@ -9,7 +9,15 @@ from typing import Any
 
 from server.logprobs import CompletionLogprobs, merge
 from server.schemas import CompletionRequest
-from server.serving import ResponseContext, Tracker, chain, guarded_stream, sse
+from server.serving import (
+    ResponseContext,
+    Tracker,
+    chain,
+    finish_event,
+    guarded_stream,
+    sse,
+    usage_event,
+)
 from stages.api import EngineClient, RequestOutput, TextPrompt
 
 
@@ -89,17 +97,11 @@ def stream_completion(
                 entries = logprobs.entries(output.logprobs or ()) if logprobs is not None else None
                 yield sse(_body(ctx, [_choice(output.text, entries)], usage_now()))
             if output.finish_reason is not None:
-                finish = _body(
-                    ctx, [_choice("", None, output.finish_reason, output.stop_reason)], usage_now()
-                )
-                if ctx.include_request_metrics and not request.include_usage:
-                    finish["metrics"] = tracker.metrics_body()
-                yield sse(finish)
+                choice = _choice("", None, output.finish_reason, output.stop_reason)
+                finish = _body(ctx, [choice], usage_now())
+                yield finish_event(finish, ctx, tracker, request.include_usage)
         if request.include_usage:
-            final = _body(ctx, [], tracker.usage)
-            if ctx.include_request_metrics:
-                final["metrics"] = tracker.metrics_body()
-            yield sse(final)
+            yield usage_event(_body(ctx, [], tracker.usage), ctx, tracker)
 
     return guarded_stream(body(), outputs, tracker, ctx.request_id)
 

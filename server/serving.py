@@ -147,6 +147,22 @@ async def chain(
             return
 
 
+def finish_event(
+    chunk: dict[str, Any], ctx: ResponseContext, tracker: Tracker, include_usage: bool
+) -> bytes:
+    """The chunk with finish_reason; it carries the per-request metrics when no usage chunk follows."""
+    if ctx.include_request_metrics and not include_usage:
+        chunk["metrics"] = tracker.metrics_body()
+    return sse(chunk)
+
+
+def usage_event(chunk: dict[str, Any], ctx: ResponseContext, tracker: Tracker) -> bytes:
+    """The final usage chunk (stream_options.include_usage), with the per-request metrics."""
+    if ctx.include_request_metrics:
+        chunk["metrics"] = tracker.metrics_body()
+    return sse(chunk)
+
+
 def stream_error(error: Exception, request_id: str) -> bytes:
     """An error after the 200 went out becomes an SSE error event (the client then sees [DONE])."""
     if isinstance(error, EngineError):

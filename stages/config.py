@@ -44,17 +44,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 def num_kv_blocks(config: EngineConfig) -> int:
     """KV blocks that fit the budget; execute allocates exactly these and schedule hands them out."""
-    from gpu.config import load_model_config
+    from gpu.config import kv_block_bytes_for, load_model_config
 
     model = load_model_config(config.model_path)
-    block_bytes = (
-        2
-        * model.num_layers
-        * config.block_size
-        * model.num_kv_heads
-        * model.head_dim
-        * DTYPE_BYTES[config.dtype]
-    )
+    block_bytes = kv_block_bytes_for(model, config.block_size, DTYPE_BYTES[config.dtype])
     blocks = config.kv_cache_bytes // block_bytes
     if blocks < 1:
         raise ValueError(

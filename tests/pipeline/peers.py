@@ -68,6 +68,13 @@ def consume_idle(handle: RingHandle, use_async: bool, seconds: float) -> None:
                 consumer.recv(timeout_s=seconds)
 
 
+def attach_and_hold(handle: RingHandle, attached) -> None:  # type: ignore[no-untyped-def]
+    """Attach as the consumer, say so, and never read (the test kills this process)."""
+    with handle.consumer():
+        attached.set()
+        time.sleep(60)
+
+
 def check_blob(message) -> int:  # type: ignore[no-untyped-def]
     seq, crc, _ = message["meta"].tolist()
     assert zlib.crc32(message["data"]) == crc, f"message {seq} corrupted"

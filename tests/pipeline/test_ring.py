@@ -157,8 +157,9 @@ def test_killed_producer_gives_a_clear_error_within_the_timeout(ring_factory):
 
 def test_blocked_producer_sees_a_dead_consumer(ring_factory):
     handle = ring_factory(n_slots=2, slot_bytes=256)
-    proc = spawn(peers.consume_idle, handle, False, 30.0)
-    time.sleep(0.5)
+    attached = SPAWN.Event()
+    proc = spawn(peers.attach_and_hold, handle, attached)
+    assert attached.wait(30)  # attached, and never reads: the ring fills
     with handle.producer() as producer:
         producer.send(BLOB, {"meta": np.zeros(3, np.int64), "data": np.zeros(10, np.uint8)})
         producer.send(BLOB, {"meta": np.zeros(3, np.int64), "data": np.zeros(10, np.uint8)})
