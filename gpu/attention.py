@@ -8,6 +8,10 @@ materialised: query heads are grouped per KV head (head h uses KV head h // grou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 
@@ -26,6 +30,51 @@ def write_kv(
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+@dataclass(slots=True, frozen=True)
+class AttentionInputs:
+    """One step's batch layout, shared by every layer."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    context_lens: torch.Tensor  # [B] int32, cached + new
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64
+
+
+@dataclass(slots=True, frozen=True)
+class StepLayout:
+    """What the CPU attention paths need to know of one step, worked out once, not per layer.
+
+    Decodes (one new token) are attended all at once; prefill chunks one by one.
+    """
+
+    inputs: AttentionInputs
+    decode_rows: torch.Tensor  # [S] int64: the token row of each decoding sequence
+    decode_block_tables: torch.Tensor  # [S, max_blocks] int32, contiguous
+    decode_context_lens: torch.Tensor  # [S] int32
+    prefills: tuple[tuple[int, int, int, int], ...]  # (sequence, first row, end row, context)
+    all_slots_valid: bool  # no token of the step skips the KV write (slot < 0)
+
+    @classmethod
+    def of(cls, inputs: AttentionInputs) -> StepLayout:
+        starts = inputs.query_start_loc.cpu().numpy().astype(np.int64)
+        lens = inputs.context_lens.cpu().numpy()
+        q_lens = np.diff(starts)
+        decodes = np.flatnonzero(q_lens == 1)
+        index = torch.from_numpy(decodes)
+        prefills = tuple(
+            (int(b), int(starts[b]), int(starts[b + 1]), int(lens[b]))
+            for b in np.flatnonzero(q_lens > 1)
+        )
+        return cls(
+            inputs=inputs,
+            decode_rows=torch.from_numpy(starts[decodes]).to(inputs.query_start_loc.device),
+            decode_block_tables=inputs.block_tables[index].contiguous(),
+            decode_context_lens=inputs.context_lens[index].contiguous(),
+            prefills=prefills,
+            all_slots_valid=bool((inputs.slot_mapping >= 0).all()),
+        )
+
+
 def paged_attention(
     q: torch.Tensor,  # q: [T, H, D]
     k_cache: torch.Tensor,  # k_cache: [num_blocks, block_size, KVH, D]
@@ -40,32 +89,51 @@ def paged_attention(
 
     With `sliding_window` w, a query at position p sees keys at positions p - w + 1 .. p.
     """
-    out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = context_lens.tolist()
-    decode_rows = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if decode_rows:
-        rows = torch.tensor(decode_rows, dtype=torch.long, device=q.device)
-        token_index = query_start_loc[:-1].long()[rows]
-        out[token_index] = _decode_attention(
-            q[token_index],
-            k_cache,
-            v_cache,
-            block_tables[rows],
-            context_lens[rows],
-            scale,
-            sliding_window,
-        ).to(q.dtype)
-        done = set(decode_rows)
-    else:
-        done = set()
+    inputs = AttentionInputs(query_start_loc, context_lens, block_tables, torch.zeros(0))
+    return laid_out_attention(q, k_cache, v_cache, StepLayout.of(inputs), scale, sliding_window)
+
+
+def laid_out_attention(
+    q: torch.Tensor,  # q: [T, H, D]
+    k_cache: torch.Tensor,  # k_cache: [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    layout: StepLayout,
+    scale: float,
+    sliding_window: int | None,
+    decode: Callable[..., None] | None = None,
+) -> torch.Tensor:  # -> [T, H, D] in q's dtype
+    """`paged_attention` over a precomputed layout. `decode`, when given, attends the decodes in
+    place (the native CPU kernel: `decode(q, k_cache, v_cache, rows, tables, lens, scale,
+    window, out)`); otherwise they go through the torch gather-and-bmm path."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    rows = layout.decode_rows
+    if len(rows):
+        if decode is not None:
+            decode(
+                q,
+                k_cache,
+                v_cache,
+                rows,
+                layout.decode_block_tables,
+                layout.decode_context_lens,
+                scale,
+                sliding_window,
+                out,
+            )
+        else:
+            out[rows] = _decode_attention(
+                q[rows],
+                k_cache,
+                v_cache,
+                layout.decode_block_tables,
+                layout.decode_context_lens,
+                scale,
+                sliding_window,
+            ).to(q.dtype)
     block_size = k_cache.shape[1]
-    for b, context_len in enumerate(lens):
-        start, end = starts[b], starts[b + 1]
-        if b in done or end == start:
-            continue
+    for b, start, end, context_len in layout.prefills:
         num_blocks = -(-context_len // block_size)
-        blocks = block_tables[b, :num_blocks].long()
+        blocks = layout.inputs.block_tables[b, :num_blocks].long()
         keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [L, KVH, D]
         values = v_cache[blocks].flatten(0, 1)[:context_len]
         out[start:end] = _prefill_attention(q[start:end], keys, values, scale, sliding_window).to(

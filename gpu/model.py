@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,35 +17,245 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu import attention as torch_attention
+from gpu import native
+from gpu.attention import AttentionInputs, StepLayout
 from gpu.config import ModelConfig, RopeScaling, UnsupportedModelError
 from gpu.loader import GgufRawTensor
-from gpu.quant import Int4Linear, Int8Linear, ThinThickLinear
+from gpu.quant import (
+    Int4Linear,
+    Int8Linear,
+    NativeQ4Linear,
+    NativeQ8Linear,
+    ThinThickLinear,
+)
 
 QUANTIZATION_MODES = ("int8", "int4")
 
-WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-PagedAttention = Callable[..., torch.Tensor]
+
+@dataclass(slots=True, frozen=True)
+class Rope:
+    """One step's rotary angles, computed once for every layer."""
+
+    cos: torch.Tensor  # [T, D // 2] float32
+    sin: torch.Tensor  # [T, D // 2] float32
 
 
 @dataclass(slots=True, frozen=True)
-class AttentionBackend:
-    """The two attention functions; the torch reference or the Triton kernels, same signatures."""
+class Kernels:
+    """What a decoder layer runs besides its linears, one implementation per device kind:
+    the torch reference path, the native CPU kernels (gpu/native) or the Triton GPU kernels.
 
-    write_kv: WriteKV
-    paged_attention: PagedAttention
+    `prepare` runs once per forward and its result is handed to every layer's
+    `rotary_write_kv` (rotates q and k of the fused qkv rows, stores k and v in the paged cache,
+    returns q as [T, H, D]) and `paged_attention` (-> [T, H, D]).
+    `add_rms_norm(x, residual, w, eps)` returns (rms_norm(x + residual) * w, x + residual) and
+    may reuse `residual`'s storage for the sum.
+    """
+
+    prepare: Callable[[AttentionInputs], Any]
+    rotary_write_kv: Callable[
+        [torch.Tensor, Rope, int, int, tuple[torch.Tensor, torch.Tensor], Any], torch.Tensor
+    ]
+    paged_attention: Callable[
+        [torch.Tensor, tuple[torch.Tensor, torch.Tensor], Any, float, int | None], torch.Tensor
+    ]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
 
 
-TORCH_ATTENTION = AttentionBackend(torch_attention.write_kv, torch_attention.paged_attention)
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama RMSNorm: normalise in float32, round to x's dtype, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
-@dataclass(slots=True, frozen=True)
-class AttentionInputs:
-    """One step's batch layout, shared by every layer."""
+def _torch_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return torch_rms_norm(summed, weight, eps), summed
 
-    query_start_loc: torch.Tensor  # [B + 1] int32
-    context_lens: torch.Tensor  # [B] int32, cached + new
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    slot_mapping: torch.Tensor  # [T] int64
+
+def _torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _split_rotate(
+    qkv: torch.Tensor, rope: Rope, num_heads: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, H, D], k and v [T, KVH, D]
+    head_dim = rope.cos.shape[1] * 2
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+    )
+    cos, sin = rope.cos.unsqueeze(1), rope.sin.unsqueeze(1)
+    q = apply_rotary(q.view(tokens, num_heads, head_dim), cos, sin)
+    k = apply_rotary(k.view(tokens, num_kv_heads, head_dim), cos, sin)
+    return q, k, v.view(tokens, num_kv_heads, head_dim)
+
+
+def _torch_rotary_write_kv(
+    qkv: torch.Tensor,
+    rope: Rope,
+    num_heads: int,
+    num_kv_heads: int,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    layout: StepLayout,
+) -> torch.Tensor:
+    q, k, v = _split_rotate(qkv, rope, num_heads, num_kv_heads)
+    k_cache, v_cache = kv
+    slots = layout.inputs.slot_mapping
+    if not layout.all_slots_valid:
+        keep = slots >= 0
+        k, v, slots = k[keep], v[keep], slots[keep]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    return q
+
+
+def _torch_paged_attention(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    layout: StepLayout,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    return torch_attention.laid_out_attention(q, kv[0], kv[1], layout, scale, sliding_window)
+
+
+TORCH_KERNELS = Kernels(
+    prepare=StepLayout.of,
+    rotary_write_kv=_torch_rotary_write_kv,
+    paged_attention=_torch_paged_attention,
+    rms_norm=torch_rms_norm,
+    add_rms_norm=_torch_add_rms_norm,
+    silu_mul=_torch_silu_mul,
+)
+
+
+def _native_ready(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _native_ready(x, weight) and x.dim() == 2:
+        return native.rms_norm(x, weight, eps)
+    return torch_rms_norm(x, weight, eps)
+
+
+def _native_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _native_ready(x, residual, weight) and x.dim() == 2:
+        return native.add_rms_norm(residual, x, weight, eps), residual
+    return _torch_add_rms_norm(x, residual, weight, eps)
+
+
+def _native_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _native_ready(gate_up) and gate_up.dim() == 2:
+        return native.silu_mul(gate_up)
+    return _torch_silu_mul(gate_up)
+
+
+def _native_rotary_write_kv(
+    qkv: torch.Tensor,
+    rope: Rope,
+    num_heads: int,
+    num_kv_heads: int,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    layout: StepLayout,
+) -> torch.Tensor:
+    if not _native_ready(qkv) or kv[0].dtype not in (torch.float32, torch.bfloat16):
+        return _torch_rotary_write_kv(qkv, rope, num_heads, num_kv_heads, kv, layout)
+    native.rope_write_kv(
+        qkv, rope.cos, rope.sin, num_heads, num_kv_heads, layout.inputs.slot_mapping, *kv
+    )
+    head_dim = rope.cos.shape[1] * 2
+    return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+
+
+def _native_paged_attention(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    layout: StepLayout,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    decode = native.paged_decode_attention if q.dtype == torch.float32 else None
+    return torch_attention.laid_out_attention(
+        q, kv[0], kv[1], layout, scale, sliding_window, decode
+    )
+
+
+NATIVE_KERNELS = Kernels(
+    prepare=StepLayout.of,
+    rotary_write_kv=_native_rotary_write_kv,
+    paged_attention=_native_paged_attention,
+    rms_norm=_native_rms_norm,
+    add_rms_norm=_native_add_rms_norm,
+    silu_mul=_native_silu_mul,
+)
+
+
+def triton_kernels() -> Kernels:
+    """The Triton kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    from gpu import kernels
+
+    def rotary_write_kv(
+        qkv: torch.Tensor,
+        rope: Rope,
+        num_heads: int,
+        num_kv_heads: int,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        inputs: AttentionInputs,
+    ) -> torch.Tensor:
+        q, k, v = _split_rotate(qkv, rope, num_heads, num_kv_heads)
+        kernels.write_kv(k, v, kv[0], kv[1], inputs.slot_mapping)
+        return q
+
+    def paged_attention(
+        q: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        inputs: AttentionInputs,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        return kernels.paged_attention(
+            q,
+            kv[0],
+            kv[1],
+            inputs.block_tables,
+            inputs.query_start_loc,
+            inputs.context_lens,
+            scale,
+            sliding_window,
+        )
+
+    return Kernels(
+        prepare=lambda inputs: inputs,
+        rotary_write_kv=rotary_write_kv,
+        paged_attention=paged_attention,
+        rms_norm=kernels.rms_norm,
+        add_rms_norm=kernels.fused_add_rms_norm,
+        silu_mul=kernels.silu_mul,
+    )
+
+
+def kernels_for(device: str | torch.device, use_native: bool | None = None) -> Kernels:
+    """Triton on CUDA; on CPU the native kernels where they build (unless `use_native` is
+    False), else the torch path."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return triton_kernels()
+    if kind == "cpu" and use_native is not False and native.available():
+        return NATIVE_KERNELS
+    return TORCH_KERNELS
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # -> [head_dim // 2] float32
@@ -76,9 +287,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return torch_rms_norm(x, self.weight, self.eps)
 
 
 def apply_rotary(
@@ -92,10 +301,10 @@ def apply_rotary(
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         self.config = config
-        self.backend = backend
+        self.kernels = kernels
         self.qkv_proj = nn.Linear(
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias
         )
@@ -105,76 +314,70 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # x: [T, hidden]
-        cos: torch.Tensor,  # cos: [T, 1, D // 2]
-        sin: torch.Tensor,  # sin: [T, 1, D // 2]
+        rope: Rope,
         kv: tuple[torch.Tensor, torch.Tensor],  # ([num_blocks, block_size, KVH, D]) * 2
-        inputs: AttentionInputs,
+        layout: Any,  # what kernels.prepare made of the step's AttentionInputs
     ) -> torch.Tensor:  # -> [T, hidden]
-        c = self.config
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
-        k_cache, v_cache = kv
-        self.backend.write_kv(k, v, k_cache, v_cache, inputs.slot_mapping)
-        out = self.backend.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            inputs.block_tables,
-            inputs.query_start_loc,
-            inputs.context_lens,
-            self.scale,
-            c.sliding_window,
-        )
+        c, kernels = self.config, self.kernels
+        q = kernels.rotary_write_kv(self.qkv_proj(x), rope, c.num_heads, c.num_kv_heads, kv, layout)
+        out = kernels.paged_attention(q, kv, layout, self.scale, c.sliding_window)
         return self.o_proj(out.reshape(-1, c.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.kernels = kernels
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, kernels)
 
     def forward(
         self,
-        x: torch.Tensor,  # x: [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        x: torch.Tensor,  # x: [T, hidden], the previous layer's output (or the embeddings)
+        residual: torch.Tensor | None,  # the residual stream before x is added; None: layer 0
+        rope: Rope,
         kv: tuple[torch.Tensor, torch.Tensor],
-        inputs: AttentionInputs,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, inputs)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        layout: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the residual stream)
+        """The residual add is fused into the next norm: the stream is x + residual."""
+        kernels, norm = self.kernels, self.input_layernorm
+        if residual is None:
+            residual, h = x, kernels.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, rope, kv, layout)
+        norm = self.post_attention_layernorm
+        h, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, kernels) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend = TORCH_ATTENTION) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__()
         self.config = config
-        self.model = Decoder(config, backend)
+        self.kernels = kernels
+        self.model = Decoder(config, kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -190,12 +393,17 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor,  # logits_indices: [S] int64, rows of T that need logits
     ) -> torch.Tensor:  # -> [S, vocab] float32
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
-        cos, sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
+        rope = Rope(freqs.cos(), freqs.sin())
+        layout = self.kernels.prepare(inputs)
         x = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, inputs)
-        x = self.model.norm(x[logits_indices])
-        return self.lm_head(x).float()
+            x, residual = layer(x, residual, rope, kv, layout)
+        if residual is not None:
+            x = x[logits_indices] + residual[logits_indices]
+        else:
+            x = x[logits_indices]
+        return self.lm_head(self.model.norm(x)).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -270,23 +478,28 @@ class _WithBias(nn.Module):
 def quantize_linears(
     model: CausalLM,
     mode: str,
-    q4_1_blocks: Mapping[str, GgufRawTensor] | None = None,
+    raw_blocks: Mapping[str, GgufRawTensor] | None = None,
     compute_dtype: torch.dtype = torch.bfloat16,
     max_thin_rows: int | None = 8,
+    use_native: bool | None = None,
 ) -> None:
     """Replace every decoder-layer linear with a weight-only quantized one, in place.
 
-    "int8": per-channel int8. "int4": group-32 int4; a layer whose GGUF parts are all Q4_1
-    (`q4_1_blocks`, by Hugging Face name) takes their blocks unchanged, which is lossless.
-    The quantized matmuls compute in `compute_dtype`: torch's int4/int8 CPU kernels are 10-100x
-    slower in float32 than in bfloat16. With `max_thin_rows`, inputs of more rows go through a
-    dense bf16 copy instead (ThinThickLinear), and the LM head gets an int8 copy for thin inputs;
-    the embedding table stays in float.
+    "int8": 8-bit, "int4": 4-bit weights. GGUF blocks in `raw_blocks` (by Hugging Face name)
+    are taken unchanged where their format is the one asked for (Q4_1 for int4, Q8_0 for int8
+    and the LM head), which is lossless; other weights are quantized here.
+    With the native CPU kernels (`use_native`, default: where they build) the formats are GGUF's
+    own (NativeQ4Linear, NativeQ8Linear); otherwise torch's packed int4/int8 kernels compute in
+    `compute_dtype` (their float32 paths are 10-100x slower than bfloat16).
+    With `max_thin_rows`, inputs of more rows go through a dense bf16 copy instead
+    (ThinThickLinear), and the LM head gets an 8-bit copy for thin inputs; the embedding table
+    stays in float.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization {mode!r} is not supported; use one of {QUANTIZATION_MODES}")
-    blocks = q4_1_blocks or {}
-    dtype = compute_dtype
+    blocks = raw_blocks or {}
+    if use_native is None:
+        use_native = native.available()
     for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}"
         targets = (
@@ -302,16 +515,7 @@ def quantize_linears(
         for parent, attr, parts in targets:
             linear: nn.Linear = getattr(parent, attr)
             raw = [blocks.get(f"{prefix}.{part}.weight") for part in parts]
-            quantized: nn.Module
-            if mode == "int8":
-                quantized = Int8Linear.from_float(linear.weight.detach(), dtype)
-            elif all(r is not None and r.ggml_type == "Q4_1" for r in raw):
-                stacked = np.concatenate([r.blocks for r in raw if r is not None], axis=0)
-                quantized = Int4Linear.from_q4_1(
-                    stacked, linear.out_features, linear.in_features, dtype
-                )
-            else:
-                quantized = Int4Linear.from_float(linear.weight.detach(), 32, dtype)
+            quantized = _quantized(linear.weight.detach(), mode, raw, compute_dtype, use_native)
             if max_thin_rows is not None:
                 quantized = ThinThickLinear(quantized, linear.weight, max_thin_rows)
             if linear.bias is not None:
@@ -319,4 +523,33 @@ def quantize_linears(
             setattr(parent, attr, quantized)
     if max_thin_rows is not None:
         head = model.lm_head.weight.detach()
-        model.lm_head = ThinThickLinear(Int8Linear.from_float(head, dtype), head, max_thin_rows)
+        tied = model.config.tie_word_embeddings
+        raw_head = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        thin = _quantized(head, "int8", [raw_head], compute_dtype, use_native)
+        model.lm_head = ThinThickLinear(thin, head, max_thin_rows)
+
+
+def _quantized(
+    weight: torch.Tensor,  # [N, K]
+    mode: str,
+    raw: list[GgufRawTensor | None],  # the GGUF parts stacked into this weight, if any
+    compute_dtype: torch.dtype,
+    use_native: bool,
+) -> nn.Module:
+    out_features, in_features = weight.shape
+    wanted = "Q4_1" if mode == "int4" else "Q8_0"
+    whole = all(r is not None and r.ggml_type == wanted for r in raw)
+    stacked = np.concatenate([r.blocks for r in raw if r is not None], axis=0) if whole else None
+    if use_native:
+        if mode == "int4":
+            if stacked is not None:
+                return NativeQ4Linear.from_q4_1(stacked, out_features, in_features)
+            return NativeQ4Linear.from_float(weight)
+        if stacked is not None:
+            return NativeQ8Linear.from_q8_0(stacked, out_features, in_features)
+        return NativeQ8Linear.from_float(weight)
+    if mode == "int8":
+        return Int8Linear.from_float(weight, compute_dtype)
+    if stacked is not None:
+        return Int4Linear.from_q4_1(stacked, out_features, in_features, compute_dtype)
+    return Int4Linear.from_float(weight, 32, compute_dtype)

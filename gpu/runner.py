@@ -13,15 +13,15 @@ import numpy as np
 import structlog
 import torch
 
+from gpu import native
 from gpu.config import ModelConfig, load_model_config
 from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from gpu.loader import iter_weights, read_gguf_raw_tensors
 from gpu.model import (
     QUANTIZATION_MODES,
-    TORCH_ATTENTION,
-    AttentionBackend,
     AttentionInputs,
     CausalLM,
+    kernels_for,
     quantize_linears,
 )
 from gpu.sampler import (
@@ -51,6 +51,9 @@ class RunnerConfig:
     # Inputs with more rows than this use a dense bf16 copy (faster once compute-bound); None:
     # quantized matmuls for every input.
     quantized_max_rows: int | None = 8
+    # The C kernels of gpu/native on CPU (norms, RoPE + KV write, decode attention, GGUF-format
+    # quantized matmuls with int8 activations); None: wherever they build. False: torch only.
+    native_kernels: bool | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -127,19 +130,25 @@ class ModelRunner:
             torch.set_num_threads(config.threads)
         dtype = _DTYPES[config.dtype]
         model_config = load_model_config(model_path)
-        model = CausalLM(model_config, _attention_backend(config.device))
+        model = CausalLM(model_config, kernels_for(config.device, config.native_kernels))
         model.load_weights(iter_weights(model_path, model_config, dtype))
         model = model.to(dtype=dtype).eval()
         model.inv_freq = model.inv_freq.float()
         if config.quantization is not None:
             is_gguf = model_path.endswith(".gguf")
-            q4_1 = read_gguf_raw_tensors(model_path, model_config, "Q4_1") if is_gguf else {}
+            raw = {}
+            if is_gguf:
+                for ggml_type in ("Q4_1", "Q8_0"):
+                    raw.update(read_gguf_raw_tensors(model_path, model_config, ggml_type))
             quantize_linears(
                 model,
                 config.quantization,
-                q4_1,
+                raw,
                 _DTYPES[config.quantized_compute_dtype],
                 config.quantized_max_rows,
+                use_native=config.native_kernels is not False
+                and torch.device(config.device).type == "cpu"
+                and native.available(),
             )
         model = model.to(device=config.device)
         kv_cache = KVCache.from_budget(
@@ -360,12 +369,3 @@ def _store(token_ids: list[int], positions: np.ndarray, values: np.ndarray) -> N
         token_ids.extend([0] * (needed - len(token_ids)))
     for pos, value in zip(positions.tolist(), values.tolist(), strict=True):
         token_ids[pos] = value
-
-
-def _attention_backend(device: str) -> AttentionBackend:
-    """The Triton kernels on CUDA, the torch reference path elsewhere."""
-    if torch.device(device).type == "cuda":
-        from gpu.kernels import paged_attention, write_kv
-
-        return AttentionBackend(write_kv, paged_attention)
-    return TORCH_ATTENTION

@@ -8,18 +8,19 @@ import numpy as np
 import pytest
 import torch
 
+from gpu import native
 from gpu.config import load_model_config
 from gpu.kv_cache import KVCache
 from gpu.loader import iter_weights
-from gpu.model import AttentionInputs, CausalLM
+from gpu.model import NATIVE_KERNELS, TORCH_KERNELS, AttentionInputs, CausalLM, Kernels
 from tests.gpu.paged import BlockPool, PagedSequence, StepBatch, build_step
 
 BLOCK_SIZE = 4
 
 
-def load_ours(path) -> CausalLM:
+def load_ours(path, kernels: Kernels = TORCH_KERNELS) -> CausalLM:
     config = load_model_config(str(path))
-    model = CausalLM(config).eval()
+    model = CausalLM(config, kernels).eval()
     model.load_weights(iter_weights(str(path), config, torch.float32))
     return model
 
@@ -58,10 +59,21 @@ SCHEDULE = [
 ]
 
 
+KERNELS = [
+    pytest.param(TORCH_KERNELS, id="torch"),
+    pytest.param(
+        NATIVE_KERNELS,
+        id="native",
+        marks=pytest.mark.skipif(not native.available(), reason="needs a C compiler"),
+    ),
+]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2", "mistral", "mistral_swa"])
-def test_mixed_paged_batches_match_transformers(tiny_models, arch):
+def test_mixed_paged_batches_match_transformers(tiny_models, arch, kernels):
     path = tiny_models[arch]
-    model = load_ours(path)
+    model = load_ours(path, kernels)
     rng = np.random.default_rng(1)
     totals = [sum(n for step in SCHEDULE for s, n in step if s == i) for i in range(3)]
     seqs = [PagedSequence(rng.integers(0, model.config.vocab_size, n).tolist()) for n in totals]
@@ -80,8 +92,9 @@ def test_mixed_paged_batches_match_transformers(tiny_models, arch):
         assert (ours - expected).abs().max().item() < 1e-4 * max(1.0, scale)
 
 
-def test_batch_gives_each_sequence_what_it_gets_alone(tiny_models):
-    model = load_ours(tiny_models["qwen2"])
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_batch_gives_each_sequence_what_it_gets_alone(tiny_models, kernels):
+    model = load_ours(tiny_models["qwen2"], kernels)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 128, n).tolist() for n in (5, 13, 8)]
 
@@ -108,12 +121,11 @@ def test_batch_gives_each_sequence_what_it_gets_alone(tiny_models):
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
 )
 def test_triton_attention_backend_matches_the_torch_path(tiny_models):
-    from gpu.kernels import paged_attention, write_kv
-    from gpu.model import AttentionBackend
+    from gpu.model import triton_kernels
 
     path = tiny_models["mistral_swa"]
     config = load_model_config(str(path))
-    triton_model = CausalLM(config, AttentionBackend(write_kv, paged_attention)).eval()
+    triton_model = CausalLM(config, triton_kernels()).eval()
     triton_model.load_weights(iter_weights(str(path), config, torch.float32))
     torch_model = load_ours(path)
     rng = np.random.default_rng(4)

@@ -1,0 +1,289 @@
+"""The CPU kernels of `cpu_ops.c`, built at first use for this machine and called through ctypes.
+
+Torch runs a decode layer on CPU as ~60 small eager ops and gathers every sequence's KV blocks per
+layer; these kernels do norms, RoPE with the KV write, paged decode attention and the quantized
+thin matmuls in one pass each. The library is compiled with the system C compiler
+(`-O3 -march=native -fopenmp`) into a cache keyed by the source, the compiler and the CPU, so a
+process pays the build (about a second) once per machine. Without a compiler, or with
+PIPELINE_SERVE_NATIVE=0, `load()` returns None and the model keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+MAX_GROUP = 64  # query heads per KV head the attention kernel holds
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES: dict[str, tuple[object, ...]] = {
+    "rms_norm_f32": (_ptr, _ptr, _ptr, _i64, _i64, _f32),
+    "add_rms_norm_f32": (_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32),
+    "silu_mul_f32": (_ptr, _ptr, _i64, _i64),
+    "rope_write_kv": (_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int),
+    "paged_decode_attention": (
+        *(_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int),
+        *(_i64, _i64, _i64, _i64, _f32, _i64, _ptr, _i64),
+    ),
+    "q4_1_matmul": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
+    "q8_0_matmul": (_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr),
+}
+_RETURNS_STATUS = ("q4_1_matmul", "q8_0_matmul")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PIPELINE_SERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pipeline-serve"
+    )
+    return Path(root) / "native"
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"cpu_ops-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building CPU kernels", compiler=compiler, target=str(target))
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        os.replace(tmp, target)  # atomic: concurrent builders all end with a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None where it cannot be built (the torch path is used then)."""
+    if os.environ.get("PIPELINE_SERVE_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or platform.system() != "Linux":
+        log.warning("no C compiler: CPU kernels off, using the torch path")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        log.warning("CPU kernels failed to build, using the torch path", error=detail[-2000:])
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int if name in _RETURNS_STATUS else None
+    return library
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    library = load()
+    if library is None:
+        raise RuntimeError("the native CPU kernels are not available")
+    return library
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> int:
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name}: need a contiguous CPU {dtype} tensor, got {t.dtype} {t.device}")
+    return t.data_ptr()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H] float32 -> rms_norm(x) * weight."""
+    out = torch.empty_like(x)
+    rows, dim = x.shape
+    _lib().rms_norm_f32(
+        _check(x, torch.float32, "x"),
+        _check(weight, torch.float32, "weight"),
+        out.data_ptr(),
+        rows,
+        dim,
+        eps,
+    )
+    return out
+
+
+def add_rms_norm(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += x (in place); returns rms_norm(residual) * weight."""
+    out = torch.empty_like(x)
+    rows, dim = x.shape
+    _lib().add_rms_norm_f32(
+        _check(residual, torch.float32, "residual"),
+        _check(x, torch.float32, "x"),
+        _check(weight, torch.float32, "weight"),
+        out.data_ptr(),
+        rows,
+        dim,
+        eps,
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 * I] float32 -> silu(gate) * up, [T, I]."""
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    _lib().silu_mul_f32(_check(gate_up, torch.float32, "gate_up"), out.data_ptr(), rows, width // 2)
+    return out
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D] float32, q and k rotated in place
+    cos: torch.Tensor,  # [T, D / 2] float32
+    sin: torch.Tensor,  # [T, D / 2] float32
+    num_heads: int,
+    num_kv_heads: int,
+    slot_mapping: torch.Tensor,  # [T] int64, < 0 = do not store
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32 or bfloat16
+    v_cache: torch.Tensor,
+) -> None:
+    head_dim = cos.shape[1] * 2
+    if k_cache.dtype != v_cache.dtype or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError("rope_write_kv: qkv width or cache dtypes do not fit")
+    cache_dtype = k_cache.dtype
+    _lib().rope_write_kv(
+        _check(qkv, torch.float32, "qkv"),
+        qkv.shape[0],
+        _check(cos, torch.float32, "cos"),
+        _check(sin, torch.float32, "sin"),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        _check(slot_mapping, torch.int64, "slot_mapping"),
+        _check(k_cache, cache_dtype, "k_cache"),
+        _check(v_cache, cache_dtype, "v_cache"),
+        int(cache_dtype == torch.bfloat16),
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [T, H, D] float32, rows may be strided; rows token_index are decodes
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32 or bfloat16
+    v_cache: torch.Tensor,
+    token_index: torch.Tensor,  # [S] int64: the row of q each decoding sequence owns
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    context_lens: torch.Tensor,  # [S] int32
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,  # [T, H, D] float32; rows token_index are written
+) -> None:
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"paged_decode_attention: more than {MAX_GROUP} query heads per KV head")
+    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
+        raise ValueError("paged_decode_attention: q must be float32 rows of contiguous heads")
+    cache_dtype = k_cache.dtype
+    _lib().paged_decode_attention(
+        q.data_ptr(),
+        q.stride(0),
+        _check(token_index, torch.int64, "token_index"),
+        token_index.shape[0],
+        _check(block_tables, torch.int32, "block_tables"),
+        block_tables.shape[1],
+        _check(context_lens, torch.int32, "context_lens"),
+        _check(k_cache, cache_dtype, "k_cache"),
+        _check(v_cache, cache_dtype, "v_cache"),
+        int(cache_dtype == torch.bfloat16),
+        block_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        scale,
+        sliding_window or 0,
+        _check(out, torch.float32, "out"),
+        num_heads * head_dim,
+    )
+
+
+def q4_1_matmul(
+    x: torch.Tensor,  # [M, K] float32
+    qs: torch.Tensor,  # [N, K / 32, 16] uint8: GGUF Q4_1 nibbles
+    d: torch.Tensor,  # [N, K / 32] float32 scales
+    m: torch.Tensor,  # [N, K / 32] float32 minimums
+) -> torch.Tensor:  # [M, N] float32 = x @ W.T, x quantized per 32 to int8 on the way
+    rows, k = x.shape
+    n_out = qs.shape[0]
+    if qs.shape[1] * 32 != k:
+        raise ValueError(f"q4_1_matmul: x {tuple(x.shape)} does not fit weights {tuple(qs.shape)}")
+    out = torch.empty(rows, n_out, dtype=torch.float32)
+    status = _lib().q4_1_matmul(
+        _check(x, torch.float32, "x"),
+        rows,
+        _check(qs, torch.uint8, "qs"),
+        _check(d, torch.float32, "d"),
+        _check(m, torch.float32, "m"),
+        n_out,
+        k,
+        out.data_ptr(),
+    )
+    if status:
+        raise MemoryError("q4_1_matmul: no memory for the quantized activations")
+    return out
+
+
+def q8_0_matmul(
+    x: torch.Tensor,  # [M, K] float32
+    wq: torch.Tensor,  # [N, K] int8: GGUF Q8_0 values
+    wd: torch.Tensor,  # [N, K / 32] float32 scales
+) -> torch.Tensor:  # [M, N] float32 = x @ W.T, x quantized per 32 to int8 on the way
+    rows, k = x.shape
+    n_out = wq.shape[0]
+    if wq.shape[1] != k or k % 32:
+        raise ValueError(f"q8_0_matmul: x {tuple(x.shape)} does not fit weights {tuple(wq.shape)}")
+    out = torch.empty(rows, n_out, dtype=torch.float32)
+    status = _lib().q8_0_matmul(
+        _check(x, torch.float32, "x"),
+        rows,
+        _check(wq, torch.int8, "wq"),
+        _check(wd, torch.float32, "wd"),
+        n_out,
+        k,
+        out.data_ptr(),
+    )
+    if status:
+        raise MemoryError("q8_0_matmul: no memory for the quantized activations")
+    return out

@@ -1,0 +1,555 @@
+/* CPU kernels for the decode-heavy path: what torch runs as dozens of small eager ops per layer,
+ * or as a gather of the whole KV cache per layer, done in one pass here.
+ *
+ * Built at first use by gpu/native/__init__.py (gcc -O3 -march=native -fopenmp) and called
+ * through ctypes with raw pointers; the Python side checks shapes, dtypes and contiguity.
+ * OpenMP resolves to the libgomp torch has already loaded (same soname), so these loops share
+ * torch's thread pool and thread count instead of starting a second one.
+ *
+ * Activations are float32. KV caches are float32 or bfloat16 (`cache_bf16`). Quantized matmuls
+ * take GGUF's own block formats: Q4_1 (32 weights: w = d * q + m, q in 0..15) and Q8_0 (32
+ * weights: w = d * q, q in -127..127), against activations quantized per 32 to int8 (as
+ * llama.cpp does), with integer dot products (AVX512-VNNI, else AVX2, else scalar).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define QK 32 /* weights per quantization block */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* e^x, 8 lanes at a time, within a few float ulps for x in [-87, 88] (clamped there): glibc's
+ * expf only vectorizes under -ffast-math, which would also drop the infinities used here. */
+#if defined(__AVX2__)
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 kf = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(kf), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+/* dst[i] = e^(src[i] - shift); returns their sum. */
+static float exp_shifted(const float *src, float *dst, int64_t n, float shift) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 s = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(src + i), s));
+        _mm256_storeu_ps(dst + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int j = 0; j < 8; j++) sum += lanes[j];
+#endif
+    for (; i < n; i++) {
+        dst[i] = expf(src[i] - shift);
+        sum += dst[i];
+    }
+    return sum;
+}
+
+/* ---------------------------------------------------------------- norms and activations */
+
+static void rms_norm_row(const float *x, const float *w, float *out, int64_t dim, float eps) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < dim; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+/* out[r] = rms_norm(x[r]) * w */
+void rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t dim,
+                  float eps) {
+#pragma omp parallel for if (rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * dim, w, out + r * dim, dim, eps);
+}
+
+/* residual[r] += x[r]; out[r] = rms_norm(residual[r]) * w */
+void add_rms_norm_f32(float *residual, const float *x, const float *w, float *out, int64_t rows,
+                      int64_t dim, float eps) {
+#pragma omp parallel for if (rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        float *res = residual + r * dim;
+        const float *xr = x + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) res[i] += xr[i];
+        rms_norm_row(res, w, out + r * dim, dim, eps);
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] */
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for if (rows * inter >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter;
+        const float *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+#if defined(__AVX2__)
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* ---------------------------------------------------------------- rotary + KV cache write */
+
+/* qkv: [T, (H + 2 * KVH) * D] rows of [q heads | k heads | v heads]. Rotates q and k in place
+ * (rotate-half layout: pairs (i, i + D/2)) by cos/sin [T, D/2], then stores k and v at
+ * slot_mapping[t] of the caches ([slots, KVH, D]); a negative slot is skipped. */
+void rope_write_kv(float *qkv, int64_t tokens, const float *cos_t, const float *sin_t,
+                   int64_t heads, int64_t kv_heads, int64_t dim, const int64_t *slot_mapping,
+                   void *k_cache, void *v_cache, int cache_bf16) {
+    const int64_t half = dim / 2, row = (heads + 2 * kv_heads) * dim;
+#pragma omp parallel for if (tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cs = cos_t + t * half, *sn = sin_t + t * half;
+        float *x = qkv + t * row;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            float *x1 = x + h * dim, *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * cs[i] - b * sn[i];
+                x2[i] = b * cs[i] + a * sn[i];
+            }
+        }
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const float *k = x + heads * dim, *v = k + kv_heads * dim;
+        const int64_t n = kv_heads * dim, base = slot * n;
+        if (cache_bf16) {
+            uint16_t *kc = (uint16_t *)k_cache + base, *vc = (uint16_t *)v_cache + base;
+            for (int64_t i = 0; i < n; i++) {
+                kc[i] = f32_to_bf16(k[i]);
+                vc[i] = f32_to_bf16(v[i]);
+            }
+        } else {
+            memcpy((float *)k_cache + base, k, (size_t)n * sizeof(float));
+            memcpy((float *)v_cache + base, v, (size_t)n * sizeof(float));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- paged decode attention */
+
+#if defined(__AVX512F__)
+/* 16 cache values at index i as float32. */
+static inline __m512 load16(const void *cache, int64_t i, int bf16) {
+    if (bf16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)cache + i);
+}
+
+/* acc[g][c] = sum_p probs[g][p] * V[p][c0 + c] for GN query heads and CN 16-wide chunks of
+ * the head dimension; the GN * CN accumulators stay in registers across all positions. */
+static inline __attribute__((always_inline)) void pv_tile(
+    const int GN, const int CN, const float *probs, int64_t probs_stride, const void *v_cache,
+    int bf16, const int64_t *rows, int64_t n, int64_t c0, float *out, int64_t dim,
+    const float *inv) {
+    __m512 acc[4][4];
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < CN; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        __m512 v[4];
+        for (int c = 0; c < CN; c++) v[c] = load16(v_cache, rows[j] + c0 + 16 * c, bf16);
+        for (int g = 0; g < GN; g++) {
+            const __m512 w = _mm512_set1_ps(probs[g * probs_stride + j]);
+            for (int c = 0; c < CN; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < CN; c++)
+            _mm512_storeu_ps(out + g * dim + c0 + 16 * c,
+                             _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+}
+
+#define PV_CASE(G, C)                                                                        \
+    case (G) * 8 + (C):                                                                      \
+        pv_tile(G, C, probs + g0 * stride, stride, v_cache, bf16, rows, n, c0, out + g0 * dim, \
+                dim, inv + g0);                                                              \
+        break;
+
+/* One (sequence, KV head) item: scores, softmax and the weighted sum of values. `rows` holds the
+ * cache element offset of each visible position's K/V row for this KV head. */
+static void attend_avx512(const float *q, const void *k_cache, const void *v_cache, int bf16,
+                          const int64_t *rows, int64_t n, int64_t group, int64_t dim,
+                          float scale, float *probs, int64_t stride, float *out) {
+    const int64_t chunks = dim / 16;
+    float inv[64];
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * dim;
+        float *pg = probs + g * stride;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(k_cache, rows[j], bf16));
+            for (int64_t c = 1; c < chunks; c++)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c),
+                                    load16(k_cache, rows[j] + 16 * c, bf16), a);
+            const float sc = _mm512_reduce_add_ps(a) * scale;
+            pg[j] = sc;
+            mx = sc > mx ? sc : mx;
+        }
+        const float sum = exp_shifted(pg, pg, n, mx);
+        inv[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+    for (int64_t c0 = 0; c0 < chunks * 16; c0 += 64) {
+        const int64_t cn = (chunks * 16 - c0) / 16 < 4 ? (chunks * 16 - c0) / 16 : 4;
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+            switch (gn * 8 + cn) {
+                PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4)
+                PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4)
+                PV_CASE(3, 1) PV_CASE(3, 2) PV_CASE(3, 3) PV_CASE(3, 4)
+                PV_CASE(4, 1) PV_CASE(4, 2) PV_CASE(4, 3) PV_CASE(4, 4)
+            }
+        }
+    }
+}
+#endif
+
+/* Portable version of one item. */
+static void attend_scalar(const float *q, const void *k_cache, const void *v_cache, int bf16,
+                          const int64_t *rows, int64_t n, int64_t group, int64_t dim,
+                          float scale, float *probs, int64_t stride, float *out) {
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * dim;
+        float *pg = probs + g * stride, mx = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            float dot = 0.0f;
+            for (int64_t i = 0; i < dim; i++)
+                dot += qg[i] * (bf16 ? bf16_to_f32(((const uint16_t *)k_cache)[rows[j] + i])
+                                     : ((const float *)k_cache)[rows[j] + i]);
+            pg[j] = dot * scale;
+            mx = pg[j] > mx ? pg[j] : mx;
+        }
+        const float sum = exp_shifted(pg, pg, n, mx), inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        float *og = out + g * dim;
+        for (int64_t i = 0; i < dim; i++) og[i] = 0.0f;
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < dim; i++)
+                og[i] += pg[j] * (bf16 ? bf16_to_f32(((const uint16_t *)v_cache)[rows[j] + i])
+                                       : ((const float *)v_cache)[rows[j] + i]);
+        for (int64_t i = 0; i < dim; i++) og[i] *= inv;
+    }
+}
+
+/* One query token per sequence. q rows: q + token_index[s] * q_stride, [H, D]; out likewise.
+ * Sequence s sees cache positions [lo, context_lens[s]) through block_tables[s] (lo > 0 only
+ * with a sliding window). Work items are (sequence, KV head): its query group is scored
+ * against each key; softmax and accumulation in float32. */
+void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *token_index,
+                            int64_t num_seqs, const int32_t *block_tables, int64_t table_stride,
+                            const int32_t *context_lens, const void *k_cache, const void *v_cache,
+                            int cache_bf16, int64_t block_size, int64_t heads, int64_t kv_heads,
+                            int64_t dim, float scale, int64_t window, float *out,
+                            int64_t out_stride) {
+    const int64_t group = heads / kv_heads;
+    int64_t max_len = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        if (context_lens[s] > max_len) max_len = context_lens[s];
+    const int64_t stride = max_len + 16;
+#pragma omp parallel
+    {
+        float *probs = (float *)malloc(sizeof(float) * (size_t)(group * stride));
+        int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(max_len + 1));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_seqs * kv_heads; item++) {
+            const int64_t s = item / kv_heads, kvh = item % kv_heads;
+            const int64_t len = context_lens[s];
+            const int64_t lo = (window > 0 && len > window) ? len - window : 0;
+            const int32_t *table = block_tables + s * table_stride;
+            for (int64_t p = lo; p < len; p++)
+                rows[p - lo] =
+                    ((int64_t)table[p / block_size] * block_size + p % block_size) * kv_heads * dim +
+                    kvh * dim;
+            const float *qs = q + token_index[s] * q_stride + kvh * group * dim;
+            float *os = out + token_index[s] * out_stride + kvh * group * dim;
+#if defined(__AVX512F__)
+            if (dim % 16 == 0) {
+                attend_avx512(qs, k_cache, v_cache, cache_bf16, rows, len - lo, group, dim, scale,
+                              probs, stride, os);
+                continue;
+            }
+#endif
+            attend_scalar(qs, k_cache, v_cache, cache_bf16, rows, len - lo, group, dim, scale,
+                          probs, stride, os);
+        }
+        free(probs);
+        free(rows);
+    }
+}
+
+/* ---------------------------------------------------------------- quantized matmuls */
+
+/* Activations to Q8: per block of 32, d = max|x| / 127, q = round(x / d); also d * sum(q), the
+ * block sum Q4_1's offsets multiply. x: [rows, K]; xq: [rows, K]; xd, xs: [rows, K / 32]. */
+void quantize_rows_q8(const float *x, int8_t *xq, float *xd, float *xs, int64_t rows,
+                      int64_t k) {
+    const int64_t blocks = k / QK;
+    for (int64_t b = 0; b < rows * blocks; b++) {
+        const float *src = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(src[i]));
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const int v = (int)lrintf(src[i] * inv);
+            xq[b * QK + i] = (int8_t)v;
+            sum += v;
+        }
+        xd[b] = d;
+        xs[b] = d * (float)sum;
+    }
+}
+
+/* sum over the 32 lanes of (unsigned codes u) * (signed x) as int32, one block. */
+#if defined(__AVX2__)
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#define TILE 4 /* rows of x per pass over a weight row: their accumulators stay in registers */
+
+#if defined(__AVX2__)
+/* One weight row n against R (<= TILE, a constant once inlined) rows of x. Two accumulators per
+ * row (even and odd blocks) so consecutive blocks' FMAs do not wait on each other. */
+static inline __attribute__((always_inline)) void q4_1_tile(
+    const int R, const int8_t *xq, const float *xd, const float *xs, int64_t k, int64_t blocks,
+    const uint8_t *wq, const float *wd, const float *wm, float *out, int64_t out_stride) {
+    __m256 acc0[TILE], acc1[TILE];
+    float offset[TILE];
+    for (int r = 0; r < R; r++) {
+        acc0[r] = _mm256_setzero_ps();
+        acc1[r] = _mm256_setzero_ps();
+        offset[r] = 0.0f;
+    }
+    const __m128i low = _mm_set1_epi8(0x0f);
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        const __m128i raw0 = _mm_loadu_si128((const __m128i *)(wq + b * 16));
+        const __m128i raw1 = _mm_loadu_si128((const __m128i *)(wq + b * 16 + 16));
+        const __m256i c0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw0, 4), low),
+                                            _mm_and_si128(raw0, low));
+        const __m256i c1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw1, 4), low),
+                                            _mm_and_si128(raw1, low));
+        const float d0 = wd[b], m0 = wm[b], d1 = wd[b + 1], m1 = wm[b + 1];
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xq + r * k + b * QK;
+            const float *xdr = xd + r * blocks + b, *xsr = xs + r * blocks + b;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + QK));
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c0, x0)),
+                                      _mm256_set1_ps(d0 * xdr[0]), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c1, x1)),
+                                      _mm256_set1_ps(d1 * xdr[1]), acc1[r]);
+            offset[r] += m0 * xsr[0] + m1 * xsr[1];
+        }
+    }
+    for (; b < blocks; b++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(wq + b * 16));
+        const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
+                                           _mm_and_si128(raw, low));
+        for (int r = 0; r < R; r++) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + r * k + b * QK));
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c, x0)),
+                                      _mm256_set1_ps(wd[b] * xd[r * blocks + b]), acc0[r]);
+            offset[r] += wm[b] * xs[r * blocks + b];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        out[r * out_stride] = hsum256(_mm256_add_ps(acc0[r], acc1[r])) + offset[r];
+}
+
+static inline __attribute__((always_inline)) void q8_0_tile(
+    const int R, const int8_t *xq, const float *xd, int64_t k, int64_t blocks, const int8_t *w,
+    const float *d, float *out, int64_t out_stride) {
+    __m256 acc0[TILE], acc1[TILE];
+    for (int r = 0; r < R; r++) {
+        acc0[r] = _mm256_setzero_ps();
+        acc1[r] = _mm256_setzero_ps();
+    }
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + b * QK));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + b * QK + QK));
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xq + r * k + b * QK;
+            const float *xdr = xd + r * blocks + b;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + QK));
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(a0, _mm256_sign_epi8(x0, w0))),
+                                      _mm256_set1_ps(d[b] * xdr[0]), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(a1, _mm256_sign_epi8(x1, w1))),
+                                      _mm256_set1_ps(d[b + 1] * xdr[1]), acc1[r]);
+        }
+    }
+    for (; b < blocks; b++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + b * QK));
+        const __m256i a0 = _mm256_abs_epi8(w0);
+        for (int r = 0; r < R; r++) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + r * k + b * QK));
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(a0, _mm256_sign_epi8(x0, w0))),
+                                      _mm256_set1_ps(d[b] * xd[r * blocks + b]), acc0[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * out_stride] = hsum256(_mm256_add_ps(acc0[r], acc1[r]));
+}
+#endif
+
+/* Scratch for the activations' Q8 form, grown as needed; callers are single-threaded. */
+static int8_t *scratch_q;
+static float *scratch_f;
+static int64_t scratch_len;
+
+static int quantize_scratch(const float *x, int64_t rows, int64_t k) {
+    if (rows * k > scratch_len) {
+        free(scratch_q);
+        free(scratch_f);
+        scratch_q = (int8_t *)malloc((size_t)(rows * k));
+        scratch_f = (float *)malloc(sizeof(float) * (size_t)(2 * rows * k / QK));
+        scratch_len = (scratch_q && scratch_f) ? rows * k : 0;
+        if (!scratch_len) return -1;
+    }
+    quantize_rows_q8(x, scratch_q, scratch_f, scratch_f + rows * k / QK, rows, k);
+    return 0;
+}
+
+/* out[r, n] = sum_k x[r, k] * W[n, k] for x [rows, K] float32, W in Q4_1: qs [N, K/32, 16]
+ * nibbles (weight i in the low nibble, i + 16 in the high), d and m [N, K/32] float32.
+ * x is quantized per 32 to int8 first. Returns -1 when out of memory. */
+int q4_1_matmul(const float *x, int64_t rows, const uint8_t *qs, const float *d, const float *m,
+                int64_t n_out, int64_t k, float *out) {
+    if (quantize_scratch(x, rows, k)) return -1;
+    const int8_t *xq = scratch_q;
+    const int64_t blocks = k / QK;
+    const float *xd = scratch_f, *xs = scratch_f + rows * blocks;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        const uint8_t *wq = qs + n * blocks * 16;
+        const float *wd = d + n * blocks, *wm = m + n * blocks;
+#if defined(__AVX2__)
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            const int64_t left = rows - r0;
+            const int8_t *xr = xq + r0 * k;
+            const float *dr = xd + r0 * blocks, *sr = xs + r0 * blocks;
+            float *o = out + r0 * n_out + n;
+            if (left >= 4) q4_1_tile(4, xr, dr, sr, k, blocks, wq, wd, wm, o, n_out);
+            else if (left == 3) q4_1_tile(3, xr, dr, sr, k, blocks, wq, wd, wm, o, n_out);
+            else if (left == 2) q4_1_tile(2, xr, dr, sr, k, blocks, wq, wd, wm, o, n_out);
+            else q4_1_tile(1, xr, dr, sr, k, blocks, wq, wd, wm, o, n_out);
+        }
+#else
+        for (int64_t r = 0; r < rows; r++) {
+            float total = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                const int8_t *xb = xq + r * k + b * QK;
+                int dot = 0;
+                for (int i = 0; i < 16; i++) {
+                    dot += (wq[b * 16 + i] & 0x0f) * xb[i];
+                    dot += (wq[b * 16 + i] >> 4) * xb[i + 16];
+                }
+                total += wd[b] * xd[r * blocks + b] * (float)dot + wm[b] * xs[r * blocks + b];
+            }
+            out[r * n_out + n] = total;
+        }
+#endif
+    }
+    return 0;
+}
+
+/* out[r, n] = sum_k x[r, k] * W[n, k] for x [rows, K] float32, W in Q8_0: q [N, K] int8,
+ * d [N, K/32] float32. Returns -1 when out of memory. */
+int q8_0_matmul(const float *x, int64_t rows, const int8_t *wq, const float *wd, int64_t n_out,
+                int64_t k, float *out) {
+    if (quantize_scratch(x, rows, k)) return -1;
+    const int8_t *xq = scratch_q;
+    const float *xd = scratch_f;
+    const int64_t blocks = k / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < n_out; n++) {
+        const int8_t *w = wq + n * k;
+        const float *d = wd + n * blocks;
+#if defined(__AVX2__)
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            const int64_t left = rows - r0;
+            const int8_t *xr = xq + r0 * k;
+            const float *sr = xd + r0 * blocks;
+            float *o = out + r0 * n_out + n;
+            if (left >= 4) q8_0_tile(4, xr, sr, k, blocks, w, d, o, n_out);
+            else if (left == 3) q8_0_tile(3, xr, sr, k, blocks, w, d, o, n_out);
+            else if (left == 2) q8_0_tile(2, xr, sr, k, blocks, w, d, o, n_out);
+            else q8_0_tile(1, xr, sr, k, blocks, w, d, o, n_out);
+        }
+#else
+        for (int64_t r = 0; r < rows; r++) {
+            float total = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                int dot = 0;
+                for (int i = 0; i < QK; i++) dot += w[b * QK + i] * xq[r * k + b * QK + i];
+                total += d[b] * xd[r * blocks + b] * (float)dot;
+            }
+            out[r * n_out + n] = total;
+        }
+#endif
+    }
+    return 0;
+}
+

@@ -1,0 +1,165 @@
+"""The native CPU kernels (gpu/native) against the torch reference of each op."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from gpu import native
+from gpu.kernels import reference
+from gpu.model import NATIVE_KERNELS, TORCH_KERNELS, Rope, _split_rotate, kernels_for
+from gpu.quant import NativeQ4Linear, NativeQ8Linear
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs a C compiler")
+
+
+def test_rms_norm_and_the_fused_residual_add():
+    x, residual, weight = torch.randn(7, 96), torch.randn(7, 96), torch.randn(96)
+    torch.testing.assert_close(
+        native.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)
+    )
+    expected_normed, expected_sum = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
+    stream = residual.clone()
+    normed = native.add_rms_norm(stream, x, weight, 1e-6)
+    torch.testing.assert_close(stream, expected_sum)  # summed in place
+    torch.testing.assert_close(normed, expected_normed)
+
+
+@pytest.mark.parametrize("rows", [1, 300])  # serial and OpenMP-parallel
+def test_silu_mul(rows):
+    gate_up = torch.randn(rows, 2 * 75) * 6
+    torch.testing.assert_close(native.silu_mul(gate_up), reference.silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_in_place_and_writes_the_cache(cache_dtype):
+    heads, kv_heads, dim, tokens = 6, 2, 16, 9
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    positions = torch.tensor([0, 1, 2, 3, 4, 40, 41, 1000, 7])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    rope = Rope(freqs.cos(), freqs.sin())
+    q_ref, k_ref, v_ref = _split_rotate(qkv.clone(), rope, heads, kv_heads)
+    slots = torch.tensor([5, 0, 17, 3, -1, 8, 9, 30, 2])  # -1: not stored
+    caches = [torch.zeros(4, 8, kv_heads, dim, dtype=cache_dtype) for _ in range(2)]
+    native.rope_write_kv(qkv, rope.cos, rope.sin, heads, kv_heads, slots, *caches)
+    torch.testing.assert_close(qkv[:, : heads * dim].view(tokens, heads, dim), q_ref)
+    for cache, ref in zip(caches, (k_ref, v_ref), strict=True):
+        flat = cache.view(-1, kv_heads, dim)
+        keep = slots >= 0
+        torch.testing.assert_close(flat[slots[keep]], ref[keep].to(cache_dtype))
+        written = torch.zeros(flat.shape[0], dtype=torch.bool)
+        written[slots[keep]] = True
+        assert not flat[~written].any()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "cache_dtype", "window"),
+    [
+        (9, 3, 64, torch.float32, None),  # SmolLM2's shape, the AVX-512 path
+        (10, 2, 32, torch.bfloat16, None),  # group of 5: two register tiles
+        (4, 4, 80, torch.float32, 7),  # no grouping, 5 chunks of 16, sliding window
+        (6, 2, 24, torch.float32, None),  # head_dim not a multiple of 16: the portable path
+        (8, 1, 128, torch.bfloat16, 20),
+    ],
+)
+def test_paged_decode_attention_matches_the_reference(heads, kv_heads, dim, cache_dtype, window):
+    block_size, num_blocks = 4, 40
+    rng = np.random.default_rng(heads * dim)
+    lens = [1, 5, 33, 70, 16]
+    tables = torch.zeros(len(lens), 20, dtype=torch.int32)
+    order = torch.from_numpy(rng.permutation(num_blocks).astype(np.int32))
+    used = 0
+    for b, n in enumerate(lens):
+        need = -(-n // block_size)
+        tables[b, :need] = order[used : used + need]
+        used += need
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
+    # q rows are strided like the q part of fused qkv rows; the decodes sit at rows 2, 0, 4, ...
+    qkv = torch.randn(len(lens) + 1, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(-1, heads, dim)
+    token_index = torch.tensor([2, 0, 4, 1, 5])
+    out = torch.full((len(lens) + 1, heads, dim), float("nan"))
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    native.paged_decode_attention(
+        q, k_cache, v_cache, token_index, tables, context_lens, 0.3, window, out
+    )
+    expected = reference.paged_attention(
+        q[token_index].contiguous(),
+        k_cache,
+        v_cache,
+        tables,
+        torch.arange(len(lens) + 1, dtype=torch.int32),
+        context_lens,
+        0.3,
+        window,
+    )
+    torch.testing.assert_close(out[token_index], expected, rtol=1e-4, atol=1e-5)
+    assert out[3].isnan().all()  # rows that are not decodes are left alone
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 33])
+@pytest.mark.parametrize("in_features", [96, 576])  # 3 and 18 blocks of 32
+def test_q4_1_matmul_against_the_dequantized_weights(rows, in_features):
+    weight = torch.randn(70, in_features) * 0.05
+    linear = NativeQ4Linear.from_float(weight)
+    codes = torch.cat([linear.nibbles & 15, linear.nibbles >> 4], dim=-1).float()
+    dequantized = (codes * linear.scales[..., None] + linear.minimums[..., None]).reshape(
+        70, in_features
+    )
+    assert _relative_error(dequantized, weight) < 0.1  # 16 levels per 32 weights
+    x = torch.randn(rows, in_features)
+    # Activations are rounded to int8 per 32: about 1 / 254 of each block's largest value.
+    assert _relative_error(linear(x), x @ dequantized.T) < 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_q8_0_matmul_against_the_dequantized_weights(rows):
+    weight = torch.randn(300, 160)
+    linear = NativeQ8Linear.from_float(weight)
+    dequantized = (linear.codes.float().view(300, 5, 32) * linear.scales[..., None]).view(300, 160)
+    assert _relative_error(dequantized, weight) < 0.01
+    x = torch.randn(rows, 160)
+    assert _relative_error(linear(x), x @ dequantized.T) < 0.02
+    assert linear(x.view(rows, 1, 160)).shape == (rows, 1, 300)
+
+
+def test_q4_1_blocks_load_unchanged():
+    """GGUF Q4_1 bytes (f16 d, f16 m, 16 bytes of nibbles) map onto the kernel's arrays as-is."""
+    rng = np.random.default_rng(0)
+    d = rng.uniform(0.01, 0.02, (3, 2)).astype(np.float16)
+    m = rng.uniform(-0.1, 0.0, (3, 2)).astype(np.float16)
+    nibbles = rng.integers(0, 256, (3, 2, 16), dtype=np.uint8)
+    raw = np.concatenate(
+        [d.view(np.uint8).reshape(3, 2, 2), m.view(np.uint8).reshape(3, 2, 2), nibbles], axis=-1
+    )
+    linear = NativeQ4Linear.from_q4_1(raw.reshape(3, 40), 3, 64)
+    assert torch.equal(linear.nibbles, torch.from_numpy(nibbles))
+    assert torch.equal(linear.scales, torch.from_numpy(d.astype(np.float32)))
+    assert torch.equal(linear.minimums, torch.from_numpy(m.astype(np.float32)))
+
+
+def test_kernel_choice():
+    assert kernels_for("cpu") is NATIVE_KERNELS
+    assert kernels_for("cpu", use_native=False) is TORCH_KERNELS
+
+
+def test_switched_off_by_the_environment():
+    code = "from gpu import native; print(native.load())"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PIPELINE_SERVE_NATIVE": "0", "PATH": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.strip() == "None"
