@@ -383,6 +383,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq: torch.Tensor  # [head_dim // 2] float32, RoPE angular frequencies
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.fused_decode: FusedDecode | None = None  # set by quantize_linears where it fits
 
     def forward(
         self,
@@ -397,8 +398,12 @@ class CausalLM(nn.Module):
         layout = self.kernels.prepare(inputs)
         x = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv, layout)
+        fused = self.fused_decode
+        if fused is not None and fused.applies(x, layout, kv_caches):
+            x, residual = fused.run(x, rope, kv_caches, layout)
+        else:
+            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, rope, kv, layout)
         if residual is not None:
             x = x[logits_indices] + residual[logits_indices]
         else:
@@ -527,6 +532,8 @@ def quantize_linears(
         raw_head = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")
         thin = _quantized(head, "int8", [raw_head], compute_dtype, use_native)
         model.lm_head = ThinThickLinear(thin, head, max_thin_rows)
+        if model.kernels is NATIVE_KERNELS:
+            model.fused_decode = FusedDecode.of(model, max_thin_rows)
 
 
 def _quantized(
@@ -553,3 +560,109 @@ def _quantized(
     if stacked is not None:
         return Int4Linear.from_q4_1(stacked, out_features, in_features, compute_dtype)
     return Int4Linear.from_float(weight, 32, compute_dtype)
+
+
+def _native_q4(module: nn.Module) -> tuple[NativeQ4Linear, torch.Tensor | None] | None:
+    """The NativeQ4Linear (and bias) behind a quantized layer's wrappers, if that is what it is."""
+    bias = None
+    if isinstance(module, _WithBias):
+        module, bias = module.linear, module.bias
+    if isinstance(module, ThinThickLinear):
+        module = module.quantized
+    return (module, bias) if isinstance(module, NativeQ4Linear) else None
+
+
+class FusedDecode:
+    """Steps of decodes only (one new token per sequence, at most `max_rows` of them) as one
+    native call per layer (cpu_ops.c's q4_decode_layer), for models whose decoder linears are
+    all NativeQ4Linear. At batch 1 calling ~12 kernels per layer from Python cost more than
+    their arithmetic; thicker steps and prefill chunks take the per-op path.
+
+    The structs hold raw pointers into the model's buffers: build it after the model is in
+    place (quantize_linears does) and do not move the model afterwards.
+    """
+
+    def __init__(self, layers: list[native.Q4Layer], keep: list[torch.Tensor], max_rows: int):
+        self.layers = layers
+        self._keep = keep  # the tensors the structs point into
+        self.max_rows = max_rows
+        self.step = native.DecodeStep()
+
+    @classmethod
+    def of(cls, model: CausalLM, max_rows: int) -> FusedDecode | None:
+        c = model.config
+        layers, keep = [], []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [_native_q4(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj)]
+            parts.append(_native_q4(mlp.down_proj))
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(p is None for p in parts) or any(n.dtype != torch.float32 for n in norms):
+                return None
+            (qkv, qkv_bias), (o, _), (gate_up, _), (down, _) = parts  # type: ignore[misc]
+            struct = native.Q4Layer(
+                hidden=c.hidden_size,
+                heads=c.num_heads,
+                kv_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+                inter=c.intermediate_size,
+                eps_attn=layer.input_layernorm.eps,
+                eps_mlp=layer.post_attention_layernorm.eps,
+                scale=attn.scale,
+                sliding_window=c.sliding_window or 0,
+            )
+            tensors: dict[str, torch.Tensor | None] = {
+                "norm_attn": norms[0].detach(),
+                "norm_mlp": norms[1].detach(),
+                "qkv_bias": None if qkv_bias is None else qkv_bias.float().contiguous(),
+            }
+            for name, linear in (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down)):
+                tensors[f"{name}_q"] = linear.packed
+                tensors[f"{name}_d"] = linear.scales
+                tensors[f"{name}_m"] = linear.minimums
+            for name, tensor in tensors.items():
+                if tensor is not None:
+                    keep.append(tensor)
+                    setattr(struct, name, tensor.data_ptr())
+            layers.append(struct)
+        return cls(layers, keep, max_rows)
+
+    def applies(
+        self, x: torch.Tensor, layout: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> bool:
+        tokens = x.shape[0]
+        return (
+            isinstance(layout, StepLayout)
+            and 0 < tokens <= self.max_rows
+            and not layout.prefills
+            and len(layout.decode_rows) == tokens
+            and x.dtype == torch.float32
+            and kv_caches[0][0].dtype in (torch.float32, torch.bfloat16)
+        )
+
+    def run(
+        self,
+        x: torch.Tensor,  # [T, hidden] float32, the embeddings
+        rope: Rope,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        layout: StepLayout,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (last layer's output, residual stream)
+        x = x.contiguous()
+        residual = torch.empty_like(x)
+        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+        slots = layout.inputs.slot_mapping.contiguous()
+        tables, lens = layout.decode_block_tables, layout.decode_context_lens
+        rows = layout.decode_rows.contiguous()
+        step = self.step
+        step.tokens = x.shape[0]
+        step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
+        step.slot_mapping, step.token_index = slots.data_ptr(), rows.data_ptr()
+        step.block_tables, step.table_stride = tables.data_ptr(), tables.shape[1]
+        step.context_lens = lens.data_ptr()
+        step.block_size = kv_caches[0][0].shape[1]
+        step.cache_bf16 = int(kv_caches[0][0].dtype == torch.bfloat16)
+        for index, (layer, (k_cache, v_cache)) in enumerate(
+            zip(self.layers, kv_caches, strict=True)
+        ):
+            native.q4_decode_layer(layer, step, k_cache, v_cache, x, residual, index == 0)
+        return x, residual

@@ -251,20 +251,20 @@ class NativeQ4Linear(nn.Module):
 
     def __init__(
         self,
-        nibbles: torch.Tensor,  # [N, K / 32, 16] uint8: weight i low nibble, i + 16 high
-        scales: torch.Tensor,  # [N, K / 32] float32: d
-        minimums: torch.Tensor,  # [N, K / 32] float32: m
+        nibbles: torch.Tensor,  # [N, K / 32, 16] uint8, GGUF's: weight i low nibble, i + 16 high
+        scales: torch.Tensor,  # [N, K / 32]: d, kept in float16 as GGUF stores it
+        minimums: torch.Tensor,  # [N, K / 32]: m, float16
     ) -> None:
         super().__init__()
         self.out_features = nibbles.shape[0]
         self.in_features = nibbles.shape[1] * Q4_1_BLOCK_WEIGHTS
-        self.register_buffer("nibbles", nibbles.contiguous())
-        self.register_buffer("scales", scales.float().contiguous())
-        self.register_buffer("minimums", minimums.float().contiguous())
+        self.register_buffer("packed", native.q4_1_pack(nibbles.contiguous()))  # kernel layout
+        self.register_buffer("scales", scales.half().contiguous())
+        self.register_buffer("minimums", minimums.half().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N] in x's dtype
         rows = _as_rows(x, self.in_features).float().contiguous()
-        out = native.q4_1_matmul(rows, self.nibbles, self.scales, self.minimums)
+        out = native.q4_1_matmul(rows, self.packed, self.scales, self.minimums)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     @classmethod
@@ -275,21 +275,23 @@ class NativeQ4Linear(nn.Module):
         blocks = _blocks(
             raw_blocks, out_features, in_features, Q4_1_BLOCK_WEIGHTS, Q4_1_BLOCK_BYTES
         )
+        halves = np.ascontiguousarray(blocks[..., :4]).view(np.float16)  # [N, K / 32, 2]: d, m
         return cls(
             torch.from_numpy(np.ascontiguousarray(blocks[..., 4:])),
-            torch.from_numpy(_f16_field(blocks, 0)),
-            torch.from_numpy(_f16_field(blocks, 2)),
+            torch.from_numpy(np.ascontiguousarray(halves[..., 0])),
+            torch.from_numpy(np.ascontiguousarray(halves[..., 1])),
         )
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> NativeQ4Linear:  # weight: [N, K]
-        """Asymmetric min/max quantization of each 32 weights to 16 levels (Q4_1)."""
+        """Asymmetric min/max quantization of each 32 weights to 16 levels (Q4_1, scale and
+        minimum in float16 as llama.cpp stores them)."""
         out_features, in_features = weight.shape
         if in_features % Q4_1_BLOCK_WEIGHTS:
             raise ValueError(f"in_features {in_features} is not a multiple of 32")
         groups = weight.float().reshape(out_features, -1, Q4_1_BLOCK_WEIGHTS)
-        low = groups.amin(dim=-1)
-        scales = (groups.amax(dim=-1) - low) / 15.0
+        low = groups.amin(dim=-1).half().float()
+        scales = ((groups.amax(dim=-1) - low) / 15.0).half().float()
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
         codes = torch.round((groups - low[..., None]) * inverse[..., None]).clamp(0, 15)
         codes = codes.to(torch.uint8)

@@ -39,10 +39,12 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
         *(_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, ctypes.c_int),
         *(_i64, _i64, _i64, _i64, _f32, _i64, _ptr, _i64),
     ),
+    "q4_1_pack": (_ptr, _ptr, _i64, _i64),
     "q4_1_matmul": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
     "q8_0_matmul": (_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr),
+    "q4_decode_layer": (_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int),
 }
-_RETURNS_STATUS = ("q4_1_matmul", "q8_0_matmul")
+_RETURNS_STATUS = ("q4_1_matmul", "q8_0_matmul", "q4_decode_layer")
 
 
 def cache_dir() -> Path:
@@ -239,11 +241,20 @@ def paged_decode_attention(
     )
 
 
+def q4_1_pack(nibbles: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 nibbles [N, K / 32, 16] (weight i low, i + 16 high) -> the kernel's layout,
+    same shape and size: several blocks' codes per load (see q4_1_pack in cpu_ops.c)."""
+    packed = torch.empty_like(nibbles)
+    rows, blocks, _ = nibbles.shape
+    _lib().q4_1_pack(_check(nibbles, torch.uint8, "nibbles"), packed.data_ptr(), rows, blocks)
+    return packed
+
+
 def q4_1_matmul(
     x: torch.Tensor,  # [M, K] float32
-    qs: torch.Tensor,  # [N, K / 32, 16] uint8: GGUF Q4_1 nibbles
-    d: torch.Tensor,  # [N, K / 32] float32 scales
-    m: torch.Tensor,  # [N, K / 32] float32 minimums
+    qs: torch.Tensor,  # [N, K / 32, 16] uint8: GGUF Q4_1 nibbles put through q4_1_pack
+    d: torch.Tensor,  # [N, K / 32] float16 scales
+    m: torch.Tensor,  # [N, K / 32] float16 minimums
 ) -> torch.Tensor:  # [M, N] float32 = x @ W.T, x quantized per 32 to int8 on the way
     rows, k = x.shape
     n_out = qs.shape[0]
@@ -254,8 +265,8 @@ def q4_1_matmul(
         _check(x, torch.float32, "x"),
         rows,
         _check(qs, torch.uint8, "qs"),
-        _check(d, torch.float32, "d"),
-        _check(m, torch.float32, "m"),
+        _check(d, torch.float16, "d"),
+        _check(m, torch.float16, "m"),
         n_out,
         k,
         out.data_ptr(),
@@ -287,3 +298,59 @@ def q8_0_matmul(
     if status:
         raise MemoryError("q8_0_matmul: no memory for the quantized activations")
     return out
+
+
+class Q4Layer(ctypes.Structure):
+    """cpu_ops.c's q4_layer: one decoder layer's dimensions and weight pointers."""
+
+    _fields_ = [
+        *[(name, ctypes.c_int64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")],
+        *[(name, ctypes.c_float) for name in ("eps_attn", "eps_mlp", "scale")],
+        ("sliding_window", ctypes.c_int64),
+        *[
+            (name, ctypes.c_void_p)
+            for name in (
+                *("norm_attn", "norm_mlp", "qkv_q", "qkv_d", "qkv_m", "qkv_bias"),
+                *("o_q", "o_d", "o_m", "gate_up_q", "gate_up_d", "gate_up_m"),
+                *("down_q", "down_d", "down_m"),
+            )
+        ],
+    ]
+
+
+class DecodeStep(ctypes.Structure):
+    """cpu_ops.c's decode_step: one step of decodes (one new token per sequence)."""
+
+    _fields_ = [
+        ("tokens", ctypes.c_int64),
+        *[
+            (name, ctypes.c_void_p)
+            for name in ("cos", "sin", "slot_mapping", "token_index", "block_tables")
+        ],
+        ("table_stride", ctypes.c_int64),
+        ("context_lens", ctypes.c_void_p),
+        ("block_size", ctypes.c_int64),
+        ("cache_bf16", ctypes.c_int),
+    ]
+
+
+def q4_decode_layer(
+    layer: Q4Layer,
+    step: DecodeStep,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    x: torch.Tensor,  # [T, hidden] float32: this layer's input, replaced by its output
+    residual: torch.Tensor,  # [T, hidden] float32: the residual stream, updated
+    first: bool,  # layer 0: x is the embeddings and residual is set from it
+) -> None:
+    status = _lib().q4_decode_layer(
+        ctypes.byref(layer),
+        ctypes.byref(step),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        x.data_ptr(),
+        residual.data_ptr(),
+        int(first),
+    )
+    if status:
+        raise MemoryError("q4_decode_layer: no memory for the layer's scratch")

@@ -37,6 +37,27 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
+static inline float h2f(uint16_t h) { /* IEEE half -> float */
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else { /* subnormal half: renormalise */
+        int e = 113;
+        uint32_t m = man;
+        while (!(m & 0x400)) { m <<= 1; e--; }
+        u = sign | ((uint32_t)e << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
 /* e^x, 8 lanes at a time, within a few float ulps for x in [-87, 88] (clamped there): glibc's
  * expf only vectorizes under -ffast-math, which would also drop the infinities used here. */
 #if defined(__AVX2__)
@@ -365,58 +386,178 @@ static inline float hsum256(__m256 v) {
 }
 #endif
 
+
 #define TILE 4 /* rows of x per pass over a weight row: their accumulators stay in registers */
 
+/* Q4_1 weights are repacked at load time (q4_1_pack) so that one load and two masks give the
+ * codes of several whole blocks, in x's order. A row of B blocks is stored as segments:
+ *  - quads (blocks 4q..4q+3, 64 bytes): byte j's low nibble is weight j of blocks 4q, 4q+1
+ *    (j < 32: block 4q), its high nibble weight j of blocks 4q+2, 4q+3;
+ *  - then a pair if B % 4 >= 2 (32 bytes: low nibble block b, high nibble block b + 1);
+ *  - then a single block if B is odd, as GGUF stores it (low nibble i, high nibble i + 16).
+ * Same size as GGUF's nibbles: B * 16 bytes a row. */
+void q4_1_pack(const uint8_t *gguf, uint8_t *packed, int64_t rows, int64_t blocks) {
+    for (int64_t n = 0; n < rows; n++) {
+        const uint8_t *src = gguf + n * blocks * 16;
+        uint8_t *dst = packed + n * blocks * 16;
+        uint8_t codes[4][32];
+        int64_t b = 0;
+        for (; b + 4 <= blocks; b += 4, dst += 64) {
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 16; j++) {
+                    codes[i][j] = src[(b + i) * 16 + j] & 0x0f;
+                    codes[i][j + 16] = src[(b + i) * 16 + j] >> 4;
+                }
+            for (int j = 0; j < 64; j++)
+                dst[j] = (uint8_t)(codes[j / 32][j % 32] | (codes[2 + j / 32][j % 32] << 4));
+        }
+        if (blocks - b >= 2) {
+            for (int i = 0; i < 2; i++)
+                for (int j = 0; j < 16; j++) {
+                    codes[i][j] = src[(b + i) * 16 + j] & 0x0f;
+                    codes[i][j + 16] = src[(b + i) * 16 + j] >> 4;
+                }
+            for (int j = 0; j < 32; j++) dst[j] = (uint8_t)(codes[0][j] | (codes[1][j] << 4));
+            b += 2;
+            dst += 32;
+        }
+        if (b < blocks) memcpy(dst, src + b * 16, 16);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__)
+#define Q4_ZMM 1
+#endif
+
 #if defined(__AVX2__)
-/* One weight row n against R (<= TILE, a constant once inlined) rows of x. Two accumulators per
- * row (even and odd blocks) so consecutive blocks' FMAs do not wait on each other. */
+/* One packed weight row against R (<= TILE, a constant once inlined) rows of x. */
 static inline __attribute__((always_inline)) void q4_1_tile(
     const int R, const int8_t *xq, const float *xd, const float *xs, int64_t k, int64_t blocks,
-    const uint8_t *wq, const float *wd, const float *wm, float *out, int64_t out_stride) {
-    __m256 acc0[TILE], acc1[TILE];
+    const uint8_t *wq, const uint16_t *wd, const uint16_t *wm, float *out, int64_t out_stride) {
     float offset[TILE];
+    __m256 acc[TILE][2];
     for (int r = 0; r < R; r++) {
-        acc0[r] = _mm256_setzero_ps();
-        acc1[r] = _mm256_setzero_ps();
+        acc[r][0] = _mm256_setzero_ps();
+        acc[r][1] = _mm256_setzero_ps();
         offset[r] = 0.0f;
     }
-    const __m128i low = _mm_set1_epi8(0x0f);
     int64_t b = 0;
-    for (; b + 1 < blocks; b += 2) {
-        const __m128i raw0 = _mm_loadu_si128((const __m128i *)(wq + b * 16));
-        const __m128i raw1 = _mm_loadu_si128((const __m128i *)(wq + b * 16 + 16));
-        const __m256i c0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw0, 4), low),
-                                            _mm_and_si128(raw0, low));
-        const __m256i c1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw1, 4), low),
-                                            _mm_and_si128(raw1, low));
-        const float d0 = wd[b], m0 = wm[b], d1 = wd[b + 1], m1 = wm[b + 1];
+#if defined(Q4_ZMM)
+    {
+        __m512 acc_z[TILE][2];
+        __m128 off4[TILE];
         for (int r = 0; r < R; r++) {
-            const int8_t *x = xq + r * k + b * QK;
-            const float *xdr = xd + r * blocks + b, *xsr = xs + r * blocks + b;
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + QK));
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c0, x0)),
-                                      _mm256_set1_ps(d0 * xdr[0]), acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c1, x1)),
-                                      _mm256_set1_ps(d1 * xdr[1]), acc1[r]);
-            offset[r] += m0 * xsr[0] + m1 * xsr[1];
+            acc_z[r][0] = _mm512_setzero_ps();
+            acc_z[r][1] = _mm512_setzero_ps();
+            off4[r] = _mm_setzero_ps();
+        }
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m512i second = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+        for (; b + 4 <= blocks; b += 4) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(wq + b * 16));
+            const __m512i c01 = _mm512_and_si512(raw, low);
+            const __m512i c23 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(wd + b)));
+            const __m128 m4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(wm + b)));
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + r * k + b * QK;
+                const __m512i p01 =
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), c01, _mm512_loadu_si512(x));
+                const __m512i p23 =
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), c23, _mm512_loadu_si512(x + 64));
+                const __m512 s4 =
+                    _mm512_castps128_ps512(_mm_mul_ps(d4, _mm_loadu_ps(xd + r * (k / QK) + b)));
+                acc_z[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p01),
+                                              _mm512_permutexvar_ps(first, s4), acc_z[r][0]);
+                acc_z[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p23),
+                                              _mm512_permutexvar_ps(second, s4), acc_z[r][1]);
+                off4[r] = _mm_fmadd_ps(m4, _mm_loadu_ps(xs + r * (k / QK) + b), off4[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            offset[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_z[r][0], acc_z[r][1]));
+            __m128 o = _mm_add_ps(off4[r], _mm_movehl_ps(off4[r], off4[r]));
+            o = _mm_add_ss(o, _mm_movehdup_ps(o));
+            offset[r] += _mm_cvtss_f32(o);
         }
     }
-    for (; b < blocks; b++) {
+#else
+    {
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        for (; b + 4 <= blocks; b += 4) {
+            const __m256i raw_a = _mm256_loadu_si256((const __m256i *)(wq + b * 16));
+            const __m256i raw_b = _mm256_loadu_si256((const __m256i *)(wq + b * 16 + 32));
+            const __m256i c[4] = {
+                _mm256_and_si256(raw_a, low), _mm256_and_si256(raw_b, low),
+                _mm256_and_si256(_mm256_srli_epi16(raw_a, 4), low),
+                _mm256_and_si256(_mm256_srli_epi16(raw_b, 4), low)};
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + r * k + b * QK;
+                const float *xdr = xd + r * (k / QK) + b, *xsr = xs + r * (k / QK) + b;
+                for (int i = 0; i < 4; i++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i * QK));
+                    acc[r][i & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c[i], xv)),
+                                                    _mm256_set1_ps(h2f(wd[b + i]) * xdr[i]),
+                                                    acc[r][i & 1]);
+                    offset[r] += h2f(wm[b + i]) * xsr[i];
+                }
+            }
+        }
+    }
+#endif
+    if (blocks - b >= 2) {
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(wq + b * 16));
+        const __m256i c0 = _mm256_and_si256(raw, low);
+        const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xq + r * k + b * QK;
+            const float *xdr = xd + r * (k / QK) + b, *xsr = xs + r * (k / QK) + b;
+            acc[r][0] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(dot_u8s8(c0, _mm256_loadu_si256((const __m256i *)x))),
+                _mm256_set1_ps(h2f(wd[b]) * xdr[0]), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(dot_u8s8(c1, _mm256_loadu_si256((const __m256i *)(x + QK)))),
+                _mm256_set1_ps(h2f(wd[b + 1]) * xdr[1]), acc[r][1]);
+            offset[r] += h2f(wm[b]) * xsr[0] + h2f(wm[b + 1]) * xsr[1];
+        }
+        b += 2;
+    }
+    if (b < blocks) {
+        const __m128i low = _mm_set1_epi8(0x0f);
         const __m128i raw = _mm_loadu_si128((const __m128i *)(wq + b * 16));
         const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
                                            _mm_and_si128(raw, low));
         for (int r = 0; r < R; r++) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + r * k + b * QK));
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c, x0)),
-                                      _mm256_set1_ps(wd[b] * xd[r * blocks + b]), acc0[r]);
-            offset[r] += wm[b] * xs[r * blocks + b];
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * k + b * QK));
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c, xv)),
+                                        _mm256_set1_ps(h2f(wd[b]) * xd[r * (k / QK) + b]), acc[r][0]);
+            offset[r] += h2f(wm[b]) * xs[r * (k / QK) + b];
         }
     }
     for (int r = 0; r < R; r++)
-        out[r * out_stride] = hsum256(_mm256_add_ps(acc0[r], acc1[r])) + offset[r];
+        out[r * out_stride] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) + offset[r];
+}
+#endif
+
+/* The 4-bit code of weight i of block b in a packed row (the portable path). */
+static inline int q4_code(const uint8_t *row, int64_t blocks, int64_t b, int i) {
+    const int64_t quads = blocks / 4 * 4;
+    if (b < quads) {
+        const uint8_t byte = row[(b & ~3LL) * 16 + (b & 1) * 32 + i];
+        return (b & 2) ? byte >> 4 : byte & 0x0f;
+    }
+    if (blocks - quads >= 2 && b < quads + 2) {
+        const uint8_t byte = row[quads * 16 + i];
+        return (b - quads) ? byte >> 4 : byte & 0x0f;
+    }
+    const uint8_t byte = row[b * 16 + (i & 15)];
+    return i < 16 ? byte & 0x0f : byte >> 4;
 }
 
+#if defined(__AVX2__)
 static inline __attribute__((always_inline)) void q8_0_tile(
     const int R, const int8_t *xq, const float *xd, int64_t k, int64_t blocks, const int8_t *w,
     const float *d, float *out, int64_t out_stride) {
@@ -472,10 +613,10 @@ static int quantize_scratch(const float *x, int64_t rows, int64_t k) {
     return 0;
 }
 
-/* out[r, n] = sum_k x[r, k] * W[n, k] for x [rows, K] float32, W in Q4_1: qs [N, K/32, 16]
- * nibbles (weight i in the low nibble, i + 16 in the high), d and m [N, K/32] float32.
+/* out[r, n] = sum_k x[r, k] * W[n, k] for x [rows, K] float32, W in Q4_1: qs [N, K/32 * 16]
+ * nibbles packed by q4_1_pack, d and m [N, K/32] float16 (as GGUF stores them).
  * x is quantized per 32 to int8 first. Returns -1 when out of memory. */
-int q4_1_matmul(const float *x, int64_t rows, const uint8_t *qs, const float *d, const float *m,
+int q4_1_matmul(const float *x, int64_t rows, const uint8_t *qs, const uint16_t *d, const uint16_t *m,
                 int64_t n_out, int64_t k, float *out) {
     if (quantize_scratch(x, rows, k)) return -1;
     const int8_t *xq = scratch_q;
@@ -484,7 +625,7 @@ int q4_1_matmul(const float *x, int64_t rows, const uint8_t *qs, const float *d,
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < n_out; n++) {
         const uint8_t *wq = qs + n * blocks * 16;
-        const float *wd = d + n * blocks, *wm = m + n * blocks;
+        const uint16_t *wd = d + n * blocks, *wm = m + n * blocks;
 #if defined(__AVX2__)
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
             const int64_t left = rows - r0;
@@ -502,11 +643,8 @@ int q4_1_matmul(const float *x, int64_t rows, const uint8_t *qs, const float *d,
             for (int64_t b = 0; b < blocks; b++) {
                 const int8_t *xb = xq + r * k + b * QK;
                 int dot = 0;
-                for (int i = 0; i < 16; i++) {
-                    dot += (wq[b * 16 + i] & 0x0f) * xb[i];
-                    dot += (wq[b * 16 + i] >> 4) * xb[i + 16];
-                }
-                total += wd[b] * xd[r * blocks + b] * (float)dot + wm[b] * xs[r * blocks + b];
+                for (int i = 0; i < QK; i++) dot += q4_code(wq, blocks, b, i) * xb[i];
+                total += h2f(wd[b]) * xd[r * blocks + b] * (float)dot + h2f(wm[b]) * xs[r * blocks + b];
             }
             out[r * n_out + n] = total;
         }
@@ -553,3 +691,81 @@ int q8_0_matmul(const float *x, int64_t rows, const int8_t *wq, const float *wd,
     return 0;
 }
 
+
+/* ---------------------------------------------------------------- a whole decoder layer */
+
+/* One Llama-family decoder layer whose four linears are Q4_1, as one call: what a decode step
+ * of a few sequences runs 30 times, where per-op overhead from Python would cost more than the
+ * arithmetic. Layout and math are those of the single kernels above. */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps_attn, eps_mlp, scale;
+    int64_t sliding_window; /* 0: none */
+    const float *norm_attn, *norm_mlp; /* [hidden] */
+    const uint8_t *qkv_q; /* Q4_1 packed [(heads + 2 kv_heads) * head_dim, hidden / 32 * 16] */
+    const uint16_t *qkv_d, *qkv_m; /* float16 d and m of each block */
+    const float *qkv_bias;          /* NULL: none */
+    const uint8_t *o_q;
+    const uint16_t *o_d, *o_m;
+    const uint8_t *gate_up_q; /* [2 * inter, hidden / 32 * 16]: gate rows, then up rows */
+    const uint16_t *gate_up_d, *gate_up_m;
+    const uint8_t *down_q;
+    const uint16_t *down_d, *down_m;
+} q4_layer;
+
+typedef struct {
+    int64_t tokens; /* one per decoding sequence */
+    const float *cos, *sin; /* [tokens, head_dim / 2] */
+    const int64_t *slot_mapping; /* [tokens] */
+    const int64_t *token_index; /* [tokens]: 0 .. tokens - 1 */
+    const int32_t *block_tables; /* [tokens, table_stride] */
+    int64_t table_stride;
+    const int32_t *context_lens; /* [tokens] */
+    int64_t block_size;
+    int cache_bf16;
+} decode_step;
+
+static float *layer_scratch;
+static int64_t layer_scratch_len;
+
+/* x: [tokens, hidden], the previous layer's output (the embeddings when first), replaced by
+ * this layer's output; residual: [tokens, hidden], the stream before x is added (set when
+ * first). Returns -1 when out of memory. */
+int q4_decode_layer(const q4_layer *w, const decode_step *s, void *k_cache, void *v_cache,
+                    float *x, float *residual, int first) {
+    const int64_t t = s->tokens, hidden = w->hidden, q_size = w->heads * w->head_dim;
+    const int64_t qkv_width = q_size + 2 * w->kv_heads * w->head_dim;
+    const int64_t need = t * (hidden + qkv_width + q_size + 3 * w->inter);
+    if (need > layer_scratch_len) {
+        free(layer_scratch);
+        layer_scratch = (float *)malloc(sizeof(float) * (size_t)need);
+        layer_scratch_len = layer_scratch ? need : 0;
+        if (!layer_scratch) return -1;
+    }
+    float *h = layer_scratch, *qkv = h + t * hidden, *attn = qkv + t * qkv_width;
+    float *gate_up = attn + t * q_size, *act = gate_up + t * 2 * w->inter;
+
+    if (first) {
+        memcpy(residual, x, sizeof(float) * (size_t)(t * hidden));
+        rms_norm_f32(residual, w->norm_attn, h, t, hidden, w->eps_attn);
+    } else {
+        add_rms_norm_f32(residual, x, w->norm_attn, h, t, hidden, w->eps_attn);
+    }
+    if (q4_1_matmul(h, t, w->qkv_q, w->qkv_d, w->qkv_m, qkv_width, hidden, qkv)) return -1;
+    if (w->qkv_bias)
+        for (int64_t r = 0; r < t; r++)
+            for (int64_t i = 0; i < qkv_width; i++) qkv[r * qkv_width + i] += w->qkv_bias[i];
+    rope_write_kv(qkv, t, s->cos, s->sin, w->heads, w->kv_heads, w->head_dim, s->slot_mapping,
+                  k_cache, v_cache, s->cache_bf16);
+    paged_decode_attention(qkv, qkv_width, s->token_index, t, s->block_tables, s->table_stride,
+                           s->context_lens, k_cache, v_cache, s->cache_bf16, s->block_size,
+                           w->heads, w->kv_heads, w->head_dim, w->scale, w->sliding_window, attn,
+                           q_size);
+    if (q4_1_matmul(attn, t, w->o_q, w->o_d, w->o_m, hidden, q_size, x)) return -1;
+    add_rms_norm_f32(residual, x, w->norm_mlp, h, t, hidden, w->eps_mlp);
+    if (q4_1_matmul(h, t, w->gate_up_q, w->gate_up_d, w->gate_up_m, 2 * w->inter, hidden,
+                    gate_up))
+        return -1;
+    silu_mul_f32(gate_up, act, t, w->inter);
+    return q4_1_matmul(act, t, w->down_q, w->down_d, w->down_m, hidden, w->inter, x);
+}
