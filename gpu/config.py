@@ -182,3 +182,19 @@ def kv_block_bytes_for(config: ModelConfig, block_size: int, element_bytes: int)
     return (
         2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_bytes
     )
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, quantization: str | None) -> str:
+    """The KV cache's element type. "auto": bfloat16 when the weights are quantized (llama.cpp
+    keeps a 16-bit cache as well; it halves what decode attention reads), else the model dtype.
+    Attention math is float32 either way. Torch-free: the scheduler sizes the cache with it."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of {KV_CACHE_DTYPES}"
+        )
+    if kv_cache_dtype == "auto":
+        return "bfloat16" if quantization is not None else dtype
+    return kv_cache_dtype

@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from gpu import native
-from gpu.config import ModelConfig, load_model_config
+from gpu.config import ModelConfig, load_model_config, resolve_kv_cache_dtype
 from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from gpu.loader import iter_weights, read_gguf_raw_tensors
 from gpu.model import (
@@ -54,6 +54,7 @@ class RunnerConfig:
     # The C kernels of gpu/native on CPU (norms, RoPE + KV write, decode attention, GGUF-format
     # quantized matmuls with int8 activations); None: wherever they build. False: torch only.
     native_kernels: bool | None = None
+    kv_cache_dtype: str = "auto"  # see gpu.config.resolve_kv_cache_dtype
 
 
 @dataclass(slots=True, frozen=True)
@@ -152,13 +153,20 @@ class ModelRunner:
             )
         model = model.to(device=config.device)
         kv_cache = KVCache.from_budget(
-            model_config, config.kv_cache_bytes, config.block_size, dtype, config.device
+            model_config,
+            config.kv_cache_bytes,
+            config.block_size,
+            _DTYPES[
+                resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
+            ],
+            config.device,
         )
         log.info(
             "model ready",
             model=model_path,
             architecture=model_config.architecture,
             dtype=config.dtype,
+            kv_cache_dtype=str(kv_cache.layers[0][0].dtype).removeprefix("torch."),
             kv_blocks=kv_cache.num_blocks,
             block_size=config.block_size,
         )

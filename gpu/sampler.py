@@ -221,8 +221,10 @@ def sample(
     history: Sequence[TokenHistory],
     generator: torch.Generator | None = None,
 ) -> SampleOutput:
-    """One token per row. `generator` drives rows without a seed."""
-    raw_logprobs = torch.log_softmax(logits.float(), dim=1)
+    """One token per row. `generator` drives rows without a seed. Logprobs are computed for the
+    rows that asked for them (num_logprobs >= 0); other rows get nan and rank 0."""
+    wanted = np.flatnonzero(params.num_logprobs >= 0)
+    raw_logprobs = torch.log_softmax(logits[torch.from_numpy(wanted)].float(), dim=1)
     logits = logits.float().clone()
     _apply_token_rules(logits, params, history)
     _apply_penalties(logits, params, history)
@@ -247,5 +249,14 @@ def sample(
         token_ids[random_rows] = (probs / noise).argmax(dim=1)
 
     num_top = max(0, int(params.num_logprobs.max(initial=-1)))
-    chosen, ranks, top_ids, top_logprobs = logprob_summary(raw_logprobs, token_ids, num_top)
+    rows = logits.shape[0]
+    chosen = torch.full((rows,), float("nan"))
+    ranks = torch.zeros(rows, dtype=torch.int64)
+    top_ids = torch.full((rows, num_top), -1, dtype=torch.int64)
+    top_logprobs = torch.full((rows, num_top), float("-inf"))
+    if len(wanted):
+        index = torch.from_numpy(wanted)
+        chosen[index], ranks[index], top_ids[index], top_logprobs[index] = logprob_summary(
+            raw_logprobs, token_ids[index], num_top
+        )
     return SampleOutput(token_ids, chosen, ranks, top_ids, top_logprobs)

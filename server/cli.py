@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight-only quantized linears; auto: int4 for a GGUF whose linears are Q4_1 "
         "(its blocks map onto int4 without loss, as the default model's do), none otherwise",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="KV cache element type; auto: bfloat16 with quantized weights, else the model dtype "
+        "(attention math is float32 either way)",
+    )
     parser.add_argument("--threads", type=_positive_int, help="CPU threads for the model")
     parser.add_argument("--seed", type=int, help="seed of the engine's default generator")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
@@ -152,6 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "kv_cache_bytes": args.kv_cache_memory,
         "dtype": None if args.dtype == "auto" else _DTYPE_ALIASES.get(args.dtype, args.dtype),
         "quantization": _quantization(args.quantization, args.model),
+        "kv_cache_dtype": args.kv_cache_dtype,
         "threads": args.threads,
         "seed": args.seed,
     }

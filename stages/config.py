@@ -31,6 +31,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 1024 * 1024
     dtype: str = "float32"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # gpu.config.resolve_kv_cache_dtype
     threads: int = 0  # 0: torch's default (all cores)
     seed: int = 0
     log_format: str = "auto"
@@ -44,10 +45,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 def num_kv_blocks(config: EngineConfig) -> int:
     """KV blocks that fit the budget; execute allocates exactly these and schedule hands them out."""
-    from gpu.config import kv_block_bytes_for, load_model_config
+    from gpu.config import kv_block_bytes_for, load_model_config, resolve_kv_cache_dtype
 
     model = load_model_config(config.model_path)
-    block_bytes = kv_block_bytes_for(model, config.block_size, DTYPE_BYTES[config.dtype])
+    element = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
+    block_bytes = kv_block_bytes_for(model, config.block_size, DTYPE_BYTES[element])
     blocks = config.kv_cache_bytes // block_bytes
     if blocks < 1:
         raise ValueError(

@@ -62,6 +62,7 @@ class ExecuteActor(SyncActor):
                 threads=config.threads,
                 seed=config.seed,
                 quantization=config.quantization,
+                kv_cache_dtype=config.kv_cache_dtype,
             ),
         )
         expected = num_kv_blocks(config)

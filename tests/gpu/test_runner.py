@@ -243,6 +243,7 @@ def test_int4_on_q4_1_gguf_matches_the_dequantized_model(tiny_models, tmp_path):
         quantized_compute_dtype="float32",
         quantized_max_rows=None,
         native_kernels=False,
+        kv_cache_dtype="float32",
     )
     assert np.abs(dense - _prompt_logprobs(path, exact, prompt)).max() < 1e-4
     fast = _prompt_logprobs(path, replace(base, quantization="int4"), prompt)
@@ -258,6 +259,25 @@ def test_quantized_runner_stays_close(tiny_models, mode):
         str(tiny_models["qwen2"]), replace(base, quantization=mode), prompt
     )
     assert 0 < np.abs(dense - quantized).max() < 0.1
+
+
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_bfloat16_kv_cache(tiny_models, native_kernels):
+    """A 16-bit cache holds twice the blocks and changes the logprobs only slightly."""
+    prompt = np.random.default_rng(6).integers(3, 128, 10).tolist()
+    path = str(tiny_models["llama"])
+    base = RunnerConfig(kv_cache_bytes=1 << 20, block_size=4, native_kernels=native_kernels)
+    half = replace(base, kv_cache_dtype="bfloat16")
+    assert ModelRunner.from_path(path, half).num_kv_blocks == 2 * (
+        ModelRunner.from_path(path, base).num_kv_blocks
+    )
+    dense = _prompt_logprobs(path, base, prompt)
+    assert 0 < np.abs(dense - _prompt_logprobs(path, half, prompt)).max() < 0.05
+    # "auto" picks it for quantized weights.
+    quantized = ModelRunner.from_path(path, replace(base, quantization="int8"))
+    assert quantized.kv_cache.layers[0][0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="float8"):
+        ModelRunner.from_path(path, replace(base, kv_cache_dtype="float8"))
 
 
 def test_unknown_quantization_is_rejected(tiny_models):

@@ -29,9 +29,13 @@ def probs_logits(probs: list[float], num_rows: int = 1) -> torch.Tensor:
 
 def test_greedy_is_argmax_of_raw_logits():
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
-    out = sample(logits, SamplingArrays.defaults(6), histories(6))
+    asked = np.array([0, 0, 0, -1, 0, 0], np.int32)  # row 3 wants no logprobs
+    out = sample(logits, SamplingArrays.defaults(6, num_logprobs=asked), histories(6))
     assert out.token_ids.tolist() == logits.argmax(dim=1).tolist()
-    assert out.ranks.tolist() == [1] * 6
+    assert out.ranks.tolist() == [1, 1, 1, 0, 1, 1]
+    expected = torch.log_softmax(logits, dim=1).max(dim=1).values
+    torch.testing.assert_close(out.logprobs[asked >= 0], expected[asked >= 0])
+    assert out.logprobs[3].isnan()  # not computed for a row that did not ask
 
 
 def test_top_k_one_equals_greedy_at_any_temperature():
@@ -131,6 +135,7 @@ def test_logit_bias_forces_and_bans():
         temperature=np.array([0.0, 1.0], np.float32),
         logit_bias_ids=np.stack([top.numpy(), weakest.numpy()], axis=1).astype(np.int32),
         logit_bias_values=np.array([[-100.0, 0.0], [0.0, 100.0]], np.float32),
+        num_logprobs=np.zeros(2, np.int32),
     )
     for seed in range(5):
         out = sample(logits, params, histories(2), torch.Generator().manual_seed(seed))
