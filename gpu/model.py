@@ -599,6 +599,8 @@ class FusedDecode:
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(p is None for p in parts) or any(n.dtype != torch.float32 for n in norms):
                 return None
+            if any(p[0].many_rows != native.gemm_available() for p in parts if p is not None):
+                return None  # the C layer runs the build's own layout only
             (qkv, qkv_bias), (o, _), (gate_up, _), (down, _) = parts  # type: ignore[misc]
             struct = native.Q4Layer(
                 hidden=c.hidden_size,
@@ -617,7 +619,7 @@ class FusedDecode:
                 "qkv_bias": None if qkv_bias is None else qkv_bias.float().contiguous(),
             }
             for name, linear in (("qkv", qkv), ("o", o), ("gate_up", gate_up), ("down", down)):
-                tensors[f"{name}_q"] = linear.packed
+                tensors[f"{name}_q"] = linear.codes
                 tensors[f"{name}_d"] = linear.scales
                 tensors[f"{name}_m"] = linear.minimums
             for name, tensor in tensors.items():

@@ -243,10 +243,12 @@ class ThinThickLinear(nn.Module):
 
 
 class NativeQ4Linear(nn.Module):
-    """GGUF Q4_1 weights (w = d * q + m, per 32) on the native CPU kernel (gpu/native).
+    """GGUF Q4_1 weights (w = d * q + m, per 32) on the native CPU kernels (gpu/native).
 
     The activations are quantized per 32 to int8 on the way in, as llama.cpp does, and the dot
     products run on integer SIMD: about a quarter of the bytes of bf16 and no dequantized copy.
+    The codes are stored in the layout of this build's kernel: 16 output channels per vector
+    with AVX-512 VNNI (`native.q4_1_gemm_pack`), row by row otherwise (`native.q4_1_pack`).
     """
 
     def __init__(
@@ -254,22 +256,42 @@ class NativeQ4Linear(nn.Module):
         nibbles: torch.Tensor,  # [N, K / 32, 16] uint8, GGUF's: weight i low nibble, i + 16 high
         scales: torch.Tensor,  # [N, K / 32]: d, kept in float16 as GGUF stores it
         minimums: torch.Tensor,  # [N, K / 32]: m, float16
+        many_rows: bool | None = None,  # the layout; None: the build's (the only one it fuses)
     ) -> None:
         super().__init__()
         self.out_features = nibbles.shape[0]
         self.in_features = nibbles.shape[1] * Q4_1_BLOCK_WEIGHTS
-        self.register_buffer("packed", native.q4_1_pack(nibbles.contiguous()))  # kernel layout
-        self.register_buffer("scales", scales.half().contiguous())
-        self.register_buffer("minimums", minimums.half().contiguous())
+        nibbles, scales, minimums = (
+            nibbles.contiguous(),
+            scales.half().contiguous(),
+            minimums.half().contiguous(),
+        )
+        if many_rows and not native.gemm_available():
+            raise ValueError("the many-row Q4_1 kernel needs AVX-512 VNNI")
+        self.many_rows = native.gemm_available() if many_rows is None else many_rows
+        if self.many_rows:
+            codes, scales, minimums = native.q4_1_gemm_pack(nibbles, scales, minimums)
+        else:
+            codes = native.q4_1_pack(nibbles)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("minimums", minimums)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N] in x's dtype
         rows = _as_rows(x, self.in_features).float().contiguous()
-        out = native.q4_1_matmul(rows, self.packed, self.scales, self.minimums)
+        if self.many_rows:
+            out = native.q4_1_gemm(rows, self.codes, self.scales, self.minimums, self.out_features)
+        else:
+            out = native.q4_1_matmul(rows, self.codes, self.scales, self.minimums)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     @classmethod
     def from_q4_1(
-        cls, raw_blocks: np.ndarray, out_features: int, in_features: int
+        cls,
+        raw_blocks: np.ndarray,
+        out_features: int,
+        in_features: int,
+        many_rows: bool | None = None,
     ) -> NativeQ4Linear:
         """The GGUF blocks as they are (lossless)."""
         blocks = _blocks(
@@ -280,10 +302,13 @@ class NativeQ4Linear(nn.Module):
             torch.from_numpy(np.ascontiguousarray(blocks[..., 4:])),
             torch.from_numpy(np.ascontiguousarray(halves[..., 0])),
             torch.from_numpy(np.ascontiguousarray(halves[..., 1])),
+            many_rows,
         )
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> NativeQ4Linear:  # weight: [N, K]
+    def from_float(
+        cls, weight: torch.Tensor, many_rows: bool | None = None
+    ) -> NativeQ4Linear:  # weight: [N, K]
         """Asymmetric min/max quantization of each 32 weights to 16 levels (Q4_1, scale and
         minimum in float16 as llama.cpp stores them)."""
         out_features, in_features = weight.shape
@@ -296,46 +321,72 @@ class NativeQ4Linear(nn.Module):
         codes = torch.round((groups - low[..., None]) * inverse[..., None]).clamp(0, 15)
         codes = codes.to(torch.uint8)
         nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-        return cls(nibbles, scales, low)
+        return cls(nibbles, scales, low, many_rows)
 
 
 class NativeQ8Linear(nn.Module):
-    """GGUF Q8_0 weights (w = d * q, per 32) on the native CPU kernel; the LM head's format."""
+    """GGUF Q8_0 weights (w = d * q, per 32) on the native CPU kernels; the LM head's format.
+
+    Stored like NativeQ4Linear: 16 output channels per vector with AVX-512 VNNI
+    (`native.q8_0_gemm_pack`), row by row otherwise.
+    """
 
     def __init__(
         self,
         codes: torch.Tensor,  # [N, K] int8
-        scales: torch.Tensor,  # [N, K / 32] float32
+        scales: torch.Tensor,  # [N, K / 32]: d, float16 as GGUF stores it
+        many_rows: bool | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("scales", scales.float().contiguous())
+        codes, scales = codes.contiguous(), scales.half().contiguous()
+        if many_rows and not native.gemm_available():
+            raise ValueError("the many-row Q8_0 kernel needs AVX-512 VNNI")
+        self.many_rows = native.gemm_available() if many_rows is None else many_rows
+        self.register_buffer("corrections", None)
+        if self.many_rows:
+            codes, scales, self.corrections = native.q8_0_gemm_pack(codes, scales)
+        else:
+            scales = scales.float()
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N] in x's dtype
         rows = _as_rows(x, self.in_features).float().contiguous()
-        out = native.q8_0_matmul(rows, self.codes, self.scales)
+        if self.many_rows:
+            out = native.q8_0_gemm(
+                rows, self.codes, self.scales, self.corrections, self.out_features
+            )
+        else:
+            out = native.q8_0_matmul(rows, self.codes, self.scales)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     @classmethod
     def from_q8_0(
-        cls, raw_blocks: np.ndarray, out_features: int, in_features: int
+        cls,
+        raw_blocks: np.ndarray,
+        out_features: int,
+        in_features: int,
+        many_rows: bool | None = None,
     ) -> NativeQ8Linear:
         """The GGUF blocks as they are (lossless)."""
         blocks = _blocks(
             raw_blocks, out_features, in_features, Q8_0_BLOCK_WEIGHTS, Q8_0_BLOCK_BYTES
         )
         codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(out_features, -1)
-        return cls(torch.from_numpy(codes), torch.from_numpy(_f16_field(blocks, 0)))
+        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+        return cls(torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(d)), many_rows)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> NativeQ8Linear:  # weight: [N, K]
-        """Symmetric quantization of each 32 weights to -127..127 (Q8_0)."""
+    def from_float(
+        cls, weight: torch.Tensor, many_rows: bool | None = None
+    ) -> NativeQ8Linear:  # weight: [N, K]
+        """Symmetric quantization of each 32 weights to -127..127 (Q8_0, float16 scales)."""
         out_features, in_features = weight.shape
         if in_features % Q8_0_BLOCK_WEIGHTS:
             raise ValueError(f"in_features {in_features} is not a multiple of 32")
         groups = weight.float().reshape(out_features, -1, Q8_0_BLOCK_WEIGHTS)
-        scales = groups.abs().amax(dim=-1) / 127.0
+        scales = (groups.abs().amax(dim=-1) / 127.0).half().float()
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
         codes = torch.round(groups * inverse[..., None]).clamp(-127, 127).to(torch.int8)
-        return cls(codes.reshape(out_features, in_features), scales)
+        return cls(codes.reshape(out_features, in_features), scales, many_rows)

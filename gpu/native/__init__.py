@@ -43,8 +43,13 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
     "q4_1_matmul": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
     "q8_0_matmul": (_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr),
     "q4_decode_layer": (_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int),
+    "q4_1_gemm_pack": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr),
+    "q4_1_gemm": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
+    "q4_1_gemm_available": (),
+    "q8_0_gemm_pack": (_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr),
+    "q8_0_gemm": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
 }
-_RETURNS_STATUS = ("q4_1_matmul", "q8_0_matmul", "q4_decode_layer")
+_RETURNS_STATUS = ("q4_1_matmul", "q8_0_matmul", "q4_decode_layer", "q4_1_gemm", "q8_0_gemm")
 
 
 def cache_dir() -> Path:
@@ -110,7 +115,8 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes = argtypes
-        function.restype = ctypes.c_int if name in _RETURNS_STATUS else None
+        returns_int = name in _RETURNS_STATUS or name.endswith("_available")
+        function.restype = ctypes.c_int if returns_int else None
     return library
 
 
@@ -354,3 +360,107 @@ def q4_decode_layer(
     )
     if status:
         raise MemoryError("q4_decode_layer: no memory for the layer's scratch")
+
+
+@cache
+def gemm_available() -> bool:
+    """Whether this build has the many-row Q4_1 kernel (it needs AVX-512 VNNI)."""
+    return load() is not None and bool(_lib().q4_1_gemm_available())
+
+
+def q4_1_gemm_pack(
+    nibbles: torch.Tensor,  # [N, K / 32, 16] uint8, GGUF layout
+    d: torch.Tensor,  # [N, K / 32] float16
+    m: torch.Tensor,  # [N, K / 32] float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The many-row kernel's layout: 16 output channels per vector (see cpu_ops.c)."""
+    n_out, blocks, _ = nibbles.shape
+    groups = -(-n_out // 16)
+    codes = torch.empty(groups, blocks, 4, 64, dtype=torch.uint8)
+    d_out = torch.empty(groups, blocks, 16, dtype=torch.float16)
+    m_out = torch.empty(groups, blocks, 16, dtype=torch.float16)
+    _lib().q4_1_gemm_pack(
+        _check(nibbles, torch.uint8, "nibbles"),
+        _check(d, torch.float16, "d"),
+        _check(m, torch.float16, "m"),
+        n_out,
+        blocks,
+        codes.data_ptr(),
+        d_out.data_ptr(),
+        m_out.data_ptr(),
+    )
+    return codes, d_out, m_out
+
+
+def q4_1_gemm(
+    x: torch.Tensor,  # [M, K] float32
+    codes: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor,  # from q4_1_gemm_pack
+    n_out: int,
+) -> torch.Tensor:  # [M, N] float32
+    rows, k = x.shape
+    if codes.shape[1] * 32 != k:
+        raise ValueError(f"q4_1_gemm: x {tuple(x.shape)} does not fit weights {tuple(codes.shape)}")
+    out = torch.empty(rows, n_out, dtype=torch.float32)
+    status = _lib().q4_1_gemm(
+        _check(x, torch.float32, "x"),
+        rows,
+        _check(codes, torch.uint8, "codes"),
+        _check(d, torch.float16, "d"),
+        _check(m, torch.float16, "m"),
+        n_out,
+        k,
+        out.data_ptr(),
+    )
+    if status:
+        raise MemoryError("q4_1_gemm: no memory for the quantized activations (or no VNNI)")
+    return out
+
+
+def q8_0_gemm_pack(
+    codes: torch.Tensor,  # [N, K] int8, GGUF Q8_0 values
+    d: torch.Tensor,  # [N, K / 32] float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The many-row kernel's layout: 16 output channels per vector (see cpu_ops.c)."""
+    n_out, k = codes.shape
+    groups, blocks = -(-n_out // 16), k // 32
+    packed = torch.empty(groups, blocks, 8, 64, dtype=torch.int8)
+    d_out = torch.empty(groups, blocks, 16, dtype=torch.float16)
+    corr = torch.empty(groups, blocks, 16, dtype=torch.int32)
+    _lib().q8_0_gemm_pack(
+        _check(codes, torch.int8, "codes"),
+        _check(d, torch.float16, "d"),
+        n_out,
+        blocks,
+        packed.data_ptr(),
+        d_out.data_ptr(),
+        corr.data_ptr(),
+    )
+    return packed, d_out, corr
+
+
+def q8_0_gemm(
+    x: torch.Tensor,  # [M, K] float32
+    codes: torch.Tensor,
+    d: torch.Tensor,
+    corr: torch.Tensor,  # from q8_0_gemm_pack
+    n_out: int,
+) -> torch.Tensor:  # [M, N] float32
+    rows, k = x.shape
+    if codes.shape[1] * 32 != k:
+        raise ValueError(f"q8_0_gemm: x {tuple(x.shape)} does not fit weights {tuple(codes.shape)}")
+    out = torch.empty(rows, n_out, dtype=torch.float32)
+    status = _lib().q8_0_gemm(
+        _check(x, torch.float32, "x"),
+        rows,
+        _check(codes, torch.int8, "codes"),
+        _check(d, torch.float16, "d"),
+        _check(corr, torch.int32, "corr"),
+        n_out,
+        k,
+        out.data_ptr(),
+    )
+    if status:
+        raise MemoryError("q8_0_gemm: no memory for the quantized activations (or no VNNI)")
+    return out

@@ -725,6 +725,20 @@ typedef struct {
     int cache_bf16;
 } decode_step;
 
+int q4_1_gemm(const float *x, int64_t rows, const uint8_t *codes, const uint16_t *d,
+              const uint16_t *m, int64_t n_out, int64_t k, float *out);
+
+/* The Q4_1 matmul of this build's weight layout: many-row (q4_1_gemm_pack) with AVX-512 VNNI,
+ * row-at-a-time (q4_1_pack) otherwise. */
+static int q4_linear(const float *x, int64_t rows, const uint8_t *codes, const uint16_t *d,
+                     const uint16_t *m, int64_t n_out, int64_t k, float *out) {
+#if defined(Q4_ZMM)
+    return q4_1_gemm(x, rows, codes, d, m, n_out, k, out);
+#else
+    return q4_1_matmul(x, rows, codes, d, m, n_out, k, out);
+#endif
+}
+
 static float *layer_scratch;
 static int64_t layer_scratch_len;
 
@@ -751,7 +765,7 @@ int q4_decode_layer(const q4_layer *w, const decode_step *s, void *k_cache, void
     } else {
         add_rms_norm_f32(residual, x, w->norm_attn, h, t, hidden, w->eps_attn);
     }
-    if (q4_1_matmul(h, t, w->qkv_q, w->qkv_d, w->qkv_m, qkv_width, hidden, qkv)) return -1;
+    if (q4_linear(h, t, w->qkv_q, w->qkv_d, w->qkv_m, qkv_width, hidden, qkv)) return -1;
     if (w->qkv_bias)
         for (int64_t r = 0; r < t; r++)
             for (int64_t i = 0; i < qkv_width; i++) qkv[r * qkv_width + i] += w->qkv_bias[i];
@@ -761,11 +775,217 @@ int q4_decode_layer(const q4_layer *w, const decode_step *s, void *k_cache, void
                            s->context_lens, k_cache, v_cache, s->cache_bf16, s->block_size,
                            w->heads, w->kv_heads, w->head_dim, w->scale, w->sliding_window, attn,
                            q_size);
-    if (q4_1_matmul(attn, t, w->o_q, w->o_d, w->o_m, hidden, q_size, x)) return -1;
+    if (q4_linear(attn, t, w->o_q, w->o_d, w->o_m, hidden, q_size, x)) return -1;
     add_rms_norm_f32(residual, x, w->norm_mlp, h, t, hidden, w->eps_mlp);
-    if (q4_1_matmul(h, t, w->gate_up_q, w->gate_up_d, w->gate_up_m, 2 * w->inter, hidden,
+    if (q4_linear(h, t, w->gate_up_q, w->gate_up_d, w->gate_up_m, 2 * w->inter, hidden,
                     gate_up))
         return -1;
     silu_mul_f32(gate_up, act, t, w->inter);
-    return q4_1_matmul(act, t, w->down_q, w->down_d, w->down_m, hidden, w->inter, x);
+    return q4_linear(act, t, w->down_q, w->down_d, w->down_m, hidden, w->inter, x);
+}
+
+/* ---------------------------------------------------------------- Q4_1 for many rows */
+
+/* For prefill chunks and large decode batches the row-at-a-time kernel above spends most of its
+ * work converting each block's integer dot to float. This layout puts 16 output channels in the
+ * lanes of a vector instead: per block, 8 VNNI instructions (each 16 channels x 4 weights,
+ * against 4 activation bytes broadcast) give 16 integer dots, then one convert and two FMAs
+ * apply the 16 scales and minimums. Rows of N are grouped by 16 (the last group padded):
+ *   codes [N/16, B, 4, 64] uint8: vector z of block b, byte 4 * l + i: low nibble = weight
+ *     (16 g + l, 32 b + 4 z + i), high nibble = weight (16 g + l, 32 b + 4 (z + 4) + i);
+ *   d, m [N/16, B, 16] float16. */
+void q4_1_gemm_pack(const uint8_t *gguf, const uint16_t *d, const uint16_t *m, int64_t n_out,
+                    int64_t blocks, uint8_t *codes, uint16_t *d_out, uint16_t *m_out) {
+    const int64_t groups = (n_out + 15) / 16;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *dst = codes + (g * blocks + b) * 256;
+            for (int l = 0; l < 16; l++) {
+                const int64_t n = g * 16 + l;
+                const int valid = n < n_out;
+                const uint8_t *src = gguf + (n * blocks + b) * 16;
+                uint8_t w[32];
+                for (int j = 0; j < 16; j++) {
+                    w[j] = valid ? (src[j] & 0x0f) : 0;
+                    w[j + 16] = valid ? (src[j] >> 4) : 0;
+                }
+                for (int z = 0; z < 4; z++)
+                    for (int i = 0; i < 4; i++)
+                        dst[z * 64 + l * 4 + i] =
+                            (uint8_t)(w[4 * z + i] | (w[4 * (z + 4) + i] << 4));
+                d_out[(g * blocks + b) * 16 + l] = valid ? d[n * blocks + b] : 0;
+                m_out[(g * blocks + b) * 16 + l] = valid ? m[n * blocks + b] : 0;
+            }
+        }
+}
+
+int q4_1_gemm_available(void) { /* 1: the weight layout is q4_1_gemm_pack's */
+#if defined(Q4_ZMM)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(Q4_ZMM)
+#define GEMM_ROWS 4
+static inline __attribute__((always_inline)) void q4_gemm_tile(
+    const int R, const int8_t *xq, const float *xd, const float *xs, int64_t k, int64_t blocks,
+    const uint8_t *codes, const uint16_t *d, const uint16_t *m, float *out, int64_t n_out,
+    int64_t n0) {
+    __m512 acc[GEMM_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *wb = codes + b * 256;
+        __m512i c[8];
+        for (int z = 0; z < 4; z++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(wb + z * 64));
+            c[z] = _mm512_and_si512(raw, low);
+            c[z + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * 16)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * 16)));
+        for (int r = 0; r < R; r++) {
+            const int32_t *x = (const int32_t *)(xq + r * k + b * QK);
+            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                even = _mm512_dpbusd_epi32(even, c[j], _mm512_set1_epi32(x[j]));
+                odd = _mm512_dpbusd_epi32(odd, c[j + 1], _mm512_set1_epi32(x[j + 1]));
+            }
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * blocks + b])),
+                                     acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * blocks + b]), acc[r]);
+        }
+    }
+    const int64_t left = n_out - n0;
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * n_out + n0, mask, acc[r]);
+}
+#endif
+
+/* out [rows, N] = x [rows, K] @ W.T with W packed by q4_1_gemm_pack. -1: out of memory or no
+ * AVX-512 VNNI in this build (q4_1_gemm_available). */
+int q4_1_gemm(const float *x, int64_t rows, const uint8_t *codes, const uint16_t *d,
+              const uint16_t *m, int64_t n_out, int64_t k, float *out) {
+#if defined(Q4_ZMM)
+    if (quantize_scratch(x, rows, k)) return -1;
+    const int64_t blocks = k / QK, groups = (n_out + 15) / 16;
+    const int8_t *xq = scratch_q;
+    const float *xd = scratch_f, *xs = scratch_f + rows * blocks;
+    const int64_t tiles = (rows + GEMM_ROWS - 1) / GEMM_ROWS;
+#pragma omp parallel for schedule(static) collapse(2)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t r0 = t * GEMM_ROWS, left = rows - r0;
+            const uint8_t *cg = codes + g * blocks * 256;
+            const uint16_t *dg = d + g * blocks * 16, *mg = m + g * blocks * 16;
+            const int8_t *xr = xq + r0 * k;
+            const float *dr = xd + r0 * blocks, *sr = xs + r0 * blocks;
+            float *o = out + r0 * n_out;
+            if (left >= 4) q4_gemm_tile(4, xr, dr, sr, k, blocks, cg, dg, mg, o, n_out, g * 16);
+            else if (left == 3) q4_gemm_tile(3, xr, dr, sr, k, blocks, cg, dg, mg, o, n_out, g * 16);
+            else if (left == 2) q4_gemm_tile(2, xr, dr, sr, k, blocks, cg, dg, mg, o, n_out, g * 16);
+            else q4_gemm_tile(1, xr, dr, sr, k, blocks, cg, dg, mg, o, n_out, g * 16);
+        }
+    return 0;
+#else
+    (void)x, (void)rows, (void)codes, (void)d, (void)m, (void)n_out, (void)k, (void)out;
+    return -1;
+#endif
+}
+
+/* Q8_0 (the LM head's format) in the same 16-channels-per-vector layout:
+ *   codes [N/16, B, 8, 64] int8: vector z of block b, byte 4 * l + i = weight (16 g + l, 32 b + 4 z + i);
+ *   d [N/16, B, 16] float16; corr [N/16, B, 16] int32 = 128 * (sum of the block's 32 weights).
+ * VNNI multiplies unsigned by signed bytes, so activations go in as x + 128 and corr takes the
+ * 128 * sum(w) that adds back out. */
+void q8_0_gemm_pack(const int8_t *w, const uint16_t *d, int64_t n_out, int64_t blocks,
+                    int8_t *codes, uint16_t *d_out, int32_t *corr) {
+    const int64_t groups = (n_out + 15) / 16;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int8_t *dst = codes + (g * blocks + b) * 512;
+            for (int l = 0; l < 16; l++) {
+                const int64_t n = g * 16 + l;
+                const int valid = n < n_out;
+                const int8_t *src = w + (n * blocks + b) * QK;
+                int32_t sum = 0;
+                for (int z = 0; z < 8; z++)
+                    for (int i = 0; i < 4; i++) {
+                        const int8_t v = valid ? src[4 * z + i] : 0;
+                        dst[z * 64 + l * 4 + i] = v;
+                        sum += v;
+                    }
+                d_out[(g * blocks + b) * 16 + l] = valid ? d[n * blocks + b] : 0;
+                corr[(g * blocks + b) * 16 + l] = 128 * sum;
+            }
+        }
+}
+
+#if defined(Q4_ZMM)
+static inline __attribute__((always_inline)) void q8_gemm_tile(
+    const int R, const int8_t *xq, const float *xd, int64_t k, int64_t blocks,
+    const int8_t *codes, const uint16_t *d, const int32_t *corr, float *out, int64_t n_out,
+    int64_t n0) {
+    __m512 acc[GEMM_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *wb = codes + b * 512;
+        __m512i c[8];
+        for (int z = 0; z < 8; z++) c[z] = _mm512_loadu_si512((const void *)(wb + z * 64));
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * 16)));
+        const __m512i cv = _mm512_loadu_si512((const void *)(corr + b * 16));
+        for (int r = 0; r < R; r++) {
+            const int32_t *x = (const int32_t *)(xq + r * k + b * QK);
+            const __m512i flip = _mm512_set1_epi32((int32_t)0x80808080u);
+            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                even = _mm512_dpbusd_epi32(
+                    even, _mm512_xor_si512(_mm512_set1_epi32(x[j]), flip), c[j]);
+                odd = _mm512_dpbusd_epi32(
+                    odd, _mm512_xor_si512(_mm512_set1_epi32(x[j + 1]), flip), c[j + 1]);
+            }
+            const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(even, odd), cv);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                     _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * blocks + b])), acc[r]);
+        }
+    }
+    const int64_t left = n_out - n0;
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * n_out + n0, mask, acc[r]);
+}
+#endif
+
+/* out [rows, N] = x [rows, K] @ W.T with W packed by q8_0_gemm_pack. -1: out of memory or no
+ * AVX-512 VNNI in this build. */
+int q8_0_gemm(const float *x, int64_t rows, const int8_t *codes, const uint16_t *d,
+              const int32_t *corr, int64_t n_out, int64_t k, float *out) {
+#if defined(Q4_ZMM)
+    if (quantize_scratch(x, rows, k)) return -1;
+    const int64_t blocks = k / QK, groups = (n_out + 15) / 16;
+    const int8_t *xq = scratch_q;
+    const float *xd = scratch_f;
+    const int64_t tiles = (rows + GEMM_ROWS - 1) / GEMM_ROWS;
+#pragma omp parallel for schedule(static) collapse(2)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t r0 = t * GEMM_ROWS, left = rows - r0;
+            const int8_t *cg = codes + g * blocks * 512;
+            const uint16_t *dg = d + g * blocks * 16;
+            const int32_t *kg = corr + g * blocks * 16;
+            const int8_t *xr = xq + r0 * k;
+            const float *sr = xd + r0 * blocks;
+            float *o = out + r0 * n_out;
+            if (left >= 4) q8_gemm_tile(4, xr, sr, k, blocks, cg, dg, kg, o, n_out, g * 16);
+            else if (left == 3) q8_gemm_tile(3, xr, sr, k, blocks, cg, dg, kg, o, n_out, g * 16);
+            else if (left == 2) q8_gemm_tile(2, xr, sr, k, blocks, cg, dg, kg, o, n_out, g * 16);
+            else q8_gemm_tile(1, xr, sr, k, blocks, cg, dg, kg, o, n_out, g * 16);
+        }
+    return 0;
+#else
+    (void)x, (void)rows, (void)codes, (void)d, (void)corr, (void)n_out, (void)k, (void)out;
+    return -1;
+#endif
 }

@@ -115,11 +115,22 @@ def _weights_of(linear: torch.nn.Module) -> torch.Tensor:  # [N, K] as the kerne
     return linear(torch.eye(linear.in_features)).T
 
 
+LAYOUTS = [
+    pytest.param(False, id="row-layout"),
+    pytest.param(
+        True,
+        id="16-channel-layout",
+        marks=pytest.mark.skipif(not native.gemm_available(), reason="needs AVX-512 VNNI"),
+    ),
+]
+
+
+@pytest.mark.parametrize("many_rows", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 33])
 @pytest.mark.parametrize("in_features", [96, 160, 576, 608])  # quads, pairs and single blocks
-def test_q4_1_matmul_against_the_dequantized_weights(rows, in_features):
-    weight = torch.randn(70, in_features) * 0.05
-    linear = NativeQ4Linear.from_float(weight)
+def test_q4_1_matmul_against_the_dequantized_weights(rows, in_features, many_rows):
+    weight = torch.randn(70, in_features) * 0.05  # 70: the last group of 16 channels is partial
+    linear = NativeQ4Linear.from_float(weight, many_rows)
     dequantized = _weights_of(linear)
     assert _relative_error(dequantized, weight) < 0.1  # 16 levels per 32 weights
     x = torch.randn(rows, in_features)
@@ -127,11 +138,15 @@ def test_q4_1_matmul_against_the_dequantized_weights(rows, in_features):
     assert _relative_error(linear(x), x @ dequantized.T) < 0.02
 
 
+@pytest.mark.parametrize("many_rows", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
-def test_q8_0_matmul_against_the_dequantized_weights(rows):
+def test_q8_0_matmul_against_the_dequantized_weights(rows, many_rows):
     weight = torch.randn(300, 160)
-    linear = NativeQ8Linear.from_float(weight)
-    dequantized = (linear.codes.float().view(300, 5, 32) * linear.scales[..., None]).view(300, 160)
+    linear = NativeQ8Linear.from_float(weight, many_rows)
+    groups = weight.view(300, 5, 32)
+    scales = (groups.abs().amax(-1) / 127).half().float()
+    codes = torch.round(groups / scales[..., None]).clamp(-127, 127)
+    dequantized = (codes * scales[..., None]).view(300, 160)
     torch.testing.assert_close(_weights_of(linear), dequantized)
     assert _relative_error(dequantized, weight) < 0.01
     x = torch.randn(rows, 160)
@@ -139,8 +154,9 @@ def test_q8_0_matmul_against_the_dequantized_weights(rows):
     assert linear(x.view(rows, 1, 160)).shape == (rows, 1, 300)
 
 
+@pytest.mark.parametrize("many_rows", LAYOUTS)
 @pytest.mark.parametrize("blocks", [1, 2, 3, 4, 7])
-def test_q4_1_blocks_load_unchanged(blocks):
+def test_q4_1_blocks_load_unchanged(blocks, many_rows):
     """GGUF Q4_1 bytes (f16 d, f16 m, 16 bytes of nibbles) give w = d * q + m exactly."""
     rng = np.random.default_rng(blocks)
     d = rng.uniform(0.01, 0.02, (3, blocks)).astype(np.float16)
@@ -154,7 +170,7 @@ def test_q4_1_blocks_load_unchanged(blocks):
         ],
         axis=-1,
     )
-    linear = NativeQ4Linear.from_q4_1(raw.reshape(3, blocks * 20), 3, blocks * 32)
+    linear = NativeQ4Linear.from_q4_1(raw.reshape(3, blocks * 20), 3, blocks * 32, many_rows)
     codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.float32)
     expected = codes * d.astype(np.float32)[..., None] + m.astype(np.float32)[..., None]
     torch.testing.assert_close(
