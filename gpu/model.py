@@ -383,7 +383,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq: torch.Tensor  # [head_dim // 2] float32, RoPE angular frequencies
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self.fused_decode: FusedDecode | None = None  # set by quantize_linears where it fits
+        self.fused_layers: FusedLayers | None = None  # set by quantize_linears where it fits
 
     def forward(
         self,
@@ -398,9 +398,19 @@ class CausalLM(nn.Module):
         layout = self.kernels.prepare(inputs)
         x = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        fused = self.fused_decode
+        fused = self.fused_layers
         if fused is not None and fused.applies(x, layout, kv_caches):
-            x, residual = fused.run(x, rope, kv_caches, layout)
+            c = self.config
+            x, residual = fused.run(
+                x,
+                rope,
+                kv_caches,
+                layout,
+                self.kernels.paged_attention,
+                self.model.layers[0].self_attn.scale,
+                c.sliding_window,
+                c.num_heads,
+            )
         else:
             for layer, kv in zip(self.model.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, rope, kv, layout)
@@ -533,7 +543,7 @@ def quantize_linears(
         thin = _quantized(head, "int8", [raw_head], compute_dtype, use_native)
         model.lm_head = ThinThickLinear(thin, head, max_thin_rows)
         if model.kernels is NATIVE_KERNELS:
-            model.fused_decode = FusedDecode.of(model, max_thin_rows)
+            model.fused_layers = FusedLayers.of(model, max_thin_rows)
 
 
 def _quantized(
@@ -572,11 +582,12 @@ def _native_q4(module: nn.Module) -> tuple[NativeQ4Linear, torch.Tensor | None] 
     return (module, bias) if isinstance(module, NativeQ4Linear) else None
 
 
-class FusedDecode:
-    """Steps of decodes only (one new token per sequence, at most `max_rows` of them) as one
-    native call per layer (cpu_ops.c's q4_decode_layer), for models whose decoder linears are
-    all NativeQ4Linear. At batch 1 calling ~12 kernels per layer from Python cost more than
-    their arithmetic; thicker steps and prefill chunks take the per-op path.
+class FusedLayers:
+    """Steps of at most `max_rows` tokens through native calls per layer (cpu_ops.c's q4_layer_*),
+    for models whose decoder linears are all NativeQ4Linear: one call per layer when the step is
+    all decodes, else the part before attention, attention (decodes native, prefill chunks in
+    torch) and the part after it. At batch 1 calling ~12 kernels per layer from Python cost more
+    than their arithmetic; thicker steps take the per-op path with dense bf16 linears.
 
     The structs hold raw pointers into the model's buffers: build it after the model is in
     place (quantize_linears does) and do not move the model afterwards.
@@ -589,7 +600,7 @@ class FusedDecode:
         self.step = native.DecodeStep()
 
     @classmethod
-    def of(cls, model: CausalLM, max_rows: int) -> FusedDecode | None:
+    def of(cls, model: CausalLM, max_rows: int) -> FusedLayers | None:
         c = model.config
         layers, keep = [], []
         for layer in model.model.layers:
@@ -632,12 +643,9 @@ class FusedDecode:
     def applies(
         self, x: torch.Tensor, layout: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> bool:
-        tokens = x.shape[0]
         return (
             isinstance(layout, StepLayout)
-            and 0 < tokens <= self.max_rows
-            and not layout.prefills
-            and len(layout.decode_rows) == tokens
+            and 0 < x.shape[0] <= self.max_rows
             and x.dtype == torch.float32
             and kv_caches[0][0].dtype in (torch.float32, torch.bfloat16)
         )
@@ -648,23 +656,37 @@ class FusedDecode:
         rope: Rope,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         layout: StepLayout,
+        attention: Callable[..., torch.Tensor],  # Kernels.paged_attention, for mixed steps
+        scale: float,
+        sliding_window: int | None,
+        heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (last layer's output, residual stream)
+        tokens, hidden = x.shape
         x = x.contiguous()
         residual = torch.empty_like(x)
         cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
         slots = layout.inputs.slot_mapping.contiguous()
         tables, lens = layout.decode_block_tables, layout.decode_context_lens
         rows = layout.decode_rows.contiguous()
+        head_dim = cos.shape[1] * 2
+        first = self.layers[0]
+        qkv = torch.empty(tokens, (first.heads + 2 * first.kv_heads) * head_dim)
+        attn = torch.empty(tokens, heads * head_dim)
         step = self.step
-        step.tokens = x.shape[0]
+        step.tokens = tokens
         step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         step.slot_mapping, step.token_index = slots.data_ptr(), rows.data_ptr()
         step.block_tables, step.table_stride = tables.data_ptr(), tables.shape[1]
         step.context_lens = lens.data_ptr()
         step.block_size = kv_caches[0][0].shape[1]
         step.cache_bf16 = int(kv_caches[0][0].dtype == torch.bfloat16)
-        for index, (layer, (k_cache, v_cache)) in enumerate(
-            zip(self.layers, kv_caches, strict=True)
-        ):
-            native.q4_decode_layer(layer, step, k_cache, v_cache, x, residual, index == 0)
+        decodes_only = not layout.prefills and len(rows) == tokens
+        for index, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if decodes_only:
+                native.q4_decode_layer(layer, step, *kv, x, residual, index == 0, qkv, attn)
+                continue
+            native.q4_layer_attn_in(layer, step, *kv, x, residual, index == 0, qkv)
+            q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+            out = attention(q, kv, layout, scale, sliding_window)
+            native.q4_layer_attn_out(layer, out.view(tokens, -1), x, residual)
         return x, residual

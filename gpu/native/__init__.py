@@ -42,14 +42,19 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
     "q4_1_pack": (_ptr, _ptr, _i64, _i64),
     "q4_1_matmul": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
     "q8_0_matmul": (_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr),
-    "q4_decode_layer": (_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int),
+    "q4_decode_layer": (_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _ptr),
+    "q4_layer_attn_in": (_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr),
+    "q4_layer_attn_out": (_ptr, _i64, _ptr, _ptr, _ptr),
     "q4_1_gemm_pack": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr),
     "q4_1_gemm": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
     "q4_1_gemm_available": (),
     "q8_0_gemm_pack": (_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr),
     "q8_0_gemm": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
 }
-_RETURNS_STATUS = ("q4_1_matmul", "q8_0_matmul", "q4_decode_layer", "q4_1_gemm", "q8_0_gemm")
+_RETURNS_STATUS = (
+    *("q4_1_matmul", "q8_0_matmul", "q4_1_gemm", "q8_0_gemm"),
+    *("q4_decode_layer", "q4_layer_attn_in", "q4_layer_attn_out"),
+)
 
 
 def cache_dir() -> Path:
@@ -348,7 +353,10 @@ def q4_decode_layer(
     x: torch.Tensor,  # [T, hidden] float32: this layer's input, replaced by its output
     residual: torch.Tensor,  # [T, hidden] float32: the residual stream, updated
     first: bool,  # layer 0: x is the embeddings and residual is set from it
+    qkv: torch.Tensor,  # [T, (H + 2 KVH) * D] float32 scratch
+    attn: torch.Tensor,  # [T, H * D] float32 scratch
 ) -> None:
+    """A whole layer for a step of decodes only."""
     status = _lib().q4_decode_layer(
         ctypes.byref(layer),
         ctypes.byref(step),
@@ -357,9 +365,47 @@ def q4_decode_layer(
         x.data_ptr(),
         residual.data_ptr(),
         int(first),
+        qkv.data_ptr(),
+        attn.data_ptr(),
     )
     if status:
         raise MemoryError("q4_decode_layer: no memory for the layer's scratch")
+
+
+def q4_layer_attn_in(
+    layer: Q4Layer,
+    step: DecodeStep,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    first: bool,
+    qkv: torch.Tensor,  # receives the rotated q, k and v rows
+) -> None:
+    """The layer up to attention (norm, qkv, RoPE, KV write) for any step."""
+    status = _lib().q4_layer_attn_in(
+        ctypes.byref(layer),
+        ctypes.byref(step),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        x.data_ptr(),
+        residual.data_ptr(),
+        int(first),
+        qkv.data_ptr(),
+    )
+    if status:
+        raise MemoryError("q4_layer_attn_in: no memory for the layer's scratch")
+
+
+def q4_layer_attn_out(
+    layer: Q4Layer, attn: torch.Tensor, x: torch.Tensor, residual: torch.Tensor
+) -> None:
+    """The layer after attention (o, norm, gate_up, SwiGLU, down); x receives its output."""
+    status = _lib().q4_layer_attn_out(
+        ctypes.byref(layer), attn.shape[0], attn.data_ptr(), x.data_ptr(), residual.data_ptr()
+    )
+    if status:
+        raise MemoryError("q4_layer_attn_out: no memory for the layer's scratch")
 
 
 @cache

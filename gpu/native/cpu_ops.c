@@ -745,20 +745,23 @@ static int64_t layer_scratch_len;
 /* x: [tokens, hidden], the previous layer's output (the embeddings when first), replaced by
  * this layer's output; residual: [tokens, hidden], the stream before x is added (set when
  * first). Returns -1 when out of memory. */
-int q4_decode_layer(const q4_layer *w, const decode_step *s, void *k_cache, void *v_cache,
-                    float *x, float *residual, int first) {
-    const int64_t t = s->tokens, hidden = w->hidden, q_size = w->heads * w->head_dim;
-    const int64_t qkv_width = q_size + 2 * w->kv_heads * w->head_dim;
-    const int64_t need = t * (hidden + qkv_width + q_size + 3 * w->inter);
+static float *grow_scratch(int64_t need) {
     if (need > layer_scratch_len) {
         free(layer_scratch);
         layer_scratch = (float *)malloc(sizeof(float) * (size_t)need);
         layer_scratch_len = layer_scratch ? need : 0;
-        if (!layer_scratch) return -1;
     }
-    float *h = layer_scratch, *qkv = h + t * hidden, *attn = qkv + t * qkv_width;
-    float *gate_up = attn + t * q_size, *act = gate_up + t * 2 * w->inter;
+    return layer_scratch;
+}
 
+/* The layer up to attention: norm (with the residual add), qkv (+ bias), RoPE and the KV write.
+ * qkv: [tokens, (heads + 2 kv_heads) * head_dim], the caller's. Returns -1 when out of memory. */
+int q4_layer_attn_in(const q4_layer *w, const decode_step *s, void *k_cache, void *v_cache,
+                     float *x, float *residual, int first, float *qkv) {
+    const int64_t t = s->tokens, hidden = w->hidden;
+    const int64_t qkv_width = (w->heads + 2 * w->kv_heads) * w->head_dim;
+    float *h = grow_scratch(t * (hidden + 3 * w->inter));
+    if (!h) return -1;
     if (first) {
         memcpy(residual, x, sizeof(float) * (size_t)(t * hidden));
         rms_norm_f32(residual, w->norm_attn, h, t, hidden, w->eps_attn);
@@ -771,17 +774,38 @@ int q4_decode_layer(const q4_layer *w, const decode_step *s, void *k_cache, void
             for (int64_t i = 0; i < qkv_width; i++) qkv[r * qkv_width + i] += w->qkv_bias[i];
     rope_write_kv(qkv, t, s->cos, s->sin, w->heads, w->kv_heads, w->head_dim, s->slot_mapping,
                   k_cache, v_cache, s->cache_bf16);
-    paged_decode_attention(qkv, qkv_width, s->token_index, t, s->block_tables, s->table_stride,
-                           s->context_lens, k_cache, v_cache, s->cache_bf16, s->block_size,
-                           w->heads, w->kv_heads, w->head_dim, w->scale, w->sliding_window, attn,
-                           q_size);
+    return 0;
+}
+
+/* The layer after attention: o, norm (with the residual add), gate_up, SwiGLU, down.
+ * attn: [tokens, heads * head_dim]; x receives the layer's output. */
+int q4_layer_attn_out(const q4_layer *w, int64_t t, const float *attn, float *x,
+                      float *residual) {
+    const int64_t hidden = w->hidden, q_size = w->heads * w->head_dim;
+    float *h = grow_scratch(t * (hidden + 3 * w->inter));
+    if (!h) return -1;
+    float *gate_up = h + t * hidden, *act = gate_up + t * 2 * w->inter;
     if (q4_linear(attn, t, w->o_q, w->o_d, w->o_m, hidden, q_size, x)) return -1;
     add_rms_norm_f32(residual, x, w->norm_mlp, h, t, hidden, w->eps_mlp);
     if (q4_linear(h, t, w->gate_up_q, w->gate_up_d, w->gate_up_m, 2 * w->inter, hidden,
-                    gate_up))
+                  gate_up))
         return -1;
     silu_mul_f32(gate_up, act, t, w->inter);
     return q4_linear(act, t, w->down_q, w->down_d, w->down_m, hidden, w->inter, x);
+}
+
+/* A whole layer for a step of decodes only (row s of the step is sequence s's one token).
+ * qkv and attn: the caller's buffers, as for the two halves. */
+int q4_decode_layer(const q4_layer *w, const decode_step *s, void *k_cache, void *v_cache,
+                    float *x, float *residual, int first, float *qkv, float *attn) {
+    const int64_t q_size = w->heads * w->head_dim;
+    const int64_t qkv_width = q_size + 2 * w->kv_heads * w->head_dim;
+    if (q4_layer_attn_in(w, s, k_cache, v_cache, x, residual, first, qkv)) return -1;
+    paged_decode_attention(qkv, qkv_width, s->token_index, s->tokens, s->block_tables,
+                           s->table_stride, s->context_lens, k_cache, v_cache, s->cache_bf16,
+                           s->block_size, w->heads, w->kv_heads, w->head_dim, w->scale,
+                           w->sliding_window, attn, q_size);
+    return q4_layer_attn_out(w, s->tokens, attn, x, residual);
 }
 
 /* ---------------------------------------------------------------- Q4_1 for many rows */

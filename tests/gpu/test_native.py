@@ -197,11 +197,22 @@ def test_switched_off_by_the_environment():
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral_swa"])  # qkv bias; sliding window
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_layers_equal_the_per_op_path(tiny_models, arch, cache_dtype, monkeypatch):
-    """Decode steps of up to max_thin_rows sequences run each layer as one native call."""
-    calls = []
-    layer_call = native.q4_decode_layer
-    monkeypatch.setattr(native, "q4_decode_layer", lambda *a: calls.append(1) or layer_call(*a))
+def test_fused_layers_equal_the_per_op_path(tiny_models, arch, cache_dtype, monkeypatch):
+    """Steps of up to max_thin_rows tokens run each layer as native calls: one for a step of
+    decodes, two around attention when prefill chunks are in the step."""
+    calls = {"whole": 0, "halves": 0}
+    whole, first_half = native.q4_decode_layer, native.q4_layer_attn_in
+
+    def count_whole(*args):
+        calls["whole"] += 1
+        return whole(*args)
+
+    def count_halves(*args):
+        calls["halves"] += 1
+        return first_half(*args)
+
+    monkeypatch.setattr(native, "q4_decode_layer", count_whole)
+    monkeypatch.setattr(native, "q4_layer_attn_in", count_halves)
     from gpu.config import load_model_config
     from gpu.kv_cache import KVCache
     from gpu.loader import iter_weights
@@ -213,22 +224,29 @@ def test_fused_decode_layers_equal_the_per_op_path(tiny_models, arch, cache_dtyp
     config = load_model_config(path)
     model = CausalLM(config, NATIVE_KERNELS).eval()
     model.load_weights(iter_weights(path, config, torch.float32))
-    quantize_linears(model, "int4", max_thin_rows=4)
-    fused = model.fused_decode
+    quantize_linears(model, "int4", max_thin_rows=48)
+    fused = model.fused_layers
     assert fused is not None
-    rng = np.random.default_rng(7)
     outputs = []
     for use_fused in (True, False):
-        model.fused_decode = fused if use_fused else None
-        seqs = [PagedSequence(rng.integers(0, 128, 30).tolist()) for _ in range(3)]
-        pool = BlockPool(num_blocks=64, block_size=4, seed=1)
-        cache = KVCache(config, num_blocks=64, block_size=4, dtype=cache_dtype)
-        run_step(model, cache, build_step(pool, [(s, 20) for s in seqs]))  # prefill: per-op
+        model.fused_layers = fused if use_fused else None
+        rng = np.random.default_rng(7)
+        seqs = [PagedSequence(rng.integers(0, 128, 100).tolist()) for _ in range(3)]
+        pool = BlockPool(num_blocks=128, block_size=4, seed=1)
+        cache = KVCache(config, num_blocks=128, block_size=4, dtype=cache_dtype)
+        schedule = [
+            [(0, 20), (1, 20)],  # prefill chunks only
+            [(0, 1), (1, 1), (2, 30)],  # decodes beside a prefill chunk
+            *[[(0, 1), (1, 1), (2, 1)]] * 6,  # decodes only
+            [(2, 1), (0, 60)],  # 61 tokens: above max_thin_rows, the per-op path
+        ]
         logits = [
-            run_step(model, cache, build_step(pool, [(s, 1) for s in seqs])) for _ in range(10)
+            run_step(model, cache, build_step(pool, [(seqs[i], n) for i, n in step]))
+            for step in schedule
         ]
         outputs.append(torch.cat(logits))
-        rng = np.random.default_rng(7)
-        assert len(calls) == (10 * config.num_layers if use_fused else 0)
-        calls.clear()
+        layers = config.num_layers
+        expected = {"whole": 6 * layers, "halves": 2 * layers} if use_fused else {}
+        assert calls == {"whole": 0, "halves": 0, **expected}
+        calls.update(whole=0, halves=0)
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
