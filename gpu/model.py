@@ -661,7 +661,7 @@ class FusedLayers:
         sliding_window: int | None,
         heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (last layer's output, residual stream)
-        tokens, hidden = x.shape
+        tokens = x.shape[0]
         x = x.contiguous()
         residual = torch.empty_like(x)
         cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
