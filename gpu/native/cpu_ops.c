@@ -352,8 +352,19 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
 void quantize_rows_q8(const float *x, int8_t *xq, float *xd, float *xs, int64_t rows,
                       int64_t k) {
     const int64_t blocks = k / QK;
+#pragma omp parallel for schedule(static) if (rows * k >= 32768)
     for (int64_t b = 0; b < rows * blocks; b++) {
         const float *src = x + b * QK;
+#if defined(__AVX512F__)
+        const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(xq + b * QK), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(xq + b * QK + 16), _mm512_cvtsepi32_epi8(qhi));
+        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(src[i]));
         const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
@@ -363,6 +374,7 @@ void quantize_rows_q8(const float *x, int8_t *xq, float *xd, float *xs, int64_t 
             xq[b * QK + i] = (int8_t)v;
             sum += v;
         }
+#endif
         xd[b] = d;
         xs[b] = d * (float)sum;
     }
