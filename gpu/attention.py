@@ -101,10 +101,12 @@ def laid_out_attention(
     scale: float,
     sliding_window: int | None,
     decode: Callable[..., None] | None = None,
+    prefill: Callable[..., None] | None = None,
 ) -> torch.Tensor:  # -> [T, H, D] in q's dtype
     """`paged_attention` over a precomputed layout. `decode`, when given, attends the decodes in
     place (the native CPU kernel: `decode(q, k_cache, v_cache, rows, tables, lens, scale,
-    window, out)`); otherwise they go through the torch gather-and-bmm path."""
+    window, out)`), and `prefill` each prefill chunk (`prefill(q, k_cache, v_cache, start, end,
+    context_len, table, scale, window, out)`); otherwise they take the torch paths."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     rows = layout.decode_rows
     if len(rows):
@@ -132,6 +134,10 @@ def laid_out_attention(
             ).to(q.dtype)
     block_size = k_cache.shape[1]
     for b, start, end, context_len in layout.prefills:
+        if prefill is not None:
+            table = layout.inputs.block_tables[b]
+            prefill(q, k_cache, v_cache, start, end, context_len, table, scale, sliding_window, out)
+            continue
         num_blocks = -(-context_len // block_size)
         blocks = layout.inputs.block_tables[b, :num_blocks].long()
         keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [L, KVH, D]

@@ -187,9 +187,13 @@ def _native_paged_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    decode = native.paged_decode_attention if q.dtype == torch.float32 else None
+    native_q = q.dtype == torch.float32
+    decode = native.paged_decode_attention if native_q else None
+    prefill = None
+    if native_q and q.shape[2] % 16 == 0 and native.prefill_attention_available():
+        prefill = native.paged_prefill_attention
     return torch_attention.laid_out_attention(
-        q, kv[0], kv[1], layout, scale, sliding_window, decode
+        q, kv[0], kv[1], layout, scale, sliding_window, decode, prefill
     )
 
 

@@ -50,6 +50,11 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
     "q4_1_gemm_available": (),
     "q8_0_gemm_pack": (_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr),
     "q8_0_gemm": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
+    "paged_prefill_attention": (
+        *(_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int),
+        *(_i64, _i64, _i64, _i64, _f32, _i64, _ptr, _i64),
+    ),
+    "prefill_attention_available": (),
 }
 _RETURNS_STATUS = (
     *("q4_1_matmul", "q8_0_matmul", "q4_1_gemm", "q8_0_gemm"),
@@ -510,3 +515,47 @@ def q8_0_gemm(
     if status:
         raise MemoryError("q8_0_gemm: no memory for the quantized activations (or no VNNI)")
     return out
+
+
+@cache
+def prefill_attention_available() -> bool:
+    """Whether this build has the paged prefill attention kernel (it needs AVX-512)."""
+    return load() is not None and bool(_lib().prefill_attention_available())
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, H, D] float32, rows may be strided; rows start:end are the chunk
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32 or bfloat16
+    v_cache: torch.Tensor,
+    start: int,
+    end: int,
+    context_len: int,  # the sequence's KV length after this step; the chunk is its last tokens
+    block_table: torch.Tensor,  # [max_blocks] int32, contiguous
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,  # [T, H, D] float32 contiguous; rows start:end are written
+) -> None:
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim or head_dim % 16:
+        raise ValueError("paged_prefill_attention: q must be float32 rows of 16k-wide heads")
+    cache_dtype = k_cache.dtype
+    _check(out, torch.float32, "out")
+    _lib().paged_prefill_attention(
+        q.data_ptr() + start * q.stride(0) * 4,
+        q.stride(0),
+        end - start,
+        context_len,
+        _check(block_table, torch.int32, "block_table"),
+        _check(k_cache, cache_dtype, "k_cache"),
+        _check(v_cache, cache_dtype, "v_cache"),
+        int(cache_dtype == torch.bfloat16),
+        block_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        scale,
+        sliding_window or 0,
+        out.data_ptr() + start * out.stride(0) * 4,
+        out.stride(0),
+    )

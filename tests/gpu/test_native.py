@@ -250,3 +250,43 @@ def test_fused_layers_equal_the_per_op_path(tiny_models, arch, cache_dtype, monk
         assert calls == {"whole": 0, "halves": 0, **expected}
         calls.update(whole=0, halves=0)
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    shutil.which("gcc") is not None and not native.prefill_attention_available(),
+    reason="the prefill kernel needs AVX-512",
+)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "cache_dtype", "window", "chunk", "context"),
+    [
+        (9, 3, 64, torch.float32, None, 37, 37),  # a whole prompt, SmolLM2's heads
+        (9, 3, 64, torch.bfloat16, None, 70, 101),  # a later chunk: 31 cached tokens before it
+        (4, 1, 32, torch.float32, 9, 20, 50),  # sliding window
+        (8, 2, 128, torch.float32, None, 3, 64),
+    ],
+)
+def test_paged_prefill_attention_matches_the_reference(
+    heads, kv_heads, dim, cache_dtype, window, chunk, context
+):
+    block_size, num_blocks = 4, 64
+    table = torch.from_numpy(np.random.default_rng(dim).permutation(num_blocks).astype(np.int32))
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
+    qkv = torch.randn(chunk + 2, (heads + 2 * kv_heads) * dim)  # the chunk is rows 1..chunk
+    q = qkv[:, : heads * dim].view(-1, heads, dim)
+    out = torch.full((chunk + 2, heads, dim), float("nan"))
+    native.paged_prefill_attention(
+        q, k_cache, v_cache, 1, chunk + 1, context, table, 0.2, window, out
+    )
+    expected = reference.paged_attention(
+        q[1 : chunk + 1].contiguous(),
+        k_cache,
+        v_cache,
+        table[None, :],
+        torch.tensor([0, chunk], dtype=torch.int32),
+        torch.tensor([context], dtype=torch.int32),
+        0.2,
+        window,
+    )
+    torch.testing.assert_close(out[1 : chunk + 1], expected, rtol=1e-4, atol=1e-5)
+    assert out[0].isnan().all() and out[chunk + 1].isnan().all()
