@@ -206,6 +206,14 @@ static inline __m512 load16(const void *cache, int64_t i, int bf16) {
     return _mm512_loadu_ps((const float *)cache + i);
 }
 
+#define KV_PREFETCH 8 /* positions ahead */
+
+static inline void prefetch_row(const void *cache, int64_t index, int64_t dim, int bf16) {
+    const char *row = (const char *)cache + index * (bf16 ? 2 : 4);
+    for (int64_t off = 0; off < dim * (bf16 ? 2 : 4); off += 64)
+        _mm_prefetch(row + off, _MM_HINT_T0);
+}
+
 /* acc[g][c] = sum_p probs[g][p] * V[p][c0 + c] for GN query heads and CN 16-wide chunks of
  * the head dimension; the GN * CN accumulators stay in registers across all positions. */
 static inline __attribute__((always_inline)) void pv_tile(
@@ -216,6 +224,7 @@ static inline __attribute__((always_inline)) void pv_tile(
     for (int g = 0; g < GN; g++)
         for (int c = 0; c < CN; c++) acc[g][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
+        if (j + KV_PREFETCH < n) prefetch_row(v_cache, rows[j + KV_PREFETCH] + c0, 16 * CN, bf16);
         __m512 v[4];
         for (int c = 0; c < CN; c++) v[c] = load16(v_cache, rows[j] + c0 + 16 * c, bf16);
         for (int g = 0; g < GN; g++) {
@@ -241,21 +250,27 @@ static void attend_avx512(const float *q, const void *k_cache, const void *v_cac
                           const int64_t *rows, int64_t n, int64_t group, int64_t dim,
                           float scale, float *probs, int64_t stride, float *out) {
     const int64_t chunks = dim / 16;
-    float inv[64];
-    for (int64_t g = 0; g < group; g++) {
-        const float *qg = q + g * dim;
-        float *pg = probs + g * stride;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(k_cache, rows[j], bf16));
+    float inv[64], mx[64];
+    for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
+    /* Scores: each key row is loaded once for the whole query group; rows a few positions ahead
+     * are prefetched, since the walk through the block table hides the pattern. */
+    for (int64_t j = 0; j < n; j++) {
+        if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
+        __m512 key[32]; /* dim <= 512 */
+        for (int64_t c = 0; c < chunks; c++) key[c] = load16(k_cache, rows[j] + 16 * c, bf16);
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * dim;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), key[0]);
             for (int64_t c = 1; c < chunks; c++)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c),
-                                    load16(k_cache, rows[j] + 16 * c, bf16), a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), key[c], a);
             const float sc = _mm512_reduce_add_ps(a) * scale;
-            pg[j] = sc;
-            mx = sc > mx ? sc : mx;
+            probs[g * stride + j] = sc;
+            mx[g] = sc > mx[g] ? sc : mx[g];
         }
-        const float sum = exp_shifted(pg, pg, n, mx);
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *pg = probs + g * stride;
+        const float sum = exp_shifted(pg, pg, n, mx[g]);
         inv[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
     }
     for (int64_t c0 = 0; c0 < chunks * 16; c0 += 64) {
