@@ -21,8 +21,9 @@ def write_kv(
     k_cache: torch.Tensor,  # k_cache: [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,  # v_cache: [num_blocks, block_size, KVH, D]
     slot_mapping: torch.Tensor,  # slot_mapping: [T] int64, block * block_size + offset; < 0 = skip
+    all_valid: bool | None = None,  # known to have no negative slot (saves a check and a sync)
 ) -> None:
-    if bool((slot_mapping < 0).any()):
+    if not all_valid and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     num_slots = k_cache.shape[0] * k_cache.shape[1]

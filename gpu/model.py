@@ -108,14 +108,8 @@ def _torch_rotary_write_kv(
     layout: StepLayout,
 ) -> torch.Tensor:
     q, k, v = _split_rotate(qkv, rope, num_heads, num_kv_heads)
-    k_cache, v_cache = kv
     slots = layout.inputs.slot_mapping
-    if not layout.all_slots_valid:
-        keep = slots >= 0
-        k, v, slots = k[keep], v[keep], slots[keep]
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    torch_attention.write_kv(k, v, *kv, slots, layout.all_slots_valid)
     return q
 
 

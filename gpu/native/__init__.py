@@ -266,54 +266,51 @@ def q4_1_pack(nibbles: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def _matmul(
+    name: str,
+    x: torch.Tensor,  # [M, K] float32
+    weight_k: int,  # the K the weights were packed for
+    n_out: int,
+    *weights: tuple[torch.Tensor, torch.dtype],  # the kernel's weight arrays, in its order
+) -> torch.Tensor:  # [M, N] float32 = x @ W.T, x quantized per 32 to int8 on the way
+    rows, k = x.shape
+    if weight_k != k or k % 32:
+        raise ValueError(f"{name}: x {tuple(x.shape)} does not fit weights of {weight_k} inputs")
+    out = torch.empty(rows, n_out, dtype=torch.float32)
+    arrays = [_check(t, dtype, name) for t, dtype in weights]
+    status = getattr(_lib(), name)(
+        _check(x, torch.float32, "x"), rows, *arrays, n_out, k, out.data_ptr()
+    )
+    if status:
+        raise MemoryError(f"{name}: no memory for the quantized activations")
+    return out
+
+
 def q4_1_matmul(
     x: torch.Tensor,  # [M, K] float32
     qs: torch.Tensor,  # [N, K / 32, 16] uint8: GGUF Q4_1 nibbles put through q4_1_pack
     d: torch.Tensor,  # [N, K / 32] float16 scales
     m: torch.Tensor,  # [N, K / 32] float16 minimums
-) -> torch.Tensor:  # [M, N] float32 = x @ W.T, x quantized per 32 to int8 on the way
-    rows, k = x.shape
-    n_out = qs.shape[0]
-    if qs.shape[1] * 32 != k:
-        raise ValueError(f"q4_1_matmul: x {tuple(x.shape)} does not fit weights {tuple(qs.shape)}")
-    out = torch.empty(rows, n_out, dtype=torch.float32)
-    status = _lib().q4_1_matmul(
-        _check(x, torch.float32, "x"),
-        rows,
-        _check(qs, torch.uint8, "qs"),
-        _check(d, torch.float16, "d"),
-        _check(m, torch.float16, "m"),
-        n_out,
-        k,
-        out.data_ptr(),
+) -> torch.Tensor:  # [M, N] float32
+    return _matmul(
+        "q4_1_matmul",
+        x,
+        qs.shape[1] * 32,
+        qs.shape[0],
+        (qs, torch.uint8),
+        (d, torch.float16),
+        (m, torch.float16),
     )
-    if status:
-        raise MemoryError("q4_1_matmul: no memory for the quantized activations")
-    return out
 
 
 def q8_0_matmul(
     x: torch.Tensor,  # [M, K] float32
     wq: torch.Tensor,  # [N, K] int8: GGUF Q8_0 values
     wd: torch.Tensor,  # [N, K / 32] float32 scales
-) -> torch.Tensor:  # [M, N] float32 = x @ W.T, x quantized per 32 to int8 on the way
-    rows, k = x.shape
-    n_out = wq.shape[0]
-    if wq.shape[1] != k or k % 32:
-        raise ValueError(f"q8_0_matmul: x {tuple(x.shape)} does not fit weights {tuple(wq.shape)}")
-    out = torch.empty(rows, n_out, dtype=torch.float32)
-    status = _lib().q8_0_matmul(
-        _check(x, torch.float32, "x"),
-        rows,
-        _check(wq, torch.int8, "wq"),
-        _check(wd, torch.float32, "wd"),
-        n_out,
-        k,
-        out.data_ptr(),
+) -> torch.Tensor:  # [M, N] float32
+    return _matmul(
+        "q8_0_matmul", x, wq.shape[1], wq.shape[0], (wq, torch.int8), (wd, torch.float32)
     )
-    if status:
-        raise MemoryError("q8_0_matmul: no memory for the quantized activations")
-    return out
 
 
 class Q4Layer(ctypes.Structure):
@@ -450,23 +447,15 @@ def q4_1_gemm(
     m: torch.Tensor,  # from q4_1_gemm_pack
     n_out: int,
 ) -> torch.Tensor:  # [M, N] float32
-    rows, k = x.shape
-    if codes.shape[1] * 32 != k:
-        raise ValueError(f"q4_1_gemm: x {tuple(x.shape)} does not fit weights {tuple(codes.shape)}")
-    out = torch.empty(rows, n_out, dtype=torch.float32)
-    status = _lib().q4_1_gemm(
-        _check(x, torch.float32, "x"),
-        rows,
-        _check(codes, torch.uint8, "codes"),
-        _check(d, torch.float16, "d"),
-        _check(m, torch.float16, "m"),
+    return _matmul(
+        "q4_1_gemm",
+        x,
+        codes.shape[1] * 32,
         n_out,
-        k,
-        out.data_ptr(),
+        (codes, torch.uint8),
+        (d, torch.float16),
+        (m, torch.float16),
     )
-    if status:
-        raise MemoryError("q4_1_gemm: no memory for the quantized activations (or no VNNI)")
-    return out
 
 
 def q8_0_gemm_pack(
@@ -498,23 +487,15 @@ def q8_0_gemm(
     corr: torch.Tensor,  # from q8_0_gemm_pack
     n_out: int,
 ) -> torch.Tensor:  # [M, N] float32
-    rows, k = x.shape
-    if codes.shape[1] * 32 != k:
-        raise ValueError(f"q8_0_gemm: x {tuple(x.shape)} does not fit weights {tuple(codes.shape)}")
-    out = torch.empty(rows, n_out, dtype=torch.float32)
-    status = _lib().q8_0_gemm(
-        _check(x, torch.float32, "x"),
-        rows,
-        _check(codes, torch.int8, "codes"),
-        _check(d, torch.float16, "d"),
-        _check(corr, torch.int32, "corr"),
+    return _matmul(
+        "q8_0_gemm",
+        x,
+        codes.shape[1] * 32,
         n_out,
-        k,
-        out.data_ptr(),
+        (codes, torch.int8),
+        (d, torch.float16),
+        (corr, torch.int32),
     )
-    if status:
-        raise MemoryError("q8_0_gemm: no memory for the quantized activations (or no VNNI)")
-    return out
 
 
 @cache
