@@ -67,13 +67,16 @@ def port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 def test_chat_on_the_default_model(port: int) -> None:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
+    # Not "What is the capital of France?": in float32 its first token is a near-tie ("The"
+    # 25.33 vs "L" 25.24), so int4 weights with int8 activations (llama.cpp's arithmetic, the
+    # default here) start "L'Etoile..." and never name Paris. This answer is the same in float32.
     messages: list[openai.types.chat.ChatCompletionMessageParam] = [
-        {"role": "user", "content": "What is the capital of France?"}
+        {"role": "user", "content": "Who wrote Romeo and Juliet?"}
     ]
     completion = client.chat.completions.create(
         model=model, messages=messages, max_tokens=16, temperature=0
     )
-    assert "Paris" in (completion.choices[0].message.content or "")  # it answers the question
+    assert "Shakespeare" in (completion.choices[0].message.content or "")  # it answers
     assert completion.usage is not None and 0 < completion.usage.completion_tokens <= 16
     chunks = list(
         client.chat.completions.create(
