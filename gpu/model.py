@@ -184,7 +184,7 @@ def _native_paged_attention(
     native_q = q.dtype == torch.float32
     decode = native.paged_decode_attention if native_q else None
     prefill = None
-    if native_q and q.shape[2] % 16 == 0 and native.prefill_attention_available():
+    if native_q and q.shape[2] % 32 == 0 and native.prefill_attention_available():
         prefill = native.paged_prefill_attention
     return torch_attention.laid_out_attention(
         q, kv[0], kv[1], layout, scale, sliding_window, decode, prefill

@@ -58,7 +58,7 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
 }
 _RETURNS_STATUS = (
     *("q4_1_matmul", "q8_0_matmul", "q4_1_gemm", "q8_0_gemm"),
-    *("q4_decode_layer", "q4_layer_attn_in", "q4_layer_attn_out"),
+    *("q4_decode_layer", "q4_layer_attn_in", "q4_layer_attn_out", "paged_prefill_attention"),
 )
 
 
@@ -518,11 +518,11 @@ def paged_prefill_attention(
 ) -> None:
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim or head_dim % 16:
-        raise ValueError("paged_prefill_attention: q must be float32 rows of 16k-wide heads")
+    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim or head_dim % 32:
+        raise ValueError("paged_prefill_attention: q must be float32 rows of 32k-wide heads")
     cache_dtype = k_cache.dtype
     _check(out, torch.float32, "out")
-    _lib().paged_prefill_attention(
+    status = _lib().paged_prefill_attention(
         q.data_ptr() + start * q.stride(0) * 4,
         q.stride(0),
         end - start,
@@ -540,3 +540,5 @@ def paged_prefill_attention(
         out.data_ptr() + start * out.stride(0) * 4,
         out.stride(0),
     )
+    if status:
+        raise MemoryError("paged_prefill_attention: no memory for the packed keys and values")

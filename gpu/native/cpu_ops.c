@@ -1044,58 +1044,67 @@ int q8_0_gemm(const float *x, int64_t rows, const int8_t *codes, const uint16_t 
 /* ---------------------------------------------------------------- paged prefill attention */
 
 #if defined(__AVX512F__)
-#define PF_Q 4 /* query vectors per register tile */
+#define PF_Q 8     /* query vectors per register tile */
+#define PF_ROWS 32 /* query rows per work item */
 
 /* Causal attention of one sequence's chunk of `queries` new tokens (the last ones of its
  * `context` positions) over its paged cache. q rows: q + r * q_stride, [heads, dim]; out rows
- * likewise with out_stride. Work items are (KV head, tile of query rows): K is copied
- * transposed ([dim, positions], so 16 keys' scores come out of broadcast FMAs with no
- * horizontal sums) and V contiguous, once per item; dim must be a multiple of 16. */
-void paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, int64_t context,
+ * likewise with out_stride; dim a multiple of 32. First each KV head's keys are copied
+ * transposed ([dim, positions]: 32 keys' scores come out of broadcast FMAs, no horizontal sums)
+ * and its values contiguous, in parallel; then work items (KV head, PF_ROWS query rows) score,
+ * softmax and sum PF_Q query vectors at a time. Returns -1 when out of memory. */
+int paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, int64_t context,
                              const int32_t *block_table, const void *k_cache,
                              const void *v_cache, int cache_bf16, int64_t block_size,
                              int64_t heads, int64_t kv_heads, int64_t dim, float scale,
                              int64_t window, float *out, int64_t out_stride) {
     const int64_t group = heads / kv_heads, first_pos = context - queries;
-    const int64_t rows_per_item = 32, padded = (context + 15) / 16 * 16;
-    const int64_t tiles = (queries + rows_per_item - 1) / rows_per_item;
+    const int64_t padded = (context + 31) / 32 * 32;
+    const int64_t tiles = (queries + PF_ROWS - 1) / PF_ROWS;
+    float *kt = (float *)malloc(sizeof(float) * (size_t)(kv_heads * dim * padded));
+    float *vv = (float *)malloc(sizeof(float) * (size_t)(kv_heads * padded * dim));
+    if (!kt || !vv) {
+        free(kt);
+        free(vv);
+        return -1;
+    }
 #pragma omp parallel
     {
-        float *kt = (float *)malloc(sizeof(float) * (size_t)(dim * padded));
-        float *vv = (float *)malloc(sizeof(float) * (size_t)(padded * dim));
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(PF_Q * padded));
-#pragma omp for schedule(dynamic, 1) collapse(2)
+        const int64_t chunks = padded / 16;
+#pragma omp for schedule(static) collapse(2)
         for (int64_t kvh = 0; kvh < kv_heads; kvh++)
-            for (int64_t tile = 0; tile < tiles; tile++) {
-                const int64_t r_begin = tile * rows_per_item;
-                const int64_t r_end = r_begin + rows_per_item < queries ? r_begin + rows_per_item
-                                                                        : queries;
-                /* keys this tile can see: up to the last row's position */
-                const int64_t visible = first_pos + r_end;
-                const int64_t lo_all =
-                    window > 0 && first_pos + r_begin + 1 > window ? first_pos + r_begin + 1 - window
-                                                                   : 0;
-                const int64_t span = (visible - lo_all + 15) / 16 * 16;
-                for (int64_t j = 0; j < span; j++) {
-                    const int64_t p = lo_all + j;
-                    if (p < visible) {
+            for (int64_t pc = 0; pc < chunks; pc++) {
+                float *kth = kt + kvh * dim * padded, *vvh = vv + kvh * padded * dim;
+                for (int64_t p = pc * 16; p < pc * 16 + 16; p++) {
+                    if (p < context) {
                         const int64_t base =
                             ((int64_t)block_table[p / block_size] * block_size + p % block_size) *
                                 kv_heads * dim +
                             kvh * dim;
                         for (int64_t c = 0; c < dim; c += 16) {
-                            const __m512 kc = load16(k_cache, base + c, cache_bf16);
                             float tmp[16];
-                            _mm512_storeu_ps(tmp, kc);
-                            for (int i = 0; i < 16; i++) kt[(c + i) * padded + j] = tmp[i];
-                            _mm512_storeu_ps(vv + j * dim + c, load16(v_cache, base + c, cache_bf16));
+                            _mm512_storeu_ps(tmp, load16(k_cache, base + c, cache_bf16));
+                            for (int i = 0; i < 16; i++) kth[(c + i) * padded + p] = tmp[i];
+                            _mm512_storeu_ps(vvh + p * dim + c, load16(v_cache, base + c, cache_bf16));
                         }
                     } else {
-                        for (int64_t c = 0; c < dim; c++) kt[c * padded + j] = 0.0f;
-                        memset(vv + j * dim, 0, sizeof(float) * (size_t)dim);
+                        for (int64_t c = 0; c < dim; c++) kth[c * padded + p] = 0.0f;
+                        memset(vvh + p * dim, 0, sizeof(float) * (size_t)dim);
                     }
                 }
-                /* query vectors of this tile: (row, head in the KV head's group), PF_Q at a time */
+            }
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(PF_Q * padded));
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t kvh = 0; kvh < kv_heads; kvh++)
+            for (int64_t tile = tiles - 1; tile >= 0; tile--) { /* longest spans first */
+                const float *kth = kt + kvh * dim * padded, *vvh = vv + kvh * padded * dim;
+                const int64_t r_begin = tile * PF_ROWS;
+                const int64_t r_end = r_begin + PF_ROWS < queries ? r_begin + PF_ROWS : queries;
+                const int64_t visible = first_pos + r_end; /* keys the tile's last row sees */
+                const int64_t lo = window > 0 && first_pos + r_begin + 1 > window
+                                       ? (first_pos + r_begin + 1 - window) / 32 * 32
+                                       : 0;
+                const int64_t hi = (visible + 31) / 32 * 32;
                 const int64_t vectors = (r_end - r_begin) * group;
                 for (int64_t v0 = 0; v0 < vectors; v0 += PF_Q) {
                     const int nq = vectors - v0 < PF_Q ? (int)(vectors - v0) : PF_Q;
@@ -1108,62 +1117,69 @@ void paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, 
                         qv[i] = q + r * q_stride + h * dim;
                         ov[i] = out + r * out_stride + h * dim;
                         const int64_t pos = first_pos + r;
-                        last[i] = pos - lo_all; /* sees j <= last */
-                        first[i] = window > 0 && pos + 1 > window ? pos + 1 - window - lo_all : 0;
+                        last[i] = pos; /* sees keys first..last */
+                        first[i] = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
                     }
-                    /* scores: 16 keys at a time for PF_Q query vectors */
-                    for (int64_t j0 = 0; j0 < span; j0 += 16) {
-                        __m512 acc[PF_Q];
-                        for (int i = 0; i < PF_Q; i++) acc[i] = _mm512_setzero_ps();
+                    /* scores for 32 keys at a time: 2 x PF_Q accumulators */
+                    for (int64_t j0 = lo; j0 < hi; j0 += 32) {
+                        __m512 a0[PF_Q], a1[PF_Q];
+                        for (int i = 0; i < PF_Q; i++) a0[i] = a1[i] = _mm512_setzero_ps();
                         for (int64_t c = 0; c < dim; c++) {
-                            const __m512 kv = _mm512_loadu_ps(kt + c * padded + j0);
-                            for (int i = 0; i < PF_Q; i++)
-                                acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qv[i][c]), kv, acc[i]);
+                            const __m512 k0 = _mm512_loadu_ps(kth + c * padded + j0);
+                            const __m512 k1 = _mm512_loadu_ps(kth + c * padded + j0 + 16);
+                            for (int i = 0; i < PF_Q; i++) {
+                                const __m512 qb = _mm512_set1_ps(qv[i][c]);
+                                a0[i] = _mm512_fmadd_ps(qb, k0, a0[i]);
+                                a1[i] = _mm512_fmadd_ps(qb, k1, a1[i]);
+                            }
                         }
-                        for (int i = 0; i < PF_Q; i++)
-                            _mm512_storeu_ps(scores + i * padded + j0,
-                                             _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+                        const __m512 sc = _mm512_set1_ps(scale);
+                        for (int i = 0; i < PF_Q; i++) {
+                            _mm512_storeu_ps(scores + i * padded + j0, _mm512_mul_ps(a0[i], sc));
+                            _mm512_storeu_ps(scores + i * padded + j0 + 16, _mm512_mul_ps(a1[i], sc));
+                        }
                     }
                     float inv[PF_Q];
                     for (int i = 0; i < nq; i++) {
-                        float *s = scores + i * padded;
-                        for (int64_t j = 0; j < first[i]; j++) s[j] = 0.0f;
+                        float *sr = scores + i * padded;
+                        for (int64_t j = lo; j < first[i]; j++) sr[j] = 0.0f;
                         float mx = -INFINITY;
-                        for (int64_t j = first[i]; j <= last[i]; j++) mx = s[j] > mx ? s[j] : mx;
+                        for (int64_t j = first[i]; j <= last[i]; j++) mx = sr[j] > mx ? sr[j] : mx;
                         const float sum =
-                            exp_shifted(s + first[i], s + first[i], last[i] - first[i] + 1, mx);
-                        for (int64_t j = last[i] + 1; j < span; j++) s[j] = 0.0f;
+                            exp_shifted(sr + first[i], sr + first[i], last[i] - first[i] + 1, mx);
+                        for (int64_t j = last[i] + 1; j < hi; j++) sr[j] = 0.0f;
                         inv[i] = sum > 0.0f ? 1.0f / sum : 0.0f;
                     }
-                    /* out = P V: PF_Q vectors x 16-wide chunks of dim, keys streamed once */
-                    int64_t j_end = 0;
+                    for (int i = nq; i < PF_Q; i++)
+                        for (int64_t j = lo; j < hi; j++) scores[i * padded + j] = 0.0f;
+                    int64_t j_end = lo;
                     for (int i = 0; i < nq; i++) j_end = last[i] + 1 > j_end ? last[i] + 1 : j_end;
-                    for (int64_t c0 = 0; c0 < dim; c0 += 64) {
-                        const int cn = dim - c0 >= 64 ? 4 : (int)((dim - c0) / 16);
-                        __m512 acc[PF_Q][4];
-                        for (int i = 0; i < PF_Q; i++)
-                            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
-                        for (int64_t j = 0; j < j_end; j++) {
-                            __m512 vrow[4];
-                            for (int c = 0; c < cn; c++)
-                                vrow[c] = _mm512_loadu_ps(vv + j * dim + c0 + 16 * c);
+                    /* out = P V: PF_Q vectors x 32 values of dim at a time, keys streamed */
+                    for (int64_t c0 = 0; c0 < dim; c0 += 32) {
+                        __m512 o0[PF_Q], o1[PF_Q];
+                        for (int i = 0; i < PF_Q; i++) o0[i] = o1[i] = _mm512_setzero_ps();
+                        for (int64_t j = lo; j < j_end; j++) {
+                            const __m512 v0v = _mm512_loadu_ps(vvh + j * dim + c0);
+                            const __m512 v1v = _mm512_loadu_ps(vvh + j * dim + c0 + 16);
                             for (int i = 0; i < PF_Q; i++) {
                                 const __m512 w = _mm512_set1_ps(scores[i * padded + j]);
-                                for (int c = 0; c < cn; c++)
-                                    acc[i][c] = _mm512_fmadd_ps(w, vrow[c], acc[i][c]);
+                                o0[i] = _mm512_fmadd_ps(w, v0v, o0[i]);
+                                o1[i] = _mm512_fmadd_ps(w, v1v, o1[i]);
                             }
                         }
-                        for (int i = 0; i < nq; i++)
-                            for (int c = 0; c < cn; c++)
-                                _mm512_storeu_ps(ov[i] + c0 + 16 * c,
-                                                 _mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv[i])));
+                        for (int i = 0; i < nq; i++) {
+                            const __m512 s = _mm512_set1_ps(inv[i]);
+                            _mm512_storeu_ps(ov[i] + c0, _mm512_mul_ps(o0[i], s));
+                            _mm512_storeu_ps(ov[i] + c0 + 16, _mm512_mul_ps(o1[i], s));
+                        }
                     }
                 }
             }
-        free(kt);
-        free(vv);
         free(scores);
     }
+    free(kt);
+    free(vv);
+    return 0;
 }
 #endif
 
