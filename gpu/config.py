@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -57,12 +58,27 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+def open_gguf(path: str) -> Any:
+    """A `gguf.GGUFReader` of the file, parsed once per process while the file is unchanged.
+
+    Parsing SmolLM2's metadata (a 49k-token vocabulary and its merges) takes ~3 s, and loading
+    asks for the config, the weights and two sets of raw blocks.
+    """
+    stat = os.stat(path)
+    return _open_gguf(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def load_model_config(model_path: str) -> ModelConfig:
     """The config of a Hugging Face model directory or of a `.gguf` file."""
     if os.path.isfile(model_path) and model_path.endswith(".gguf"):
-        import gguf
-
-        return config_from_gguf(gguf.GGUFReader(model_path))
+        return config_from_gguf(open_gguf(model_path))
     config_path = os.path.join(model_path, "config.json")
     if not os.path.isfile(config_path):
         raise UnsupportedModelError(

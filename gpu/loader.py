@@ -17,7 +17,7 @@ import numpy as np
 import structlog
 import torch
 
-from gpu.config import ModelConfig, UnsupportedModelError
+from gpu.config import ModelConfig, UnsupportedModelError, open_gguf
 
 log = structlog.get_logger(__name__)
 
@@ -143,9 +143,7 @@ def read_gguf_raw_tensor(path: str, tensor_name: str, config: ModelConfig) -> Gg
     Un-permuting reorders whole output rows, and blocks run along the input dimension, so the
     blocks stay intact.
     """
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     tensor = next((t for t in reader.tensors if t.name == tensor_name), None)
     if tensor is None:
         raise KeyError(f"no tensor {tensor_name!r} in {path!r}")
@@ -156,9 +154,7 @@ def read_gguf_raw_tensors(
     path: str, config: ModelConfig, ggml_type: str
 ) -> dict[str, GgufRawTensor]:
     """Every matrix of `ggml_type` (e.g. "Q4_1") in the file, by Hugging Face name."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     return {
         gguf_to_hf_name(t.name): _raw_tensor(t, config)
         for t in reader.tensors
@@ -204,9 +200,7 @@ def iter_weights(
     `rope_freqs` (GGUF Llama 3 RoPE frequency divisors) stays float32.
     """
     if os.path.isfile(model_path) and model_path.endswith(".gguf"):
-        import gguf
-
-        reader = gguf.GGUFReader(model_path)
+        reader = open_gguf(model_path)
         total = len(reader.tensors)
         source = _iter_gguf(reader, config)
     else:

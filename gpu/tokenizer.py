@@ -151,9 +151,9 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def _load_gguf_tokenizer(path: str) -> TokenizerBundle:
-    import gguf
+    from gpu.config import open_gguf
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     kind = _gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise TokenizerLoadError(
