@@ -1,7 +1,7 @@
 """Paged attention over a mixed batch of prefill chunks and decodes: the torch reference path.
 
-The Triton kernels in `gpu/kernels/` implement the same two functions with the same arguments.
-Query i of sequence b sits at position context_lens[b] - q_len_b + i and sees keys 0..that
+The layout of a step (`StepLayout`) is worked out once per forward; the Triton kernels in
+`gpu/kernels/` take the step's arrays directly (`gpu.kernels.reference` is their reference). Query i of sequence b sits at position context_lens[b] - q_len_b + i and sees keys 0..that
 position. Math runs in float32 whatever the cache dtype, and repeated KV heads are never
 materialised: query heads are grouped per KV head (head h uses KV head h // group).
 """
@@ -79,24 +79,6 @@ class StepLayout:
 def paged_attention(
     q: torch.Tensor,  # q: [T, H, D]
     k_cache: torch.Tensor,  # k_cache: [num_blocks, block_size, KVH, D]
-    v_cache: torch.Tensor,  # v_cache: [num_blocks, block_size, KVH, D]
-    block_tables: torch.Tensor,  # block_tables: [B, max_blocks] int32, padded
-    query_start_loc: torch.Tensor,  # query_start_loc: [B + 1] int32, cumulative query lengths
-    context_lens: torch.Tensor,  # context_lens: [B] int32, KV length after this step
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:  # -> [T, H, D] in q's dtype
-    """Causal attention of each sequence's new queries over its cached keys and values.
-
-    With `sliding_window` w, a query at position p sees keys at positions p - w + 1 .. p.
-    """
-    inputs = AttentionInputs(query_start_loc, context_lens, block_tables, torch.zeros(0))
-    return laid_out_attention(q, k_cache, v_cache, StepLayout.of(inputs), scale, sliding_window)
-
-
-def laid_out_attention(
-    q: torch.Tensor,  # q: [T, H, D]
-    k_cache: torch.Tensor,  # k_cache: [num_blocks, block_size, KVH, D]
     v_cache: torch.Tensor,
     layout: StepLayout,
     scale: float,
@@ -104,10 +86,13 @@ def laid_out_attention(
     decode: Callable[..., None] | None = None,
     prefill: Callable[..., None] | None = None,
 ) -> torch.Tensor:  # -> [T, H, D] in q's dtype
-    """`paged_attention` over a precomputed layout. `decode`, when given, attends the decodes in
-    place (the native CPU kernel: `decode(q, k_cache, v_cache, rows, tables, lens, scale,
-    window, out)`), and `prefill` each prefill chunk (`prefill(q, k_cache, v_cache, start, end,
-    context_len, table, scale, window, out)`); otherwise they take the torch paths."""
+    """Causal attention of each sequence's new queries over its cached keys and values; with
+    `sliding_window` w a query at position p sees keys p - w + 1 .. p.
+
+    `decode`, when given, attends the decodes in place (the native CPU kernel: `decode(q,
+    k_cache, v_cache, rows, tables, lens, scale, window, out)`), and `prefill` each prefill chunk
+    (`prefill(q, k_cache, v_cache, start, end, context_len, table, scale, window, out)`);
+    otherwise they take the torch paths."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     rows = layout.decode_rows
     if len(rows):

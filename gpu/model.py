@@ -120,7 +120,7 @@ def _torch_paged_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    return torch_attention.laid_out_attention(q, kv[0], kv[1], layout, scale, sliding_window)
+    return torch_attention.paged_attention(q, kv[0], kv[1], layout, scale, sliding_window)
 
 
 TORCH_KERNELS = Kernels(
@@ -186,7 +186,7 @@ def _native_paged_attention(
     prefill = None
     if native_q and q.shape[2] % 32 == 0 and native.prefill_attention_available():
         prefill = native.paged_prefill_attention
-    return torch_attention.laid_out_attention(
+    return torch_attention.paged_attention(
         q, kv[0], kv[1], layout, scale, sliding_window, decode, prefill
     )
 
@@ -398,17 +398,7 @@ class CausalLM(nn.Module):
         residual: torch.Tensor | None = None
         fused = self.fused_layers
         if fused is not None and fused.applies(x, layout, kv_caches):
-            c = self.config
-            x, residual = fused.run(
-                x,
-                rope,
-                kv_caches,
-                layout,
-                self.kernels.paged_attention,
-                self.model.layers[0].self_attn.scale,
-                c.sliding_window,
-                c.num_heads,
-            )
+            x, residual = fused.run(x, rope, kv_caches, layout)
         else:
             for layer, kv in zip(self.model.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, rope, kv, layout)
@@ -591,10 +581,17 @@ class FusedLayers:
     place (quantize_linears does) and do not move the model afterwards.
     """
 
-    def __init__(self, layers: list[native.Q4Layer], keep: list[torch.Tensor], max_rows: int):
+    def __init__(
+        self,
+        layers: list[native.Q4Layer],
+        keep: list[torch.Tensor],
+        max_rows: int,
+        attention: Callable[..., torch.Tensor],  # Kernels.paged_attention, for mixed steps
+    ):
         self.layers = layers
         self._keep = keep  # the tensors the structs point into
         self.max_rows = max_rows
+        self.attention = attention
         self.step = native.DecodeStep()
 
     @classmethod
@@ -636,7 +633,7 @@ class FusedLayers:
                     keep.append(tensor)
                     setattr(struct, name, tensor.data_ptr())
             layers.append(struct)
-        return cls(layers, keep, max_rows)
+        return cls(layers, keep, max_rows, model.kernels.paged_attention)
 
     def applies(
         self, x: torch.Tensor, layout: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -654,10 +651,6 @@ class FusedLayers:
         rope: Rope,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         layout: StepLayout,
-        attention: Callable[..., torch.Tensor],  # Kernels.paged_attention, for mixed steps
-        scale: float,
-        sliding_window: int | None,
-        heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (last layer's output, residual stream)
         tokens = x.shape[0]
         x = x.contiguous()
@@ -666,9 +659,10 @@ class FusedLayers:
         slots = layout.inputs.slot_mapping.contiguous()
         tables, lens = layout.decode_block_tables, layout.decode_context_lens
         rows = layout.decode_rows.contiguous()
-        head_dim = cos.shape[1] * 2
-        first = self.layers[0]
-        qkv = torch.empty(tokens, (first.heads + 2 * first.kv_heads) * head_dim)
+        dims = self.layers[0]  # every layer has the same
+        heads, head_dim, scale = dims.heads, dims.head_dim, dims.scale
+        window = dims.sliding_window or None
+        qkv = torch.empty(tokens, (heads + 2 * dims.kv_heads) * head_dim)
         attn = torch.empty(tokens, heads * head_dim)
         step = self.step
         step.tokens = tokens
@@ -685,6 +679,6 @@ class FusedLayers:
                 continue
             native.q4_layer_attn_in(layer, step, *kv, x, residual, index == 0, qkv)
             q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-            out = attention(q, kv, layout, scale, sliding_window)
+            out = self.attention(q, kv, layout, scale, window)
             native.q4_layer_attn_out(layer, out.view(tokens, -1), x, residual)
         return x, residual

@@ -18,6 +18,7 @@ from gpu.config import ModelConfig, load_model_config, resolve_kv_cache_dtype
 from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from gpu.loader import iter_weights, read_gguf_raw_tensors
 from gpu.model import (
+    NATIVE_KERNELS,
     QUANTIZATION_MODES,
     AttentionInputs,
     CausalLM,
@@ -142,11 +143,7 @@ class ModelRunner:
             if is_gguf:
                 for ggml_type in ("Q4_1", "Q8_0"):
                     raw.update(read_gguf_raw_tensors(model_path, model_config, ggml_type))
-            use_native = (
-                config.native_kernels is not False
-                and torch.device(config.device).type == "cpu"
-                and native.available()
-            )
+            use_native = model.kernels is NATIVE_KERNELS  # kernels_for made the choice
             max_rows = config.quantized_max_rows
             if max_rows == "auto":
                 many = use_native and native.gemm_available() and config.quantization == "int4"

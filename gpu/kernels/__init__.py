@@ -1,6 +1,5 @@
 """Triton kernels for the GPU path: paged KV cache writes, paged attention, norms, RoPE, SwiGLU.
 
-`write_kv` and `paged_attention` take the same arguments as the torch path in `gpu.attention`;
 `gpu.kernels.reference` holds the torch reference of every op. Every kernel runs on CUDA tensors,
 and on CPU tensors under TRITON_INTERPRET=1 (how CI tests them).
 """
