@@ -101,6 +101,7 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
             created=int(time.time()),
             system_fingerprint=fingerprint,
             include_request_metrics=config.enable_per_request_metrics,
+            reasoning=generate_request.reasoning_parser is not None,
         )
         tracker = Tracker(metrics, generate_request.request_id, generate_request.arrival_ns)
         first, outputs = await start(engine, generate_request)
@@ -158,18 +159,22 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
         prompt_of: Callable[[Any], Any],
         stream_builder: Callable[..., Any],
         collector: Callable[..., Any],
+        parsers_of: Callable[[Any], tuple[str | None, str | None]] = lambda body: (None, None),
     ) -> Response:
         """Decode and validate the body, build the engine request, answer streaming or not."""
         arrival_ns = time.monotonic_ns()
         body = await decode_body(schema)
         model = check_model(body.model)
         body.validate(engine.model_info.vocab_size)
+        reasoning_parser, tool_call_parser = parsers_of(body)
         generate_request = GenerateRequest(
             request_id=request_id_for(body.request_id, id_prefix),
             prompt=prompt_of(body),
             sampling=body.sampling_params(),
             priority=body.priority,
             arrival_ns=arrival_ns,
+            reasoning_parser=reasoning_parser,
+            tool_call_parser=tool_call_parser,
         )
         return await generate(
             generate_request,
@@ -187,6 +192,10 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
             lambda body: body.prompt(),
             stream_chat,
             collect_chat,
+            lambda body: (
+                config.reasoning_parser,
+                body.tool_call_parser(config.tool_call_parser, config.enable_auto_tool_choice),
+            ),
         )
 
     @app.post("/v1/completions")

@@ -4,6 +4,11 @@ streams them (role chunk, content chunks, finish chunk, optional usage chunk, [D
 Per-request `metrics` ride on the non-streaming response; when streaming, on the usage chunk if
 `stream_options.include_usage` asked for one, otherwise on the finish chunk, so a client gets
 them either way.
+
+With a reasoning parser the reasoning goes out as `reasoning_content` (and `reasoning`, its newer
+name in vLLM; both, as vLLM writes both); with a tool-call parser each complete call goes out as a
+`tool_calls` entry (index, id, type, function name and arguments, whole) and the finish reason of
+a request that called tools is "tool_calls".
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from server.serving import (
     usage_body,
     usage_event,
 )
-from stages.api import RequestOutput, TokenLogprob
+from stages.api import RequestOutput, TokenLogprob, ToolCall
 
 
 def _chunk(
@@ -57,6 +62,32 @@ def _choice(
     }
 
 
+def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return body if index is None else {"index": index, **body}
+
+
+class _Calls:
+    """The tool calls a request made so far (only the first when parallel_tool_calls is false)."""
+
+    def __init__(self, request: ChatCompletionRequest) -> None:
+        self.limit = 1 if request.parallel_tool_calls is False else None
+        self.calls: list[ToolCall] = []
+
+    def take(self, new: tuple[ToolCall, ...]) -> list[ToolCall]:
+        room = len(new) if self.limit is None else max(0, self.limit - len(self.calls))
+        taken = list(new[:room])
+        self.calls += taken
+        return taken
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.calls and reason in ("stop", "length") else reason
+
+
 def stream_chat(
     ctx: ResponseContext,
     request: ChatCompletionRequest,
@@ -65,6 +96,7 @@ def stream_chat(
     tracker: Tracker,
 ) -> AsyncGenerator[bytes, None]:
     top_n = request.top_logprobs or 0
+    calls = _Calls(request)
 
     def usage_now() -> dict[str, int] | None:
         return tracker.usage if request.continuous_usage else None
@@ -75,12 +107,24 @@ def stream_chat(
                 role = _choice({"role": "assistant", "content": ""})
                 no_output_yet = usage_body(tracker.num_prompt_tokens, 0)
                 yield sse(_chunk(ctx, [role], no_output_yet if request.continuous_usage else None))
-            if output.text or output.logprobs:
+            delta: dict[str, Any] = {}
+            if output.reasoning and request.include_reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = output.reasoning
+            if output.text or (output.logprobs and not delta):
+                delta["content"] = output.text
+            if output.tool_calls:
+                start = len(calls.calls)
+                taken = calls.take(output.tool_calls)
+                if taken:
+                    delta["tool_calls"] = [
+                        _tool_call(call, start + i) for i, call in enumerate(taken)
+                    ]
+            if delta or output.logprobs:
                 logprobs = chat_logprobs(output.logprobs, top_n) if output.logprobs else None
-                content = _choice({"content": output.text}, logprobs)
-                yield sse(_chunk(ctx, [content], usage_now()))
+                yield sse(_chunk(ctx, [_choice(delta, logprobs)], usage_now()))
             if output.finish_reason is not None:
-                choice = _choice({}, None, output.finish_reason, output.stop_reason)
+                reason = calls.finish_reason(output.finish_reason)
+                choice = _choice({}, None, reason, output.stop_reason)
                 finish = _chunk(ctx, [choice], usage_now())
                 yield finish_event(finish, ctx, tracker, request.include_usage)
         if request.include_usage:
@@ -97,11 +141,23 @@ async def collect_chat(
     tracker: Tracker,
 ) -> dict[str, Any]:
     texts: list[str] = []
+    reasoning: list[str] = []
+    calls = _Calls(request)
     entries: list[TokenLogprob] = []
     async for output in chain(first, outputs, tracker):
         texts.append(output.text)
+        reasoning.append(output.reasoning)
+        calls.take(output.tool_calls)
         entries.extend(output.logprobs or ())
     logprobs = chat_logprobs(entries, request.top_logprobs or 0) if request.logprobs else None
+    content: str | None = "".join(texts)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls.calls:
+        # OpenAI's shape: content null when the reply is only calls
+        message["content"] = content if content and content.strip() else None
+        message["tool_calls"] = [_tool_call(call) for call in calls.calls]
+    if ctx.reasoning and request.include_reasoning:
+        message["reasoning_content"] = message["reasoning"] = "".join(reasoning) or None
     response: dict[str, Any] = {
         "id": ctx.request_id,
         "object": "chat.completion",
@@ -111,9 +167,9 @@ async def collect_chat(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(texts)},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": tracker.finish_reason,
+                "finish_reason": calls.finish_reason(tracker.finish_reason),
                 "stop_reason": tracker.stop_reason,
             }
         ],

@@ -25,6 +25,7 @@ from server.config import ServerConfig
 from server.logs import configure_server_logging
 from server.serve import serve_app
 from stages.config import EngineConfig, default_model_path
+from stages.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 log = structlog.get_logger("server")
 
@@ -115,6 +116,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add timing and speculative-decoding `metrics` to each response",
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls out of chat output (tool_choice "auto"); needs --tool-call-parser',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, "
+        "Hermes, SmolLM3), llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS])",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        help="split <think>...</think> out of chat output into reasoning_content: deepseek_r1 "
+        "(reasoning from the first token), qwen3 (only inside the tags)",
+    )
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -149,7 +167,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         enable_per_request_metrics=args.enable_per_request_metrics,
         log_format=args.log_format,
         log_level=args.log_level,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     engine_overrides: dict[str, Any] = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,

@@ -135,9 +135,11 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: only the first call the model writes
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM: False drops reasoning_content from the response
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -183,12 +185,31 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
                     "each tool must be {'type': 'function', 'function': {'name': ...}}",
                     param=f"tools[{index}]",
                 )
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
         if self.tool_choice is None or self.tool_choice in ("none", "auto"):
             return
+        # "required" and a named function force the output's shape, which needs guided decoding.
         raise APIError(
-            f"tool_choice {self.tool_choice!r} is not supported; use 'auto' or 'none'",
+            f"tool_choice {self.tool_choice!r} is not supported (it needs guided decoding); "
+            "use 'auto' or 'none'",
             param="tool_choice",
         )
+
+    def tool_call_parser(self, parser: str | None, enable_auto_tool_choice: bool) -> str | None:
+        """The tool-call parser this request's output goes through (None: tools are not parsed).
+
+        As in vLLM, tools with tool_choice "auto" (the default once tools are given) need the
+        server started with --enable-auto-tool-choice and a --tool-call-parser."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if not enable_auto_tool_choice or parser is None:
+            raise APIError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set",
+                param="tool_choice",
+            )
+        return parser
 
     def prompt(self) -> ChatPrompt:
         return ChatPrompt(

@@ -30,6 +30,7 @@ class ResponseContext:
     created: int
     system_fingerprint: str
     include_request_metrics: bool
+    reasoning: bool = False  # a reasoning parser runs on this request's output
 
 
 def sse(payload: dict[str, Any]) -> bytes:

@@ -69,6 +69,18 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first (vLLM's convention); ties in arrival order
     arrival_ns: int = 0  # CLOCK_MONOTONIC when the server accepted it
+    # Output parsers (stages.parsers) the detokenize stage runs for this request, by name.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A complete function call the model wrote (parsed by the request's tool-call parser)."""
+
+    id: str
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI's `function.arguments`
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +132,8 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per new token, when asked for
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # on the first output
     metrics: RequestMetrics | None = None  # on the final output
+    reasoning: str = ""  # new reasoning text (with a reasoning parser; `text` is then the rest)
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this step (with a tool parser)
 
 
 class EngineError(Exception):

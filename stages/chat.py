@@ -3,6 +3,7 @@ content parts) around gpu.chat_template's sandboxed rendering, with errors as 40
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,12 +58,28 @@ def render_chat(
 
 
 def _normalise(message: Mapping[str, Any]) -> dict[str, Any]:
-    """Content given as a list of text parts becomes one string, as most templates expect."""
+    """Content given as a list of text parts becomes one string, as most templates expect; an
+    assistant's tool-call arguments (JSON text on the wire) become objects, which templates
+    render with `tojson` (as vLLM hands them over)."""
     out = dict(message)
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = _text_of(content)
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_with_parsed_arguments(call) for call in calls]
     return out
+
+
+def _with_parsed_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _text_of(content: Any) -> str:

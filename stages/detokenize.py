@@ -18,7 +18,16 @@ from pipeline.actor import AsyncActor
 from pipeline.clock import now_ns
 from stages import messages as m
 from stages.config import EngineConfig
-from stages.wire import DeltaExtra, DetokParams, WireLogprob, WireMetrics, detok_decoder, encoder
+from stages.parsers import OutputParser
+from stages.wire import (
+    DeltaExtra,
+    DetokParams,
+    WireLogprob,
+    WireMetrics,
+    WireToolCall,
+    detok_decoder,
+    encoder,
+)
 
 
 @dataclass(slots=True)
@@ -31,6 +40,14 @@ class TextState:
     )
     held: str = ""  # decoded text not yet emitted: it might begin a stop string
     busy_ns: int = 0  # time spent on this request here
+    parser: OutputParser | None = None  # reasoning / tool calls, when the request asked for them
+
+    def __post_init__(self) -> None:
+        p = self.params
+        if p.reasoning_parser is not None or p.tool_call_parser is not None:
+            self.parser = OutputParser(
+                p.reasoning_parser, p.tool_call_parser, p.reasoning_starts_inside
+            )
 
     @property
     def max_stop_len(self) -> int:
@@ -156,6 +173,14 @@ class DetokenizeActor(AsyncActor):
             text, final, stop_reason = self.detok.feed(handle, token, finish) or ("", finish, None)
             if final == m.FINISH_STOP and finish == m.FINISH_NONE:
                 stopped.append(handle)  # a stop string: the scheduler still runs it
+            reasoning, tool_calls = "", None
+            if state.parser is not None:
+                parsed = state.parser.feed(text, final != m.FINISH_NONE)
+                text, reasoning = parsed.content, parsed.reasoning
+                if parsed.tool_calls:
+                    tool_calls = [
+                        WireToolCall(c.id, c.name, c.arguments) for c in parsed.tool_calls
+                    ]
             logprobs = None
             if num_logprobs >= 0 and token >= 0:
                 top = list(
@@ -185,10 +210,16 @@ class DetokenizeActor(AsyncActor):
             out_rows.append((handle, final, n_prompt, n_output, token))
             texts.append(text.encode("utf-8"))
             # Most rows are a token and its text: only the others carry an encoded extra.
-            if logprobs is None and stop_reason is None and metrics is None:
+            if (
+                logprobs is None
+                and stop_reason is None
+                and metrics is None
+                and not reasoning
+                and tool_calls is None
+            ):
                 extras.append(b"")
             else:
-                extra = DeltaExtra(logprobs=logprobs, stop_reason=stop_reason, metrics=metrics)
+                extra = DeltaExtra(logprobs, stop_reason, metrics, reasoning, tool_calls)
                 extras.append(encoder.encode(extra))
         if not out_rows:
             return None, stopped

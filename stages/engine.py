@@ -33,6 +33,7 @@ from stages.api import (
     RequestOutput,
     TextPrompt,
     TokenLogprob,
+    ToolCall,
 )
 from stages.config import EngineConfig, num_kv_blocks
 from stages.render import prompt_token_ids, resolve_max_model_len
@@ -393,6 +394,12 @@ class Engine:
                             stop_reason=info.stop_reason,
                             logprobs=self._logprobs(info.logprobs) if info.logprobs else None,
                             metrics=_metrics(info.metrics, n_output) if info.metrics else None,
+                            reasoning=info.reasoning,
+                            tool_calls=tuple(
+                                ToolCall(c.id, c.name, c.arguments) for c in info.tool_calls
+                            )
+                            if info.tool_calls
+                            else (),
                         )
                     )
 
@@ -428,6 +435,8 @@ def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         logprobs=logprobs,
         prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs,
         metrics=second.metrics,
+        reasoning=first.reasoning + second.reasoning,
+        tool_calls=first.tool_calls + second.tool_calls,
     )
 
 

@@ -16,6 +16,7 @@ from stages import messages as m
 from stages.api import EngineError
 from stages.chat import render_chat
 from stages.config import EngineConfig
+from stages.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, prompt_opens_reasoning
 from stages.wire import (
     DetokParams,
     WireChat,
@@ -136,6 +137,10 @@ class RenderActor(AsyncActor):
         self, request: WireRequest, arrival_ns: int, started_ns: int, handle: int
     ) -> dict[str, np.ndarray]:
         s = request.sampling
+        if request.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise EngineError(f"unknown reasoning parser {request.reasoning_parser!r}")
+        if request.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise EngineError(f"unknown tool-call parser {request.tool_call_parser!r}")
         ids = prompt_token_ids(self.bundle, request)
         max_tokens = check_lengths(len(ids), s.max_tokens, self.max_model_len)
         stop_ids = list(s.stop_token_ids) + ([] if s.ignore_eos else self.eos_ids)
@@ -170,8 +175,14 @@ class RenderActor(AsyncActor):
         detok = DetokParams(
             stop=list(s.stop),
             include_stop_str_in_output=s.include_stop_str_in_output,
-            skip_special_tokens=s.skip_special_tokens,
+            # Tool-call markup is often special tokens (Qwen's <tool_call>): keep it for the parser,
+            # as vLLM's tool parsers do.
+            skip_special_tokens=s.skip_special_tokens and request.tool_call_parser is None,
             num_logprobs=-1 if s.logprobs is None else s.logprobs,
+            reasoning_parser=request.reasoning_parser,
+            tool_call_parser=request.tool_call_parser,
+            reasoning_starts_inside=request.reasoning_parser is not None
+            and prompt_opens_reasoning(self.bundle.decode(ids[-8:]), request.reasoning_parser),
         )
         return {
             "request": row,

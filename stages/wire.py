@@ -56,6 +56,8 @@ class WireRequest(msgspec.Struct):
     prompt: WireChat | WireText | WireTokens
     sampling: WireSampling
     priority: int = 0
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
 
 class DetokParams(msgspec.Struct):
@@ -65,6 +67,9 @@ class DetokParams(msgspec.Struct):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     num_logprobs: int = -1  # < 0: none
+    reasoning_parser: str | None = None  # stages.parsers names
+    tool_call_parser: str | None = None
+    reasoning_starts_inside: bool = False  # the prompt ended inside an open think tag
 
 
 class WireError(msgspec.Struct):
@@ -94,12 +99,20 @@ class WireMetrics(msgspec.Struct, array_like=True):
     num_preemptions: int
 
 
+class WireToolCall(msgspec.Struct, array_like=True):
+    id: str
+    name: str
+    arguments: str
+
+
 class DeltaExtra(msgspec.Struct, array_like=True, omit_defaults=True):
     """What a delta row carries beyond its token and text; rows with none of it carry no bytes."""
 
     logprobs: list[WireLogprob] | None = None
     stop_reason: str | int | None = None
     metrics: WireMetrics | None = None
+    reasoning: str = ""
+    tool_calls: list[WireToolCall] | None = None
 
 
 def encode_request(request: api.GenerateRequest) -> bytes:
@@ -139,7 +152,15 @@ def encode_request(request: api.GenerateRequest) -> bytes:
         logit_bias=dict(s.logit_bias) if s.logit_bias else None,
         allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
     )
-    return msgspec.msgpack.encode(WireRequest(prompt, sampling, request.priority))
+    return msgspec.msgpack.encode(
+        WireRequest(
+            prompt,
+            sampling,
+            request.priority,
+            reasoning_parser=request.reasoning_parser,
+            tool_call_parser=request.tool_call_parser,
+        )
+    )
 
 
 request_decoder = msgspec.msgpack.Decoder(WireRequest)

@@ -69,3 +69,27 @@ def test_sandbox_blocks_python_internals():
 def test_tojson_keeps_unicode_and_html():
     out = render_chat("{{ tools | tojson }}", [], tools=[{"name": "<b>é</b>"}])
     assert out == '[{"name": "<b>é</b>"}]'
+
+
+def test_tool_call_arguments_reach_the_template_as_objects():
+    """The wire carries an assistant's tool-call arguments as JSON text; templates index them
+    (`tool_call.arguments.city`) or `tojson` them, so they are parsed first, as vLLM does."""
+    from stages.chat import render_chat as render_request
+
+    template = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.name }}({{ c.function.arguments.city }}|{{ c.function.arguments | tojson }})"
+        "{% endfor %}{% endfor %}"
+    )
+    call = {
+        "id": "1",
+        "type": "function",
+        "function": {"name": "w", "arguments": '{"city": "Oslo"}'},
+    }
+    broken = {"id": "2", "type": "function", "function": {"name": "v", "arguments": "{oops"}}
+    text = render_request(
+        template,
+        [{"role": "assistant", "content": None, "tool_calls": [call, broken]}],
+        add_generation_prompt=False,
+    )
+    assert text == 'w(Oslo|{"city": "Oslo"})v(|"{oops")'

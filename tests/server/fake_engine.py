@@ -2,7 +2,7 @@
 
 Tokens are whitespace-separated words ("hello world" is two tokens, the second with text
 " world"); ids come from a vocabulary that grows as words are seen. Generation replays the last
-chat message (or the text prompt) word by word with an optional delay per token, honouring
+chat message (or the text prompt) word by word (through the request's output parsers) with an optional delay per token, honouring
 max_tokens, stop strings and logprobs, and records requests and aborts.
 """
 
@@ -24,6 +24,7 @@ from stages.api import (
     TokenLogprob,
     TokensPrompt,
 )
+from stages.parsers import OutputParser
 
 FAIL_MIDSTREAM = "FAIL_MIDSTREAM"  # a prompt with this word fails after two tokens
 BAD_TEMPLATE = "BAD_TEMPLATE"  # a chat message with this word fails to render
@@ -130,6 +131,10 @@ class FakeEngine:
                     for i, t in enumerate(prompt_ids[1:])
                 ),
             )
+        parser = None
+        if request.reasoning_parser or request.tool_call_parser:
+            # the detokenize stage's parsers, on the echoed words
+            parser = OutputParser(request.reasoning_parser, request.tool_call_parser)
         start_ns = time.monotonic_ns()
         first_token_ns = 0
         text_so_far = ""
@@ -158,6 +163,10 @@ class FakeEngine:
                 elif index + 1 == len(words):
                     finish = "stop"
                 text_so_far += text
+                reasoning, calls = "", ()
+                if parser is not None:
+                    parsed = parser.feed(text, finish is not None)
+                    text, reasoning, calls = parsed.content, parsed.reasoning, parsed.tool_calls
                 logprobs = None
                 if sampling.logprobs is not None:
                     logprobs = (self._logprob(token_id, text, index, sampling.logprobs),)
@@ -178,6 +187,8 @@ class FakeEngine:
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs if index == 0 else None,
                     metrics=metrics,
+                    reasoning=reasoning,
+                    tool_calls=tuple(calls),
                 )
                 if finish is not None:
                     return

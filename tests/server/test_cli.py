@@ -46,6 +46,9 @@ def test_every_flag(tmp_path: Path) -> None:
             "--enable-per-request-metrics",
             "--log-format", "json",
             "--log-level", "debug",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser", "hermes",
+            "--reasoning-parser", "deepseek_r1",
         ]
     )  # fmt: skip
     assert config == ServerConfig(
@@ -56,6 +59,9 @@ def test_every_flag(tmp_path: Path) -> None:
         enable_per_request_metrics=True,
         log_format="json",
         log_level="debug",
+        reasoning_parser="deepseek_r1",
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
     )
     assert engine_config == EngineConfig(
         model_path=str(tmp_path / "llama"),
@@ -106,6 +112,9 @@ def test_parse_bytes(text: str, expected: int) -> None:
         ["m", "--max-num-seqs", "0"],
         ["m", "--dtype", "int3"],
         ["m", "--log-format", "xml"],
+        ["m", "--enable-auto-tool-choice"],  # needs --tool-call-parser
+        ["m", "--tool-call-parser", "json"],
+        ["m", "--reasoning-parser", "o1"],
     ],
 )
 def test_bad_flags_exit(argv: list[str]) -> None:

@@ -49,6 +49,18 @@ BAD_REQUESTS = [
     (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
     (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    (CHAT, chat(tool_choice="auto"), 400, "tool_choice"),  # no tools
+    # tools with "auto" need --enable-auto-tool-choice and a --tool-call-parser (as in vLLM)
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice"),
+    (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "f"}},
+        ),
+        400,
+        "tool_choice",
+    ),
     (CHAT, chat(tools=[{"type": "function"}]), 400, "tools[0]"),
     (CHAT, chat(logit_bias={"abc": 1}), 400, "logit_bias"),
     (CHAT, chat(logit_bias={"5": 101}), 400, "logit_bias"),

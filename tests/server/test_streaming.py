@@ -91,7 +91,10 @@ async def test_counters_follow_the_outputs(app: Quart) -> None:
     assert 'vllm:inter_token_latency_seconds_count{model_name="fake-model"} 2.0' in text
 
 
-async def test_sampling_params_reach_the_engine(app: Quart, engine: FakeEngine) -> None:
+async def test_sampling_params_reach_the_engine(make_app, engine: FakeEngine) -> None:
+    app = make_app(
+        enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3"
+    )
     body = {
         "messages": [
             {
@@ -155,6 +158,7 @@ async def test_sampling_params_reach_the_engine(app: Quart, engine: FakeEngine) 
     assert prompt.add_generation_prompt is False
     assert prompt.chat_template_kwargs == {"enable_thinking": False}
     assert prompt.tools == [{"type": "function", "function": {"name": "f"}}]
+    assert (request.reasoning_parser, request.tool_call_parser) == ("qwen3", "hermes")
 
 
 async def test_defaults_leave_max_tokens_to_the_engine(app: Quart, engine: FakeEngine) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
+
 from stages import messages as m
-from stages.detokenize import Detokenizer, held_suffix, stop_match
-from stages.wire import DetokParams
+from stages.detokenize import DetokenizeActor, Detokenizer, held_suffix, stop_match
+from stages.wire import DetokParams, encoder, extra_decoder
 
 # A toy vocabulary of raw byte strings: "é" is split over two tokens, "🙂" over three.
 VOCAB = (
@@ -91,3 +95,72 @@ def test_stop_token_id_is_the_stop_reason():
 def test_helpers():
     assert stop_match("abcdef", ["de", "bc"]) == (1, "bc")
     assert held_suffix("xxab", ["abc"]) == 2 and held_suffix("xx", ["abc"]) == 0
+
+
+# -- the stage's step: parsing of reasoning and tool calls into the delta records -----------------
+
+PARSE_VOCAB = (
+    b"<think>",
+    b"plan it",
+    b"</think>",
+    b"Calling.",
+    b"<tool_",
+    b"call>",
+    b'{"name": "f", ',
+    b'"arguments": {"x": 1}}',
+    b"</tool_call>",
+    b"<eos>",
+)
+
+
+def step(actor: DetokenizeActor, tokens: list[int], params: DetokParams | None) -> list[tuple]:
+    """One `tokens` record for request 1 (one row per token, the last one EOS), through process;
+    returns (text, finish, extra) per delta row."""
+    n = len(tokens)
+    rows = np.zeros(n, m.TOKEN_ROW)
+    rows["handle"], rows["token_id"] = 1, tokens
+    rows["finish"][-1] = m.FINISH_STOP
+    blob = encoder.encode(params) if params is not None else b""
+    message = {
+        "new_handles": np.array([1] if params is not None else [], np.int64),
+        "new_offsets": np.array([0, len(blob)] if params is not None else [0], np.int32),
+        "new_detok": np.frombuffer(blob, np.uint8),
+        "meta": np.array([0, 0], np.int64),
+        "rows": rows,
+        "stamps": np.zeros(n, m.STAMP_ROW),
+        "top_ids": np.zeros(0, np.int64),
+        "top_logprobs": np.zeros(0, np.float32),
+    }
+    arrays, _ = actor.process(message)
+    assert arrays is not None
+    out = []
+    for i in range(len(arrays["rows"])):
+        t0, t1 = arrays["text_offsets"][i], arrays["text_offsets"][i + 1]
+        e0, e1 = arrays["extra_offsets"][i], arrays["extra_offsets"][i + 1]
+        extra = extra_decoder.decode(arrays["extra"][e0:e1].tobytes()) if e1 > e0 else None
+        out.append((arrays["text"][t0:t1].tobytes().decode(), arrays["rows"][i]["finish"], extra))
+    return out
+
+
+def test_the_stage_splits_reasoning_and_tool_calls_into_delta_extras():
+    actor = DetokenizeActor.__new__(DetokenizeActor)
+    actor.detok = Detokenizer(PARSE_VOCAB, frozenset({9}), frozenset({9}))
+    params = DetokParams(reasoning_parser="qwen3", tool_call_parser="hermes")
+    out = step(actor, list(range(10)), params)
+    texts = "".join(text for text, _, _ in out)
+    reasoning = "".join(e.reasoning for _, _, e in out if e is not None)
+    calls = [c for _, _, e in out if e is not None and e.tool_calls for c in e.tool_calls]
+    assert (texts, reasoning) == ("Calling.", "plan it")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
+    # the call is emitted on the row whose token closed it, and the request then ends normally
+    assert out[8][2].tool_calls and out[-1][1] == m.FINISH_STOP
+    assert 1 not in actor.detok.states
+
+
+def test_the_stage_without_parsers_streams_the_markup_as_text():
+    actor = DetokenizeActor.__new__(DetokenizeActor)
+    actor.detok = Detokenizer(PARSE_VOCAB, frozenset({9}), frozenset({9}))
+    out = step(actor, list(range(10)), DetokParams())
+    assert "".join(t for t, _, _ in out) == b"".join(PARSE_VOCAB[:9]).decode()
+    assert all(e is None for _, _, e in out[:-1])  # plain rows carry no extra bytes
+    assert out[-1][2].metrics is not None and out[-1][2].tool_calls is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -99,6 +100,31 @@ def test_stop_string_finishes_and_is_not_streamed(engine_loop):
         )
     )
     assert "".join(o.text for o in kept) == text[: text.find(stop) + len(stop)]
+
+
+def test_output_parsers_run_in_the_detokenize_stage(engine_loop):
+    """The random model writes no tags, so: deepseek_r1 (reasoning from the first token) turns the
+    whole output into reasoning, qwen3 into content unless the prompt opened <think>, and the
+    hermes tool parser passes it through (with special tokens kept, as tool parsers need)."""
+    engine, loop = engine_loop
+
+    def run(prompt="Hello world!", **parsers):
+        req = request(prompt, temperature=0, max_tokens=16, ignore_eos=True)
+        outs = loop.run(collect(engine, replace(req, **parsers)))
+        ids = [t for o in outs for t in o.token_ids]
+        text, reasoning = "".join(o.text for o in outs), "".join(o.reasoning for o in outs)
+        assert not any(o.tool_calls for o in outs) and outs[-1].finish_reason == "length"
+        return ids, text, reasoning
+
+    ids, plain, _ = run()
+    assert run(reasoning_parser="deepseek_r1") == (ids, "", plain)
+    assert run(reasoning_parser="qwen3") == (ids, plain, "")
+    opened_ids, opened, _ = run("Hello world! <think>")
+    assert run("Hello world! <think>", reasoning_parser="qwen3") == (opened_ids, "", opened)
+    kept = engine.bundle.decode(ids, skip_special_tokens=False)
+    assert run(tool_call_parser="hermes") == (ids, kept, "")
+    with pytest.raises(EngineError, match="unknown tool-call parser"):
+        run(tool_call_parser="nope")
 
 
 def test_too_long_prompt_is_a_400_and_the_engine_keeps_serving(engine_loop):

@@ -1,0 +1,159 @@
+"""Tool calls and reasoning as the official `openai` client sees them, streaming and not.
+
+The fake engine replays the last message through the same parsers the detokenize stage runs, so
+these tests put the model's "output" in the user message."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletionToolParam
+
+from server.app import create_app
+from server.config import ServerConfig
+from tests.server.fake_engine import FakeEngine
+from tests.server.live import LiveServer, free_port
+
+TOOLS: list[ChatCompletionToolParam] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CALL = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>'
+TWO_CALLS = (
+    CALL + ' <tool_call> {"name": "get_weather", "arguments": {"city": "Oslo"}} </tool_call>'
+)
+THINKING = "<think> it is sunny there </think> Sunny."
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=free_port(),
+        reasoning_parser="qwen3",
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+    )
+    with LiveServer(create_app(FakeEngine(), config), config) as live:
+        yield live
+
+
+@pytest.fixture
+def client(server: LiveServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
+        yield client
+
+
+def ask(client: openai.OpenAI, said: str, **fields: Any) -> Any:
+    return client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": said}], **fields
+    )
+
+
+def test_a_tool_call_comes_back_as_tool_calls(client: openai.OpenAI) -> None:
+    response = ask(client, "Let me look. " + CALL, tools=TOOLS)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look. "
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_streamed_tool_calls_accumulate_as_the_client_expects(client: openai.OpenAI) -> None:
+    stream = ask(client, TWO_CALLS, tools=TOOLS, stream=True)
+    calls: dict[int, dict[str, str]] = {}
+    content, finish = "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
+            entry = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+            entry["id"] += part.id or ""
+            entry["name"] += part.function.name or "" if part.function else ""
+            entry["arguments"] += part.function.arguments or "" if part.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "" and finish == "tool_calls"
+    assert sorted(calls) == [0, 1] and calls[0]["id"] != calls[1]["id"]
+    assert [json.loads(c["arguments"])["city"] for c in calls.values()] == ["Paris", "Oslo"]
+    assert all(c["name"] == "get_weather" for c in calls.values())
+
+
+def test_parallel_tool_calls_false_keeps_the_first(client: openai.OpenAI) -> None:
+    response = ask(client, TWO_CALLS, tools=TOOLS, parallel_tool_calls=False)
+    (call,) = response.choices[0].message.tool_calls or []
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_tool_choice_none_and_no_tools_leave_the_text_alone(client: openai.OpenAI) -> None:
+    for fields in ({"tools": TOOLS, "tool_choice": "none"}, {}):
+        response = ask(client, CALL, **fields)
+        assert response.choices[0].message.content == CALL
+        assert not response.choices[0].message.tool_calls
+        assert response.choices[0].finish_reason == "stop"
+
+
+def test_reasoning_is_split_out(client: openai.OpenAI) -> None:
+    message = ask(client, THINKING).choices[0].message
+    assert message.content == " Sunny."
+    extra = message.model_extra or {}
+    assert extra["reasoning_content"] == extra["reasoning"] == " it is sunny there "
+    stream = ask(client, THINKING, stream=True)
+    reasoning, content = "", ""
+    for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+    assert (reasoning, content) == (" it is sunny there ", " Sunny.")
+
+
+def test_include_reasoning_false_drops_it(client: openai.OpenAI) -> None:
+    message = ask(client, THINKING, extra_body={"include_reasoning": False}).choices[0].message
+    assert message.content == " Sunny."
+    assert "reasoning_content" not in (message.model_extra or {})
+
+
+def test_reasoning_then_a_call(client: openai.OpenAI) -> None:
+    message = ask(client, "<think> need weather </think> " + CALL, tools=TOOLS).choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] == " need weather "
+    assert message.content is None and message.tool_calls
+    assert message.tool_calls[0].function.name == "get_weather"
+
+
+def test_assistant_tool_calls_and_tool_results_are_accepted_in_the_history(
+    client: openai.OpenAI,
+) -> None:
+    response = client.chat.completions.create(
+        model="fake-model",
+        tools=TOOLS,
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    )
+    assert response.choices[0].message.content == "sunny"

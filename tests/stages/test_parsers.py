@@ -1,0 +1,168 @@
+"""Reasoning and tool-call parsing: whole outputs as vLLM's parsers read them, and the same result
+however the text is split into deltas (every split point, and one character at a time)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stages.parsers import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    OutputParser,
+    Parsed,
+    prompt_opens_reasoning,
+)
+
+
+def run(parser: OutputParser, pieces: list[str]) -> Parsed:
+    total = Parsed()
+    for i, piece in enumerate(pieces):
+        out = parser.feed(piece, final=i == len(pieces) - 1)
+        total.content += out.content
+        total.reasoning += out.reasoning
+        total.tool_calls += out.tool_calls
+    return total
+
+
+def splits(text: str) -> list[list[str]]:
+    """The text whole, cut in two at every point, and one character at a time."""
+    cuts = [[text]] + [[text[:i], text[i:]] for i in range(1, len(text))]
+    return [*cuts, list(text)]
+
+
+def calls(parsed: Parsed) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
+
+
+def check_every_split(make, text: str) -> Parsed:
+    whole = run(make(), [text])
+    for pieces in splits(text):
+        got = run(make(), pieces)
+        assert (got.content, got.reasoning, calls(got)) == (
+            whole.content,
+            whole.reasoning,
+            calls(whole),
+        ), pieces
+    return whole
+
+
+# -- reasoning ------------------------------------------------------------------------------------
+
+
+def test_deepseek_r1_reasoning_until_end_tag():
+    text = "<think>Let me add 2 and 2.</think>\n\nIt is 4."
+    out = check_every_split(lambda: OutputParser("deepseek_r1"), text)
+    assert out.reasoning == "Let me add 2 and 2."
+    assert out.content == "\n\nIt is 4."
+    # The template opened the tag: the output starts inside the reasoning.
+    out = check_every_split(lambda: OutputParser("deepseek_r1"), "hmm </think>Four")
+    assert (out.reasoning, out.content) == ("hmm ", "Four")
+
+
+def test_deepseek_r1_without_end_tag_is_all_reasoning():
+    out = check_every_split(lambda: OutputParser("deepseek_r1"), "still thinking <thi")
+    assert (out.reasoning, out.content) == ("still thinking <thi", "")
+
+
+def test_qwen3_content_unless_think_tag_opens():
+    out = check_every_split(lambda: OutputParser("qwen3"), "No reasoning here, 2 < 3.")
+    assert (out.reasoning, out.content) == ("", "No reasoning here, 2 < 3.")
+    out = check_every_split(lambda: OutputParser("qwen3"), "<think>\nab</think>\n\ncd")
+    assert (out.reasoning, out.content) == ("\nab", "\n\ncd")
+    # A prompt that ends inside <think> (thinking templates) starts the output in reasoning.
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n", "qwen3")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n", "qwen3")
+    out = check_every_split(
+        lambda: OutputParser("qwen3", reasoning_starts_inside=True), "x</think>y"
+    )
+    assert (out.reasoning, out.content) == ("x", "y")
+
+
+def test_end_tag_text_after_reasoning_is_plain_content():
+    out = check_every_split(lambda: OutputParser("deepseek_r1"), "a</think>b</think><think>c")
+    assert (out.reasoning, out.content) == ("a", "b</think><think>c")
+
+
+# -- tool calls -----------------------------------------------------------------------------------
+
+HERMES = (
+    'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+    '"unit": "°C"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+def test_hermes_calls_are_parsed_and_their_markup_never_streams():
+    out = check_every_split(lambda: OutputParser(tool_call_parser_name="hermes"), HERMES)
+    assert out.content == "Let me check."
+    assert calls(out) == [("get_weather", {"city": "Paris", "unit": "°C"}), ("get_time", {})]
+    ids = [c.id for c in out.tool_calls]
+    assert len(set(ids)) == 2 and all(i.startswith("chatcmpl-tool-") for i in ids)
+    # arguments keep non-ASCII as is (ensure_ascii=False, as vLLM writes them)
+    assert "°C" in out.tool_calls[0].arguments
+
+
+def test_hermes_call_cut_by_the_end_of_output_still_parses_if_complete():
+    text = '<tool_call>{"name": "f", "arguments": {"x": 1}}'
+    out = check_every_split(lambda: OutputParser(tool_call_parser_name="hermes"), text)
+    assert (out.content, calls(out)) == ("", [("f", {"x": 1})])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "f", "arguments": {"x": 1</tool_call>',  # broken JSON
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
+        "<tool_call>{not json",
+    ],
+)
+def test_malformed_hermes_calls_come_back_as_content(text):
+    out = check_every_split(lambda: OutputParser(tool_call_parser_name="hermes"), text)
+    assert out.tool_calls == [] and out.content == text
+
+
+def test_plain_text_with_a_lone_angle_bracket_passes_through():
+    text = "x < y and <tool is not a call"
+    out = check_every_split(lambda: OutputParser(tool_call_parser_name="hermes"), text)
+    assert (out.content, out.tool_calls) == (text, [])
+
+
+def test_llama3_json_calls():
+    make = lambda: OutputParser(tool_call_parser_name="llama3_json")  # noqa: E731
+    text = '{"name": "search", "parameters": {"q": "llamas"}}; {"name": "f", "parameters": {}}'
+    out = check_every_split(make, text)
+    assert (out.content, calls(out)) == ("", [("search", {"q": "llamas"}), ("f", {})])
+    out = check_every_split(make, '<|python_tag|>{"name": "f", "arguments": {"a": [1, 2]}}')
+    assert calls(out) == [("f", {"a": [1, 2]})]
+    out = check_every_split(make, "Sure, here it is: {not a call}")
+    assert (out.content, out.tool_calls) == ("Sure, here it is: {not a call}", [])
+    out = check_every_split(make, "{this is not json}")
+    assert (out.content, out.tool_calls) == ("{this is not json}", [])
+
+
+def test_mistral_calls_both_formats():
+    make = lambda: OutputParser(tool_call_parser_name="mistral")  # noqa: E731
+    text = 'ok [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]'
+    out = check_every_split(make, text)
+    assert (out.content, calls(out)) == ("ok ", [("f", {"a": 1}), ("g", {})])
+    out = check_every_split(make, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}')
+    assert calls(out) == [("get_weather", {"city": "Oslo"})]
+
+
+def test_reasoning_then_tool_call_in_the_content():
+    text = '<think>need the weather</think><tool_call>{"name": "w", "arguments": {}}</tool_call>'
+    out = check_every_split(lambda: OutputParser("qwen3", "hermes"), text)
+    assert (out.reasoning, out.content, calls(out)) == ("need the weather", "", [("w", {})])
+    # A call written inside the reasoning is reasoning, not a call.
+    text = '<think><tool_call>{"name": "w", "arguments": {}}</tool_call></think>done'
+    out = check_every_split(lambda: OutputParser("qwen3", "hermes"), text)
+    assert out.tool_calls == [] and out.content == "done"
+
+
+def test_parser_names_are_checked():
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        OutputParser(tool_call_parser_name="nope")
