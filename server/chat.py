@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from server.logprobs import chat_logprobs
+from server.logprobs import chat_logprobs, prompt_logprobs_body
 from server.schemas import ChatCompletionRequest
 from server.serving import (
     ResponseContext,
@@ -175,6 +175,10 @@ async def collect_chat(
         ],
         "usage": tracker.usage,
     }
+    if request.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_body(
+            first.prompt_logprobs or (), request.prompt_logprobs
+        )
     if ctx.include_request_metrics:
         response["metrics"] = tracker.metrics_body()
     return response

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from server.logprobs import CompletionLogprobs, merge
+from server.logprobs import CompletionLogprobs, merge, prompt_logprobs_body
 from server.schemas import CompletionRequest
 from server.serving import (
     ResponseContext,
@@ -128,6 +128,10 @@ async def collect_completion(
         if builder is not None:
             logprobs = merge(logprobs, builder.entries(output.logprobs or ()))
     choice = _choice("".join(texts), logprobs, tracker.finish_reason, tracker.stop_reason)
+    if request.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_body(
+            first.prompt_logprobs or (), request.prompt_logprobs
+        )
     response = _body(ctx, [choice], tracker.usage)
     if ctx.include_request_metrics:
         response["metrics"] = tracker.metrics_body()

@@ -33,6 +33,31 @@ def chat_logprobs(entries: Sequence[TokenLogprob], top_n: int) -> dict[str, Any]
     }
 
 
+def prompt_logprobs_body(
+    entries: Sequence[TokenLogprob | None], top_n: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first has none), a map from token id to
+    {logprob, rank, decoded_token} holding the prompt's own token and the top `top_n`."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        scores = {
+            str(entry.token_id): {
+                "logprob": _clamp(entry.logprob),
+                "rank": entry.rank,
+                "decoded_token": entry.token,
+            }
+        }
+        for rank, (token_id, text, _, logprob) in enumerate(entry.top[:top_n], start=1):
+            scores.setdefault(
+                str(token_id), {"logprob": _clamp(logprob), "rank": rank, "decoded_token": text}
+            )
+        out.append(scores)
+    return out
+
+
 class CompletionLogprobs:
     """Builds `{tokens, token_logprobs, top_logprobs, text_offset}` with offsets that run on
     across the chunks of one stream (offsets count characters of the returned text)."""

@@ -65,10 +65,15 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     request_id: str | None = None
     priority: int = 0
+    prompt_logprobs: LogprobCount | None = None  # vLLM: top-k logprobs of every prompt token
 
     def _validate_common(self, max_tokens: int | None, vocab_size: int) -> None:
         if self.n != 1:
             raise APIError("n > 1 is not supported: only one choice per request", param="n")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(
+                "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+            )
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 "stream_options can only be set when stream is true", param="stream_options"
@@ -224,7 +229,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         logprobs = None
         if self.logprobs:
             logprobs = self.top_logprobs or 0
-        return self._sampling(self.effective_max_tokens, logprobs)
+        sampling = self._sampling(self.effective_max_tokens, logprobs)
+        return dataclasses.replace(sampling, prompt_logprobs=self.prompt_logprobs)
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
@@ -266,10 +272,12 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
 
     def sampling_params(self) -> SamplingParams:
         sampling = self._sampling(self.max_tokens, self.logprobs)
+        wanted = [self.prompt_logprobs]
         if self.echo and self.logprobs is not None:
             # echo with logprobs returns the prompt's logprobs ahead of the completion's
-            return dataclasses.replace(sampling, prompt_logprobs=self.logprobs)
-        return sampling
+            wanted.append(self.logprobs)
+        counts = [k for k in wanted if k is not None]
+        return dataclasses.replace(sampling, prompt_logprobs=max(counts) if counts else None)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

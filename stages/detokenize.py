@@ -41,6 +41,8 @@ class TextState:
     held: str = ""  # decoded text not yet emitted: it might begin a stop string
     busy_ns: int = 0  # time spent on this request here
     parser: OutputParser | None = None  # reasoning / tool calls, when the request asked for them
+    # prompt logprobs by position, gathered over the prefill chunks until the first delta
+    prompt_scores: dict[int, WireLogprob] | None = None
 
     def __post_init__(self) -> None:
         p = self.params
@@ -48,6 +50,8 @@ class TextState:
             self.parser = OutputParser(
                 p.reasoning_parser, p.tool_call_parser, p.reasoning_starts_inside
             )
+        if p.num_prompt_logprobs >= 0:
+            self.prompt_scores = {}
 
     @property
     def max_stop_len(self) -> int:
@@ -153,12 +157,30 @@ class DetokenizeActor(AsyncActor):
                 depth=depth,
             )
 
+    def gather_prompt_logprobs(self, message, top_k: int) -> None:  # type: ignore[no-untyped-def]
+        """Keeps each prompt chunk's logprobs by position (a recomputed chunk overwrites its own)."""
+        rows = message["prompt_rows"].tolist()
+        top_ids = message["prompt_top_ids"].reshape(len(rows), top_k).tolist()
+        top_logprobs = message["prompt_top_logprobs"].reshape(len(rows), top_k).tolist()
+        for i, (handle, position, token, logprob, rank) in enumerate(rows):
+            state = self.detok.states.get(handle)
+            if state is None or state.prompt_scores is None:
+                continue
+            k = state.params.num_prompt_logprobs
+            top = [(t, lp) for t, lp in zip(top_ids[i][:k], top_logprobs[i][:k], strict=True)]
+            state.prompt_scores[position] = WireLogprob(
+                token, logprob, rank, [t for t in top if t[0] >= 0]
+            )
+
     def process(self, message) -> tuple[dict[str, np.ndarray] | None, list[int]]:  # type: ignore[no-untyped-def]
         offsets = message["new_offsets"].tolist()
         blob = message["new_detok"].tobytes()
         for i, handle in enumerate(message["new_handles"].tolist()):
             self.detok.add(handle, detok_decoder.decode(blob[offsets[i] : offsets[i + 1]]))
-        top_k = int(message["meta"][1])
+        meta = message["meta"].tolist()
+        top_k = int(meta[1])
+        if len(message["prompt_rows"]):
+            self.gather_prompt_logprobs(message, int(meta[2]))
         rows, stamps = message["rows"], message["stamps"]
         top_ids = message["top_ids"].reshape(len(rows), top_k)
         top_logprobs = message["top_logprobs"].reshape(len(rows), top_k)
@@ -207,6 +229,10 @@ class DetokenizeActor(AsyncActor):
                     detokenize_ns=state.busy_ns,
                     num_preemptions=n_preempt,
                 )
+            prompt_logprobs = None
+            if state.prompt_scores is not None:  # the first delta carries them
+                prompt_logprobs = [state.prompt_scores[p] for p in sorted(state.prompt_scores)]
+                state.prompt_scores = None
             out_rows.append((handle, final, n_prompt, n_output, token))
             texts.append(text.encode("utf-8"))
             # Most rows are a token and its text: only the others carry an encoded extra.
@@ -216,10 +242,13 @@ class DetokenizeActor(AsyncActor):
                 and metrics is None
                 and not reasoning
                 and tool_calls is None
+                and prompt_logprobs is None
             ):
                 extras.append(b"")
             else:
-                extra = DeltaExtra(logprobs, stop_reason, metrics, reasoning, tool_calls)
+                extra = DeltaExtra(
+                    logprobs, stop_reason, metrics, reasoning, tool_calls, prompt_logprobs
+                )
                 extras.append(encoder.encode(extra))
         if not out_rows:
             return None, stopped

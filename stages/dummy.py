@@ -43,13 +43,16 @@ class DummyExecuteActor(SyncActor):
             outbox.send(
                 m.RESULT,
                 {
-                    "meta": np.array([step_id, count, 0, started, now_ns()], np.int64),
+                    "meta": np.array([step_id, count, 0, started, now_ns(), 0], np.int64),
                     "handles": handles,
                     "token_ids": tokens,
                     "logprobs": np.zeros(count, np.float32),
                     "ranks": np.ones(count, np.int64),
                     "top_ids": np.zeros(0, np.int64),
                     "top_logprobs": np.zeros(0, np.float32),
+                    "prompt_rows": np.zeros(0, m.PROMPT_LOGPROB_ROW),
+                    "prompt_top_ids": np.zeros(0, np.int64),
+                    "prompt_top_logprobs": np.zeros(0, np.float32),
                 },
             )
             self.ctx.trace.record(

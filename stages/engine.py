@@ -382,17 +382,21 @@ class Engine:
                         continue
                     start, end = extra_offsets[i], extra_offsets[i + 1]
                     info = extra_decoder.decode(extra[start:end]) if end > start else _PLAIN
+                    prompt_ids, prompt_logprobs = None, None
+                    if info.prompt_logprobs is not None:
+                        prompt_ids, prompt_logprobs = self._prompt_logprobs(info.prompt_logprobs)
                     queue.put_nowait(
                         RequestOutput(
                             request_id=self._ids.get(handle, ""),
                             text=text[text_offsets[i] : text_offsets[i + 1]].decode("utf-8"),
                             token_ids=(token,) if token >= 0 else (),
-                            prompt_token_ids=None,
+                            prompt_token_ids=prompt_ids,
                             num_prompt_tokens=n_prompt,
                             num_output_tokens=n_output,
                             finish_reason=m.FINISH_NAMES.get(finish),
                             stop_reason=info.stop_reason,
                             logprobs=self._logprobs(info.logprobs) if info.logprobs else None,
+                            prompt_logprobs=prompt_logprobs,
                             metrics=_metrics(info.metrics, n_output) if info.metrics else None,
                             reasoning=info.reasoning,
                             tool_calls=tuple(
@@ -402,6 +406,15 @@ class Engine:
                             else (),
                         )
                     )
+
+    def _prompt_logprobs(
+        self, rows: list[WireLogprob]
+    ) -> tuple[tuple[int, ...] | None, tuple[TokenLogprob | None, ...]]:
+        """(the prompt's token ids, its logprobs with None for the first token) from the rows
+        detokenize gathered; the first row is position 0 (rank 0, no logprob)."""
+        if rows and rows[0].rank == 0:
+            return tuple(r.token_id for r in rows), (None, *self._logprobs(rows[1:]))
+        return None, (None, *self._logprobs(rows))
 
     def _logprobs(self, rows: list[WireLogprob]) -> tuple[TokenLogprob, ...]:
         token_bytes = self.bundle.token_bytes

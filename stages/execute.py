@@ -100,16 +100,30 @@ class ExecuteActor(SyncActor):
                 if token >= 0:
                     self.last_token[handle] = token
             top_k = output.top_ids.shape[1]
+            prompt_rows = _prompt_rows(handles, output)
             outbox.send(
                 m.RESULT,
                 {
-                    "meta": np.array([step_id, len(handles), top_k, started, finished], np.int64),
+                    "meta": np.array(
+                        [
+                            step_id,
+                            len(handles),
+                            top_k,
+                            started,
+                            finished,
+                            output.prompt_top_ids.shape[1],
+                        ],
+                        np.int64,
+                    ),
                     "handles": handles,
                     "token_ids": sampled.astype(np.int64),
                     "logprobs": output.logprobs.astype(np.float32),
                     "ranks": output.ranks.astype(np.int64),
                     "top_ids": output.top_ids.astype(np.int64).ravel(),
                     "top_logprobs": output.top_logprobs.astype(np.float32).ravel(),
+                    "prompt_rows": prompt_rows,
+                    "prompt_top_ids": output.prompt_top_ids.astype(np.int64).ravel(),
+                    "prompt_top_logprobs": output.prompt_top_logprobs.astype(np.float32).ravel(),
                 },
             )
             self.ctx.heartbeat()
@@ -181,3 +195,15 @@ class ExecuteActor(SyncActor):
             prompt_logprobs=rows["prompt_logprobs"],
         )
         return batch, step_id, handles
+
+
+def _prompt_rows(handles: np.ndarray, output) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """The step's prompt logprobs as rows, each tagged with its request's handle."""
+    rows = np.zeros(len(output.prompt_positions), m.PROMPT_LOGPROB_ROW)
+    if len(rows):
+        rows["handle"] = np.repeat(handles, np.diff(output.prompt_logprob_start_loc))
+        rows["position"] = output.prompt_positions
+        rows["token_id"] = output.prompt_token_ids
+        rows["logprob"] = output.prompt_token_logprobs
+        rows["rank"] = output.prompt_ranks
+    return rows

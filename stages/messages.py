@@ -101,15 +101,29 @@ STEP = Record(
 PLAN = Vocabulary("plan", [STEP])
 
 # -- results: execute -> schedule -----------------------------------------------------------------
+# The logprob of one prompt token given the ones before it (requests that asked for
+# prompt_logprobs); a prompt's rows arrive with the steps that prefill it, one chunk at a time.
+PROMPT_LOGPROB_ROW = np.dtype(
+    [
+        ("handle", np.int64),
+        ("position", np.int32),  # in the prompt; position 0 has no logprob (logprob nan, rank 0)
+        ("token_id", np.int64),
+        ("logprob", np.float32),
+        ("rank", np.int64),
+    ]
+)
 RESULT = Record(
     "result",
-    ("meta", np.int64),  # [step_id, num_seqs, top_k, t_start_ns, t_end_ns]
+    ("meta", np.int64),  # [step_id, num_seqs, top_k, t_start_ns, t_end_ns, prompt_top_k]
     ("handles", np.int64),  # [B]
     ("token_ids", np.int64),  # [B], -1 where not sampled
     ("logprobs", np.float32),  # [B]
     ("ranks", np.int64),  # [B]
     ("top_ids", np.int64),  # [B * top_k]
     ("top_logprobs", np.float32),  # [B * top_k]
+    ("prompt_rows", PROMPT_LOGPROB_ROW),  # [P]
+    ("prompt_top_ids", np.int64),  # [P * prompt_top_k], -1 padded
+    ("prompt_top_logprobs", np.float32),  # [P * prompt_top_k]
 )
 RESULTS = Vocabulary("results", [RESULT])
 
@@ -142,7 +156,7 @@ STAMP_ROW = np.dtype(
 )
 TOKENS = Record(
     "tokens",
-    ("meta", np.int64),  # [step_id, top_k]
+    ("meta", np.int64),  # [step_id, top_k, prompt_top_k]
     ("rows", TOKEN_ROW),  # [B]
     ("stamps", STAMP_ROW),  # [B]
     ("top_ids", np.int64),  # [B * top_k]
@@ -150,6 +164,9 @@ TOKENS = Record(
     ("new_handles", np.int64),  # requests detokenize sees for the first time
     ("new_offsets", np.int32),  # [N + 1] into new_detok
     ("new_detok", np.uint8),  # msgpack DetokParams, concatenated
+    ("prompt_rows", PROMPT_LOGPROB_ROW),  # prompt logprobs of this step's prefill chunks
+    ("prompt_top_ids", np.int64),
+    ("prompt_top_logprobs", np.float32),
 )
 TOKENS_VOCAB = Vocabulary("tokens", [TOKENS])
 

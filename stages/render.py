@@ -179,6 +179,7 @@ class RenderActor(AsyncActor):
             # as vLLM's tool parsers do.
             skip_special_tokens=s.skip_special_tokens and request.tool_call_parser is None,
             num_logprobs=-1 if s.logprobs is None else s.logprobs,
+            num_prompt_logprobs=-1 if s.prompt_logprobs is None else s.prompt_logprobs,
             reasoning_parser=request.reasoning_parser,
             tool_call_parser=request.tool_call_parser,
             reasoning_starts_inside=request.reasoning_parser is not None

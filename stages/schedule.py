@@ -4,6 +4,7 @@ into token rows for detokenize, and frees what aborts and stop strings finish.""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -89,6 +90,9 @@ class ScheduleActor(AsyncActor):
                 ranks = message["ranks"].copy()
                 top_ids = message["top_ids"].reshape(len(handles), top_k).copy()
                 top_logprobs = message["top_logprobs"].reshape(len(handles), top_k).copy()
+                prompt = None
+                if len(message["prompt_rows"]):
+                    prompt = PromptLogprobs.of(message, meta[5])
             self.wake.set()  # a step slot is free: plan the next before talking to detokenize
             step_seqs = self.scheduler.in_flight[0].seqs
             row_of = {id(s.seq): i for i, s in enumerate(step_seqs)}
@@ -99,8 +103,10 @@ class ScheduleActor(AsyncActor):
                 seq.last_token_ns = t_end
             rows = [row_of[id(seq)] for seq, _ in emitted]
             extras = (logprobs[rows], ranks[rows], top_ids[rows], top_logprobs[rows])
-            if emitted:
-                await self.send_tokens(step_id, emitted, extras)
+            if prompt is not None:
+                prompt = self.with_first_prompt_token(prompt)
+            if emitted or prompt is not None:
+                await self.send_tokens(step_id, emitted, extras, prompt)
             self.ctx.trace.record(
                 m.SPAN_RESULT, started, now_ns(), batch=len(handles), tokens=len(emitted)
             )
@@ -134,15 +140,48 @@ class ScheduleActor(AsyncActor):
         stats = self.scheduler.stats()
         self.ctx.set_gauges([float(stats[name]) for name in GAUGES])
 
+    def with_first_prompt_token(self, prompt: PromptLogprobs) -> PromptLogprobs | None:
+        """The rows of live requests, with a row for each prompt's first token (which has no
+        logprob) ahead of its first chunk, so that detokenize knows every prompt token id."""
+        by_handle = self.scheduler.by_handle
+        rows = prompt.rows
+        live = np.array([h in by_handle for h in rows["handle"].tolist()], bool)
+        if not live.all():
+            prompt = PromptLogprobs(rows[live], prompt.top_ids[live], prompt.top_logprobs[live])
+            rows = prompt.rows
+        if not len(rows):
+            return None
+        firsts = np.nonzero(rows["position"] == 1)[0]
+        if not len(firsts):
+            return prompt
+        heads = np.zeros(len(firsts), m.PROMPT_LOGPROB_ROW)
+        heads["handle"] = rows["handle"][firsts]
+        heads["token_id"] = [by_handle[h].prompt_ids[0] for h in heads["handle"].tolist()]
+        heads["logprob"] = np.nan
+        width = prompt.top_ids.shape[1]
+        return PromptLogprobs(
+            np.insert(rows, firsts, heads),
+            np.insert(prompt.top_ids, firsts, np.full((1, width), -1, np.int64), axis=0),
+            np.insert(prompt.top_logprobs, firsts, np.zeros((1, width), np.float32), axis=0),
+        )
+
     async def send_tokens(
         self,
         step_id: int,
         emitted: list[tuple[Sequence, int]],
         extras: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None,
+        prompt: PromptLogprobs | None = None,
     ) -> None:
         count = len(emitted)
         seqs = [seq for seq, _ in emitted]
-        new = [seq for seq in seqs if not seq.sent_to_detok]
+        candidates = seqs
+        if prompt is not None:
+            # detokenize keeps prompt logprobs from the first chunk on, so it must know the request
+            by_handle = self.scheduler.by_handle
+            candidates = seqs + [
+                by_handle[h] for h in dict.fromkeys(prompt.rows["handle"].tolist())
+            ]
+        new = list({id(seq): seq for seq in candidates if not seq.sent_to_detok}.values())
         for seq in new:
             seq.sent_to_detok = True
         rows = np.zeros(count, m.TOKEN_ROW)
@@ -166,11 +205,13 @@ class ScheduleActor(AsyncActor):
         top_k = 0 if extras is None else extras[2].shape[1]
         if extras is not None:
             rows["logprob"], rows["rank"] = extras[0], extras[1]
+        if prompt is None:
+            prompt = NO_PROMPT_LOGPROBS
         detok = [seq.detok for seq in new]
         await self.ctx.outbox["tokens"].send_async(
             m.TOKENS,
             {
-                "meta": np.array([step_id, top_k], np.int64),
+                "meta": np.array([step_id, top_k, prompt.top_ids.shape[1]], np.int64),
                 "rows": rows,
                 "stamps": stamps,
                 "top_ids": (
@@ -182,8 +223,34 @@ class ScheduleActor(AsyncActor):
                 "new_handles": np.array([s.handle for s in new], np.int64),
                 "new_offsets": np.cumsum([0, *map(len, detok)], dtype=np.int32),
                 "new_detok": np.frombuffer(b"".join(detok), np.uint8),
+                "prompt_rows": prompt.rows,
+                "prompt_top_ids": prompt.top_ids.ravel(),
+                "prompt_top_logprobs": prompt.top_logprobs.ravel(),
             },
         )
+
+
+@dataclass(slots=True, frozen=True)
+class PromptLogprobs:
+    """One step's prompt-logprob rows and their top-k, as they go on to detokenize."""
+
+    rows: np.ndarray  # [P] PROMPT_LOGPROB_ROW
+    top_ids: np.ndarray  # [P, Kp] int64
+    top_logprobs: np.ndarray  # [P, Kp] float32
+
+    @classmethod
+    def of(cls, message: Message, top_k: int) -> PromptLogprobs:
+        rows = message["prompt_rows"].copy()
+        return cls(
+            rows,
+            message["prompt_top_ids"].reshape(len(rows), top_k).copy(),
+            message["prompt_top_logprobs"].reshape(len(rows), top_k).copy(),
+        )
+
+
+NO_PROMPT_LOGPROBS = PromptLogprobs(
+    np.zeros(0, m.PROMPT_LOGPROB_ROW), np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
+)
 
 
 def _sequence(message: Message) -> Sequence:

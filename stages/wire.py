@@ -67,6 +67,7 @@ class DetokParams(msgspec.Struct):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     num_logprobs: int = -1  # < 0: none
+    num_prompt_logprobs: int = -1  # < 0: none
     reasoning_parser: str | None = None  # stages.parsers names
     tool_call_parser: str | None = None
     reasoning_starts_inside: bool = False  # the prompt ended inside an open think tag
@@ -113,6 +114,9 @@ class DeltaExtra(msgspec.Struct, array_like=True, omit_defaults=True):
     metrics: WireMetrics | None = None
     reasoning: str = ""
     tool_calls: list[WireToolCall] | None = None
+    # on a request's first delta, when asked for: the prompt's tokens from position 0, each with
+    # its logprob (position 0 has none: rank 0) and top-k
+    prompt_logprobs: list[WireLogprob] | None = None
 
 
 def encode_request(request: api.GenerateRequest) -> bytes:

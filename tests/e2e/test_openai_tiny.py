@@ -93,6 +93,34 @@ def test_streaming_matches_non_streaming_and_reports_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+def test_prompt_logprobs_through_the_pipeline(client):
+    response = chat(client, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2})
+    scored = response.model_extra["prompt_logprobs"]
+    assert len(scored) == response.usage.prompt_tokens and scored[0] is None
+    for entry in scored[1:]:
+        ranks = sorted(e["rank"] for e in entry.values())
+        # the prompt's own token, and the top two (it may be one of them)
+        assert ranks[:2] == [1, 2] and len(entry) in (2, 3)
+        assert all(
+            e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in entry.values()
+        )
+
+
+def test_echo_with_logprobs_scores_the_prompt(client):
+    response = client.completions.create(
+        model="tiny", prompt="Hello world!", max_tokens=3, echo=True, logprobs=1, temperature=0
+    )
+    choice = response.choices[0]
+    logprobs = choice.logprobs
+    n_prompt = response.usage.prompt_tokens
+    assert len(logprobs.tokens) == n_prompt + 3
+    assert logprobs.token_logprobs[0] is None and all(
+        lp is not None for lp in logprobs.token_logprobs[1:]
+    )
+    assert "".join(logprobs.tokens[:n_prompt]) == "Hello world!"
+    assert choice.text.startswith("Hello world!")
+
+
 def test_stop_string_and_seed(client):
     base = (
         chat(client, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})

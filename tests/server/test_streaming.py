@@ -164,3 +164,33 @@ async def test_sampling_params_reach_the_engine(make_app, engine: FakeEngine) ->
 async def test_defaults_leave_max_tokens_to_the_engine(app: Quart, engine: FakeEngine) -> None:
     await app.test_client().post("/v1/completions", json={"prompt": "a"})
     assert engine.requests[-1].sampling == SamplingParams()
+
+
+async def test_prompt_logprobs_in_vllm_shape(app: Quart, engine: FakeEngine) -> None:
+    client = app.test_client()
+    body = {"messages": [{"role": "user", "content": "one two three"}], "prompt_logprobs": 2}
+    response = await client.post("/v1/chat/completions", json=body)
+    data = await response.get_json()
+    prompt_ids = engine.tokenize(engine.requests[-1].prompt)  # type: ignore[arg-type]
+    scored = data["prompt_logprobs"]
+    assert engine.requests[-1].sampling.prompt_logprobs == 2
+    assert len(scored) == len(prompt_ids) == data["usage"]["prompt_tokens"] and scored[0] is None
+    for token_id, entry in zip(prompt_ids[1:], scored[1:], strict=True):
+        own = entry[str(token_id)]
+        assert own["rank"] == 1 and own["decoded_token"] == " " + engine.detokenize([token_id])
+        assert len(entry) == 2  # its own token (the best here) and one alternative
+        assert sorted(e["rank"] for e in entry.values()) == [1, 2]
+    response = await client.post(
+        "/v1/completions", json={"prompt": "a b c", "prompt_logprobs": 0, "max_tokens": 1}
+    )
+    choice = (await response.get_json())["choices"][0]
+    assert [e if e is None else len(e) for e in choice["prompt_logprobs"]] == [None, 1, 1]
+    # echo + logprobs and prompt_logprobs together: the engine computes the larger count
+    await client.post(
+        "/v1/completions",
+        json={"prompt": "a b", "prompt_logprobs": 1, "echo": True, "logprobs": 3},
+    )
+    assert engine.requests[-1].sampling.prompt_logprobs == 3
+    response = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert response.status_code == 400
+    assert (await response.get_json())["error"]["param"] == "prompt_logprobs"

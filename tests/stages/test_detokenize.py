@@ -125,11 +125,14 @@ def step(actor: DetokenizeActor, tokens: list[int], params: DetokParams | None) 
         "new_handles": np.array([1] if params is not None else [], np.int64),
         "new_offsets": np.array([0, len(blob)] if params is not None else [0], np.int32),
         "new_detok": np.frombuffer(blob, np.uint8),
-        "meta": np.array([0, 0], np.int64),
+        "meta": np.array([0, 0, 0], np.int64),
         "rows": rows,
         "stamps": np.zeros(n, m.STAMP_ROW),
         "top_ids": np.zeros(0, np.int64),
         "top_logprobs": np.zeros(0, np.float32),
+        "prompt_rows": np.zeros(0, m.PROMPT_LOGPROB_ROW),
+        "prompt_top_ids": np.zeros(0, np.int64),
+        "prompt_top_logprobs": np.zeros(0, np.float32),
     }
     arrays, _ = actor.process(message)
     assert arrays is not None

@@ -127,6 +127,28 @@ def test_output_parsers_run_in_the_detokenize_stage(engine_loop):
         run(tool_call_parser="nope")
 
 
+def test_prompt_logprobs_arrive_with_the_first_output_across_prefill_chunks(engine_loop):
+    engine, loop = engine_loop
+    text = " ".join(f"word{i}" for i in range(40))  # more tokens than a step's budget (64)
+    ids = engine.bundle.encode(text)
+    assert len(ids) > 64
+    outs = loop.run(collect(engine, request(text, temperature=0, max_tokens=2, prompt_logprobs=3)))
+    first = outs[0]
+    assert first.prompt_token_ids == tuple(ids)
+    scored = first.prompt_logprobs
+    assert scored is not None and len(scored) == len(ids) and scored[0] is None
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    for token_id, entry in zip(ids[1:], scored[1:], strict=True):
+        assert entry is not None and entry.token_id == token_id and entry.rank >= 1
+        assert len(entry.top) == 3 and entry.top[0][3] >= entry.top[1][3] >= entry.top[2][3]
+        if entry.rank == 1:
+            assert entry.top[0][0] == token_id and abs(entry.top[0][3] - entry.logprob) < 1e-5
+        else:
+            assert entry.logprob <= entry.top[0][3]
+    again = loop.run(collect(engine, request(text, temperature=0, max_tokens=2, prompt_logprobs=3)))
+    assert [e.logprob for e in again[0].prompt_logprobs[1:]] == [e.logprob for e in scored[1:]]
+
+
 def test_too_long_prompt_is_a_400_and_the_engine_keeps_serving(engine_loop):
     engine, loop = engine_loop
     with pytest.raises(EngineError) as info:
