@@ -155,13 +155,17 @@ def _load_gguf_tokenizer(path: str) -> TokenizerBundle:
 
     reader = open_gguf(path)
     kind = _gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise TokenizerLoadError(
-            f"GGUF tokenizer model {kind!r} in {path!r} is not supported; only byte-level BPE "
-            "('gpt2') GGUF vocabularies are built here. Use the Hugging Face directory instead."
+            f"GGUF tokenizer model {kind!r} in {path!r} is not supported; byte-level BPE "
+            "('gpt2') and SentencePiece BPE ('llama') vocabularies are. Use the Hugging Face "
+            "directory instead."
         )
     tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
     token_types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "llama":
+        tokenizer = _sentencepiece_bpe(reader, tokens)
+        return _gguf_bundle(reader, tokenizer, tokens, token_types, byte_level=False)
     merges: list[str] = _gguf_field(reader, "tokenizer.ggml.merges") or []
     pre = _gguf_field(reader, "tokenizer.ggml.pre", "default")
 
@@ -191,11 +195,63 @@ def _load_gguf_tokenizer(path: str) -> TokenizerBundle:
             f"{sorted(_GGUF_GPT2_REGEX_PRE | set(_GGUF_SPLIT_REGEX))}"
         )
     tokenizer.decoder = decoders.ByteLevel()
+    return _gguf_bundle(reader, tokenizer, tokens, token_types, byte_level=True)
 
+
+def _sentencepiece_bpe(reader: Any, tokens: list[str]) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (Llama 1/2, Mistral v0.1 files: `tokenizer.ggml.model` is
+    "llama") as a `tokenizers` BPE with byte fallback, built as transformers builds it from the
+    same file: the merges come from the file or, as these files have none, from the vocabulary
+    (every split of a token into two tokens, best score first); `▁` marks spaces and is put
+    before the text's start unless the file says `add_space_prefix` is false. Like transformers
+    (the reference), and unlike sentencepiece and llama.cpp, no `▁` is added before text that
+    already starts with a space."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    listed: list[str] | None = _gguf_field(reader, "tokenizer.ggml.merges")
+    if listed:
+        merges = [(left, right) for left, _, right in (m.partition(" ") for m in listed)]
+    else:
+        scores: list[float] = _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+        merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True)))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    add_prefix = bool(_gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies: each token that is two tokens joined, ranked
+    by its score (higher merges first), ties in vocabulary order (transformers' generate_merges)."""
+    found: list[tuple[str, str, float]] = []
+    for merged, score in scores.items():
+        local = [
+            (merged[:i], merged[i:], score)
+            for i in range(1, len(merged))
+            if merged[:i] in vocab and merged[i:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        found.extend(local)
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
+
+
+def _gguf_bundle(
+    reader: Any, tokenizer: Tokenizer, tokens: list[str], token_types: list[int], byte_level: bool
+) -> TokenizerBundle:
+    """The GGUF's special tokens added to `tokenizer`, and the bundle around it."""
+    # In a byte-level vocabulary every real token is spelled in the byte alphabet: a "control"
+    # token outside it is a llama.cpp mislabel that would grow the vocabulary past the model's.
+    alphabet = set(_bytes_to_unicode().values()) if byte_level else None
     control = [
         AddedToken(token, normalized=False, special=True)
         for token, kind_id in zip(tokens, token_types, strict=True)
-        if kind_id == _GGUF_TOKEN_CONTROL and set(token) <= alphabet
+        if kind_id == _GGUF_TOKEN_CONTROL and (alphabet is None or set(token) <= alphabet)
     ]
     user_defined = [
         AddedToken(token, normalized=False, special=False)
@@ -216,7 +272,8 @@ def _load_gguf_tokenizer(path: str) -> TokenizerBundle:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         pad_token_id=None if pad is None else int(pad),
-        add_bos_token=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+        add_bos_token=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", not byte_level)),
         special_token_ids=special_ids,
         chat_template=_gguf_field(reader, "tokenizer.chat_template"),
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),

@@ -153,3 +153,143 @@ def test_sentencepiece_style_token_bytes(tmp_path):
     assert b"".join(bundle.token_bytes[i] for i in token_ids[1:]) == (" " + text).encode("utf-8")
     assert bundle.decode(token_ids[1:]) == text
     assert bundle.eos_token_ids == (2,)
+
+
+# -- SentencePiece vocabularies (Llama 1/2, Mistral v0.1 GGUFs: tokenizer.ggml.model = "llama") ----
+
+SPM_CORPUS = [
+    *TEXTS[:-1],
+    "The quick brown fox jumps over the lazy dog.",
+    "Llamas are members of the camelid family; they live in the Andes.",
+    "print('hello')  # a comment, with   three spaces",
+    "Numbers like 2024, 3.5 and 1000000 are split into digits.",
+]
+
+
+def write_spm_gguf(directory, add_space_prefix: bool | None = None) -> str:
+    """A GGUF holding a SentencePiece BPE vocabulary trained here, written as llama.cpp's converter
+    writes Llama 2's: pieces, scores, token types (normal 1, unknown 2, control 3, byte 6)."""
+    import gguf
+    import numpy as np
+    import sentencepiece as spm
+
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(SPM_CORPUS * 20), encoding="utf-8")
+    prefix = str(directory / "spm")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=prefix,
+        model_type="bpe",
+        vocab_size=420,
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        user_defined_symbols=["<|user|>"],
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(
+            2
+            if sp.is_unknown(i)
+            else 3
+            if sp.is_control(i)
+            else 6
+            if sp.is_byte(i)
+            else 4
+            if tokens[-1] == "<|user|>"
+            else 1
+        )
+    path = directory / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (
+        ("block_count", 1),
+        ("embedding_length", 8),
+        ("feed_forward_length", 16),
+        ("attention.head_count", 2),
+        ("context_length", 64),
+    ):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory) -> str:
+    return write_spm_gguf(tmp_path_factory.mktemp("spm"))
+
+
+def test_sentencepiece_gguf_matches_transformers_and_sentencepiece(spm_gguf):
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    bundle = load_tokenizer(spm_gguf)
+    reference = AutoTokenizer.from_pretrained(
+        os.path.dirname(spm_gguf), gguf_file=os.path.basename(spm_gguf)
+    )
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(os.path.dirname(spm_gguf), "spm.model"))
+    texts = [t for t in TEXTS if "<|im_" not in t] + SPM_CORPUS[-4:] + ["<|user|>hi <s>x</s>"]
+    for text in texts:
+        ids = bundle.encode(text)
+        assert ids == reference(text).input_ids, text  # BOS included: llama.cpp's default here
+        assert ids[0] == 1 and bundle.add_bos_token
+        # sentencepiece itself knows no added tokens in text; and on text that starts with a space
+        # it (and llama.cpp) puts one more "▁" in front than transformers' Metaspace does
+        if "<" not in text and not text.startswith(" "):
+            assert ids[1:] == sp.encode(text), text
+        decoded = bundle.decode(ids, skip_special_tokens=True)
+        assert decoded == reference.decode(ids, skip_special_tokens=True)
+        if text.startswith(" "):  # the leading space is the prefix, which decoding strips
+            assert decoded == text[1:]
+            continue
+        assert decoded == text.replace("</s>", "").replace("<s>", "")  # control tokens skipped
+        if "<" not in text:
+            # exact bytes per token (byte-fallback pieces included), with the prefix space
+            raw = b"".join(bundle.token_bytes[i] for i in ids[1:])
+            assert raw == (b" " + text.encode("utf-8") if text else b""), text
+    assert bundle.encode("<|user|>")[1:] == [bundle.tokenizer.token_to_id("<|user|>")]
+    assert {0, 1, 2} <= bundle.special_token_ids or {1, 2} <= bundle.special_token_ids
+    assert bundle.eos_token_ids == (2,) and bundle.bos_token == "<s>"
+
+
+def test_sentencepiece_gguf_without_space_prefix(tmp_path):
+    bundle = load_tokenizer(write_spm_gguf(tmp_path, add_space_prefix=False))
+    assert (
+        not bundle.tokenizer.encode("quick fox", add_special_tokens=False)
+        .tokens[0]
+        .startswith("\u2581")
+    )
+    assert bundle.decode(bundle.encode("quick fox"), skip_special_tokens=True) == "quick fox"
+
+
+def test_an_unsupported_gguf_vocabulary_is_a_clear_error(tmp_path):
+    import gguf
+
+    path = tmp_path / "bert.gguf"
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(["[PAD]", "a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(TokenizerLoadError, match=r"'bert'.*not supported"):
+        load_tokenizer(str(path))
