@@ -206,12 +206,19 @@ static inline __m512 load16(const void *cache, int64_t i, int bf16) {
     return _mm512_loadu_ps((const float *)cache + i);
 }
 
-#define KV_PREFETCH 8 /* positions ahead */
+#define KV_PREFETCH 16 /* positions ahead */
 
 static inline void prefetch_row(const void *cache, int64_t index, int64_t dim, int bf16) {
     const char *row = (const char *)cache + index * (bf16 ? 2 : 4);
     for (int64_t off = 0; off < dim * (bf16 ? 2 : 4); off += 64)
         _mm_prefetch(row + off, _MM_HINT_T0);
+}
+
+#define KV_PREFETCH_FAR 64 /* positions ahead, into L2: DRAM latency needs many lines in flight */
+static inline void prefetch_row_l2(const void *cache, int64_t index, int64_t dim, int bf16) {
+    const char *row = (const char *)cache + index * (bf16 ? 2 : 4);
+    for (int64_t off = 0; off < dim * (bf16 ? 2 : 4); off += 64)
+        _mm_prefetch(row + off, _MM_HINT_T1);
 }
 
 /* acc[g][c] = sum_p probs[g][p] * V[p][c0 + c] for GN query heads and CN 16-wide chunks of
@@ -225,6 +232,8 @@ static inline __attribute__((always_inline)) void pv_tile(
         for (int c = 0; c < CN; c++) acc[g][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
         if (j + KV_PREFETCH < n) prefetch_row(v_cache, rows[j + KV_PREFETCH] + c0, 16 * CN, bf16);
+        if (c0 == 0 && j + KV_PREFETCH_FAR < n)
+            prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
         __m512 v[4];
         for (int c = 0; c < CN; c++) v[c] = load16(v_cache, rows[j] + c0 + 16 * c, bf16);
         for (int g = 0; g < GN; g++) {
@@ -244,28 +253,92 @@ static inline __attribute__((always_inline)) void pv_tile(
                 dim, inv + g0);                                                              \
         break;
 
+/* The sums of 16 vectors as one: lane 4k + m of the result is the sum of a[4m + k] (callers put
+ * key p in slot 4 * (p % 4) + p / 4 to get key p in lane p). 15 adds and 30 shuffles instead of
+ * 16 horizontal reductions of ~8 dependent steps each. */
+static inline __m512 transpose_sum16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    const __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+    const __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+    return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
+}
+
+/* Scores of one query head against 16 keys held as float32 rows in `keys` (CN chunks of 16). */
+static inline __attribute__((always_inline)) __m512 scores16(const int CN, const float *qg,
+                                                             const float *keys) {
+    __m512 qv[8], acc[16];
+    for (int c = 0; c < CN; c++) qv[c] = _mm512_loadu_ps(qg + 16 * c);
+    for (int r = 0; r < 16; r++) {
+        const float *key = keys + r * 16 * CN;
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+        for (int c = 1; c < CN; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(key + 16 * c), a);
+        acc[((r & 3) << 2) | (r >> 2)] = a;
+    }
+    return transpose_sum16(acc);
+}
+
 /* One (sequence, KV head) item: scores, softmax and the weighted sum of values. `rows` holds the
- * cache element offset of each visible position's K/V row for this KV head. */
+ * cache element offset of each visible position's K/V row for this KV head. Keys are taken 16 at
+ * a time: converted once to float32 in `keys` (L1), scored against every query head of the group,
+ * and the 16 dot products reduced together. */
 static void attend_avx512(const float *q, const void *k_cache, const void *v_cache, int bf16,
                           const int64_t *rows, int64_t n, int64_t group, int64_t dim,
-                          float scale, float *probs, int64_t stride, float *out) {
+                          float scale, float *probs, int64_t stride, float *out, float *keys) {
     const int64_t chunks = dim / 16;
     float inv[64], mx[64];
     for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
-    /* Scores: each key row is loaded once for the whole query group; rows a few positions ahead
-     * are prefetched, since the walk through the block table hides the pattern. */
-    for (int64_t j = 0; j < n; j++) {
-        if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
-        __m512 key[32]; /* dim <= 512 */
-        for (int64_t c = 0; c < chunks; c++) key[c] = load16(k_cache, rows[j] + 16 * c, bf16);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t m = n - j0 < 16 ? n - j0 : 16;
+        for (int64_t r = 0; r < 16; r++) {
+            float *dst = keys + r * dim;
+            if (r >= m) {
+                for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_setzero_ps());
+                continue;
+            }
+            const int64_t j = j0 + r;
+            /* key rows a few positions ahead: the walk through the block table hides the pattern */
+            if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
+            if (j + KV_PREFETCH_FAR < n) {
+                prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
+            } else if (j + KV_PREFETCH_FAR - n < n) {
+                /* the keys are ending: bring in the first values */
+                prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
+            }
+            for (int64_t c = 0; c < chunks; c++)
+                _mm512_storeu_ps(dst + 16 * c, load16(k_cache, rows[j] + 16 * c, bf16));
+        }
+        const __mmask16 valid = (__mmask16)((1u << m) - 1u);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * dim;
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), key[0]);
-            for (int64_t c = 1; c < chunks; c++)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), key[c], a);
-            const float sc = _mm512_reduce_add_ps(a) * scale;
-            probs[g * stride + j] = sc;
-            mx[g] = sc > mx[g] ? sc : mx[g];
+            __m512 sc;
+            switch (chunks) {
+                case 4: sc = scores16(4, qg, keys); break;
+                case 8: sc = scores16(8, qg, keys); break;
+                case 2: sc = scores16(2, qg, keys); break;
+                case 6: sc = scores16(6, qg, keys); break;
+                default: {
+                    __m512 acc[16];
+                    for (int r = 0; r < 16; r++) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int64_t c = 0; c < chunks; c++)
+                            a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c),
+                                                _mm512_loadu_ps(keys + r * dim + 16 * c), a);
+                        acc[((r & 3) << 2) | (r >> 2)] = a;
+                    }
+                    sc = transpose_sum16(acc);
+                }
+            }
+            sc = _mm512_mul_ps(sc, vscale);
+            _mm512_mask_storeu_ps(probs + g * stride + j0, valid, sc);
+            const float top = _mm512_mask_reduce_max_ps(valid, sc);
+            mx[g] = top > mx[g] ? top : mx[g];
         }
     }
     for (int64_t g = 0; g < group; g++) {
@@ -333,6 +406,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
     {
         float *probs = (float *)malloc(sizeof(float) * (size_t)(group * stride));
         int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(max_len + 1));
+        float *keys = (float *)malloc(sizeof(float) * (size_t)(16 * dim));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_seqs * kv_heads; item++) {
             const int64_t s = item / kv_heads, kvh = item % kv_heads;
@@ -348,7 +422,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
 #if defined(__AVX512F__)
             if (dim % 16 == 0) {
                 attend_avx512(qs, k_cache, v_cache, cache_bf16, rows, len - lo, group, dim, scale,
-                              probs, stride, os);
+                              probs, stride, os, keys);
                 continue;
             }
 #endif
@@ -357,6 +431,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
         }
         free(probs);
         free(rows);
+        free(keys);
     }
 }
 
