@@ -954,7 +954,7 @@ int q4_1_gemm_available(void) { /* 1: the weight layout is q4_1_gemm_pack's */
 }
 
 #if defined(Q4_ZMM)
-#define GEMM_ROWS 4
+#define GEMM_ROWS 8 /* rows per tile: the unpacked weights are reused by 8 rows, 16 VNNI chains */
 static inline __attribute__((always_inline)) void q4_gemm_tile(
     const int R, const int8_t *xq, const float *xd, const float *xs, int64_t k, int64_t blocks,
     const uint8_t *codes, const uint16_t *d, const uint16_t *m, float *out, int64_t n_out,
@@ -1010,10 +1010,13 @@ int q4_1_gemm(const float *x, int64_t rows, const uint8_t *codes, const uint16_t
             const int8_t *xr = xq + r0 * k;
             const float *dr = xd + r0 * blocks, *sr = xs + r0 * blocks;
             float *o = out + r0 * n_out;
-            if (left >= 4) q4_gemm_tile(4, xr, dr, sr, k, blocks, cg, dg, mg, o, n_out, g * 16);
-            else if (left == 3) q4_gemm_tile(3, xr, dr, sr, k, blocks, cg, dg, mg, o, n_out, g * 16);
-            else if (left == 2) q4_gemm_tile(2, xr, dr, sr, k, blocks, cg, dg, mg, o, n_out, g * 16);
-            else q4_gemm_tile(1, xr, dr, sr, k, blocks, cg, dg, mg, o, n_out, g * 16);
+            switch (left >= GEMM_ROWS ? GEMM_ROWS : left) {
+#define Q4_TILE_CASE(R) \
+    case R: q4_gemm_tile(R, xr, dr, sr, k, blocks, cg, dg, mg, o, n_out, g * 16); break;
+                Q4_TILE_CASE(8) Q4_TILE_CASE(7) Q4_TILE_CASE(6) Q4_TILE_CASE(5)
+                Q4_TILE_CASE(4) Q4_TILE_CASE(3) Q4_TILE_CASE(2) Q4_TILE_CASE(1)
+#undef Q4_TILE_CASE
+            }
         }
     return 0;
 #else
@@ -1104,10 +1107,13 @@ int q8_0_gemm(const float *x, int64_t rows, const int8_t *codes, const uint16_t 
             const int8_t *xr = xq + r0 * k;
             const float *sr = xd + r0 * blocks;
             float *o = out + r0 * n_out;
-            if (left >= 4) q8_gemm_tile(4, xr, sr, k, blocks, cg, dg, kg, o, n_out, g * 16);
-            else if (left == 3) q8_gemm_tile(3, xr, sr, k, blocks, cg, dg, kg, o, n_out, g * 16);
-            else if (left == 2) q8_gemm_tile(2, xr, sr, k, blocks, cg, dg, kg, o, n_out, g * 16);
-            else q8_gemm_tile(1, xr, sr, k, blocks, cg, dg, kg, o, n_out, g * 16);
+            switch (left >= GEMM_ROWS ? GEMM_ROWS : left) {
+#define Q8_TILE_CASE(R) \
+    case R: q8_gemm_tile(R, xr, sr, k, blocks, cg, dg, kg, o, n_out, g * 16); break;
+                Q8_TILE_CASE(8) Q8_TILE_CASE(7) Q8_TILE_CASE(6) Q8_TILE_CASE(5)
+                Q8_TILE_CASE(4) Q8_TILE_CASE(3) Q8_TILE_CASE(2) Q8_TILE_CASE(1)
+#undef Q8_TILE_CASE
+            }
         }
     return 0;
 #else
