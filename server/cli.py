@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prefill-tokens-while-decoding",
         type=_positive_int,
         help="prompt tokens a step may carry beside running decodes (bounds their ITL); "
-        "alone, a prompt gets the whole --max-num-batched-tokens",
+        "alone, a prompt gets the whole --max-num-batched-tokens (default 64)",
     )
     parser.add_argument("--block-size", type=_positive_int)
     parser.add_argument(

@@ -152,7 +152,7 @@ class SchedulerConfig:
     num_blocks: int
     block_size: int
     # Prefill tokens a step may carry beside decodes (the whole budget when none run).
-    max_prefill_tokens_while_decoding: int = 128
+    max_prefill_tokens_while_decoding: int = 64
 
 
 class Scheduler:
