@@ -954,6 +954,7 @@ int q4_1_gemm_available(void) { /* 1: the weight layout is q4_1_gemm_pack's */
 }
 
 #if defined(Q4_ZMM)
+#define WEIGHT_PREFETCH 16 /* blocks ahead */
 #define GEMM_ROWS 8 /* rows per tile: the unpacked weights are reused by 8 rows, 16 VNNI chains */
 static inline __attribute__((always_inline)) void q4_gemm_tile(
     const int R, const int8_t *xq, const float *xd, const float *xs, int64_t k, int64_t blocks,
@@ -964,6 +965,15 @@ static inline __attribute__((always_inline)) void q4_gemm_tile(
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *wb = codes + b * 256;
+        /* The weights stream from DRAM once per step: keep more lines in flight than the L1 fill
+         * buffers allow by prefetching into L2 (past the group's end is the next group: the
+         * thread's next one under static scheduling; prefetches never fault). */
+        for (int z = 0; z < 4; z++)
+            _mm_prefetch((const char *)(wb + WEIGHT_PREFETCH * 256 + z * 64), _MM_HINT_T1);
+        if ((b & 1) == 0) {
+            _mm_prefetch((const char *)(d + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
+            _mm_prefetch((const char *)(m + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
+        }
         __m512i c[8];
         for (int z = 0; z < 4; z++) {
             const __m512i raw = _mm512_loadu_si512((const void *)(wb + z * 64));
@@ -1062,6 +1072,10 @@ static inline __attribute__((always_inline)) void q8_gemm_tile(
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *wb = codes + b * 512;
+        for (int z = 0; z < 8; z++)
+            _mm_prefetch((const char *)(wb + WEIGHT_PREFETCH * 512 + z * 64), _MM_HINT_T1);
+        if ((b & 1) == 0) _mm_prefetch((const char *)(d + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
+        if ((b & 3) == 0) _mm_prefetch((const char *)(corr + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
         __m512i c[8];
         for (int z = 0; z < 8; z++) c[z] = _mm512_loadu_si512((const void *)(wb + z * 64));
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * 16)));
