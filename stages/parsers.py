@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from stages.api import ToolCall
 
@@ -151,18 +152,19 @@ def _calls_from_json(text: str, separators: str = "") -> list[ToolCall] | None:
     return [c for c in calls if c is not None]
 
 
-class ToolCallParser:
-    """Base: feed content text, get (content, complete tool calls)."""
+class ToolCallParser(Protocol):
+    """Feed content text, get (content, complete tool calls)."""
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]: ...
 
 
-class TaggedToolCalls(ToolCallParser):
+class TaggedToolCalls:
     """Calls written between a start tag and an end tag (Hermes / Qwen2.5 `<tool_call>{...}
     </tool_call>`), or from a start marker to the end of the output (Mistral's `[TOOL_CALLS]`)."""
 
-    def __init__(self, start: str, end: str | None, parse: Any) -> None:
+    def __init__(
+        self, start: str, end: str | None, parse: Callable[[str], list[ToolCall] | None]
+    ) -> None:
         self.start, self.end, self.parse = start, end, parse
         self.inside = False
         self.held = ""
@@ -225,7 +227,7 @@ def _mistral_body(body: str) -> list[ToolCall] | None:
     return _calls_from_json(json.dumps({"name": name.strip(), "arguments": arguments.strip()}))
 
 
-class Llama3JsonToolCalls(ToolCallParser):
+class Llama3JsonToolCalls:
     """Llama 3.1/3.2 JSON calls: the whole output is `{"name": ..., "parameters": {...}}` (several
     separated by `;`), maybe after `<|python_tag|>`. Output that starts otherwise is content."""
 
