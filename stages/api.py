@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -117,9 +119,12 @@ class RequestMetrics:
     spec_acceptance_histogram: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one engine step produced for one request (text is the new part only)."""
+class RequestOutput(msgspec.Struct, frozen=True):
+    """What one engine step produced for one request (text is the new part only).
+
+    A msgspec Struct rather than a frozen dataclass: the server builds one per streamed token, and
+    a frozen dataclass's __init__ (a setattr per field) cost 1.4 us of the ~15 us per token the
+    HTTP front end spends; the Struct costs 0.13."""
 
     request_id: str
     text: str
