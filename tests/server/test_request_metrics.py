@@ -64,3 +64,21 @@ def test_speculative_decoding() -> None:
         "mean_acceptance_length": 3.25,
         "acceptance_histogram": [1, 0, 1, 2],
     }
+
+
+def test_itl_histogram_spreads_a_merged_output_over_its_tokens() -> None:
+    from server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(lambda: {}, "m")
+    metrics.observe_tokens(1, None)  # the first output has no gap
+    metrics.observe_tokens(3, 0.03)  # three tokens that arrived together, 10 ms each
+    metrics.observe_tokens(1, 0.005)  # on a bucket's bound: counted in that bucket (le)
+    lines = metrics.render().decode().splitlines()
+    bucket = 'vllm:inter_token_latency_seconds_bucket{{le="{}",model_name="m"}} {}'
+    assert bucket.format("0.001", "0.0") in lines
+    assert bucket.format("0.005", "1.0") in lines
+    assert bucket.format("0.01", "4.0") in lines
+    assert bucket.format("+Inf", "4.0") in lines
+    (total,) = [line for line in lines if line.startswith("vllm:inter_token_latency_seconds_sum")]
+    assert float(total.split()[-1]) == pytest.approx(0.035)
+    assert 'vllm:generation_tokens_total{model_name="m"} 5.0' in lines
