@@ -94,14 +94,11 @@ class ScheduleActor(AsyncActor):
                 if len(message["prompt_rows"]):
                     prompt = PromptLogprobs.of(message, meta[5])
             self.wake.set()  # a step slot is free: plan the next before talking to detokenize
-            step_seqs = self.scheduler.in_flight[0].seqs
-            row_of = {id(s.seq): i for i, s in enumerate(step_seqs)}
-            emitted = self.scheduler.complete(step_id, handles, token_ids)
+            emitted, rows = self.scheduler.complete(step_id, handles, token_ids)
             for seq, _ in emitted:
                 if seq.first_token_ns == 0:
                     seq.first_token_ns = t_end
                 seq.last_token_ns = t_end
-            rows = [row_of[id(seq)] for seq, _ in emitted]
             extras = (logprobs[rows], ranks[rows], top_ids[rows], top_logprobs[rows])
             if prompt is not None:
                 prompt = self.with_first_prompt_token(prompt)
@@ -302,9 +299,20 @@ def _plan_arrays(step: Step, block_size: int) -> dict[str, np.ndarray]:
     if total == count:  # all decodes (or one-token chunks): one token each
         input_ids = np.array([s.seq.token_at(s.start) for s in planned], np.int32)
     else:
-        input_ids = np.concatenate(
-            [s.seq.token_ids(s.start, s.start + s.num_tokens) for s in planned]
-        )
+        # Chunks are copied as slices; the one-token rows beside them (decodes, mostly) are
+        # gathered into one scatter instead of an array each.
+        input_ids = np.empty(total, np.int32)
+        single_rows: list[int] = []
+        single_tokens: list[int] = []
+        at = 0
+        for row, s in enumerate(planned):
+            if s.num_tokens == 1:
+                single_rows.append(row)
+                single_tokens.append(s.seq.token_at(s.start))
+            else:
+                input_ids[at : at + s.num_tokens] = s.seq.token_ids(s.start, s.start + s.num_tokens)
+            at += s.num_tokens
+        input_ids[query_start[single_rows]] = single_tokens
     now = now_ns()
     for s in planned:
         if s.seq.scheduled_ns == 0:

@@ -224,12 +224,10 @@ class Scheduler:
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
         for seq in self.running:
-            if (
-                seq.num_prompt + len(seq.output_ids) + seq.pending_outputs
-                >= seq.max_tokens + seq.num_prompt
-            ):
+            num_outputs = len(seq.output_ids) + seq.pending_outputs
+            if num_outputs >= seq.max_tokens:
                 continue  # its last token is in flight
-            left = seq.num_tokens - seq.num_computed
+            left = seq.num_prompt + num_outputs - seq.num_computed  # num_tokens - num_computed
             (decodes if left == 1 else prefills).append((seq, left))
         capacity = self.blocks.block_size
         for group in (decodes, prefills):
@@ -245,7 +243,7 @@ class Scheduler:
                 # Most steps stay inside the last block: only a crossing asks for room.
                 if need > len(seq.blocks) * capacity and not self._make_room(seq, need, taken):
                     continue
-                planned.append(self._plan(seq, count))
+                planned.append(self._plan(seq, count, count == left))
                 taken.add(seq.handle)
                 budget -= count
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -259,7 +257,7 @@ class Scheduler:
             self.waiting.remove(admit)
             admit.status = Status.RUNNING
             self.running.append(admit)
-            planned.append(self._plan(admit, count))
+            planned.append(self._plan(admit, count, admit.num_computed + count == admit.num_tokens))
             budget -= count
         if not planned:
             return None
@@ -272,10 +270,10 @@ class Scheduler:
         self.in_flight.append(step)
         return step
 
-    def _plan(self, seq: Sequence, count: int) -> ScheduledSeq:
+    def _plan(self, seq: Sequence, count: int, sample: bool) -> ScheduledSeq:
+        """`sample`: the chunk reaches the sequence's last token, so the step samples its next."""
         start = seq.num_computed
         seq.num_computed += count
-        sample = seq.num_computed == seq.num_tokens
         if sample:
             seq.pending_outputs += 1
         seq.steps_in_flight += 1
@@ -306,17 +304,16 @@ class Scheduler:
 
     def complete(
         self, step_id: int, handles: np.ndarray, token_ids: np.ndarray
-    ) -> list[tuple[Sequence, int]]:
-        """Apply one step's sampled tokens; the (sequence, token) pairs to pass on, in order.
-
-        A pair's token is -1 for a request that finished without a new token to show.
-        """
+    ) -> tuple[list[tuple[Sequence, int]], list[int]]:
+        """Apply one step's sampled tokens: the (sequence, token) pairs to pass on, in order, and
+        the step row each came from."""
         step = self.in_flight.popleft()
         if step.step_id != step_id:
             raise RuntimeError(f"result for step {step_id} while step {step.step_id} was oldest")
         out: list[tuple[Sequence, int]] = []
-        for scheduled, handle, token in zip(
-            step.seqs, handles.tolist(), token_ids.tolist(), strict=True
+        rows: list[int] = []
+        for row, (scheduled, handle, token) in enumerate(
+            zip(step.seqs, handles.tolist(), token_ids.tolist(), strict=True)
         ):
             seq = scheduled.seq
             if seq.handle != handle:
@@ -332,6 +329,7 @@ class Scheduler:
                 continue
             seq.output_ids.append(token)
             out.append((seq, token))
+            rows.append(row)
             if token in seq.stop_ids:
                 self.finish(seq, m.FINISH_STOP)
             elif (
@@ -339,7 +337,7 @@ class Scheduler:
                 or seq.num_prompt + len(seq.output_ids) >= self.config.max_model_len
             ):
                 self.finish(seq, m.FINISH_LENGTH)
-        return out
+        return out, rows
 
     def stats(self) -> dict[str, float]:
         return {

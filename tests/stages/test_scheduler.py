@@ -36,7 +36,7 @@ def run_step(s: Scheduler, token: int = 7):
     assert step is not None
     handles = np.array([x.seq.handle for x in step.seqs])
     tokens = np.array([token if x.sample else -1 for x in step.seqs])
-    return step, s.complete(step.step_id, handles, tokens)
+    return step, s.complete(step.step_id, handles, tokens)[0]
 
 
 def test_block_manager_grows_and_frees():
@@ -151,3 +151,18 @@ def test_prefill_beside_decodes_is_capped_but_alone_takes_the_budget():
     }  # capped beside a decode
     step, _ = run_step(s)
     assert {x.seq.handle: x.num_tokens for x in step.seqs} == {1: 1, 2: 10}
+
+
+def test_complete_says_which_step_row_each_token_came_from() -> None:
+    s = make(budget=8, max_seqs=4)
+    s.add(seq(1, prompt_len=3))
+    s.add(seq(2, prompt_len=3))
+    run_step(s)  # both prompts: they now decode
+    s.add(seq(3, prompt_len=20))  # a long prompt, chunked beside the decodes
+    step = s.schedule()
+    assert step is not None
+    assert [(x.seq.handle, x.sample) for x in step.seqs] == [(1, True), (2, True), (3, False)]
+    s.abort(1)  # gone while its step runs: its row yields nothing
+    emitted, rows = s.complete(step.step_id, np.array([1, 2, 3]), np.array([5, 6, -1]))
+    assert [(x.handle, token) for x, token in emitted] == [(2, 6)]
+    assert rows == [1]
