@@ -89,4 +89,17 @@ def format_stages(figures: dict[str, Any], overhead: dict[str, float]) -> str:
         f"token ({overhead['tokens']} tokens, {overhead['cpu_s_total']:.2f} s CPU in all, "
         f"{overhead['cpu_s_forward']:.2f} s in forward)"
     )
+    tokens = overhead["tokens"]
+    if tokens:
+        # Where it goes, by process: the HTTP front end beside the stages. The forward pass is
+        # counted in the process that ran it (execute) and taken out of that one.
+        shares = []
+        for key, value in overhead.items():
+            if not key.startswith("cpu_s_") or key in ("cpu_s_total", "cpu_s_forward"):
+                continue
+            name = key.removeprefix("cpu_s_")
+            if name == "execute":
+                value -= overhead["cpu_s_forward"]
+            shares.append(f"{name} {value / tokens * 1e6:.1f}")
+        lines.append("  by process (us per token): " + ", ".join(shares))
     return "\n".join(lines)

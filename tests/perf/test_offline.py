@@ -48,4 +48,6 @@ def test_offline_dummy_reports_where_time_goes(tmp_path, capsys):
     # Eight requests in flight share steps: the mean batch grows with concurrency.
     assert runs[1]["stages"]["execute"]["mean_batch"] > runs[0]["stages"]["execute"]["mean_batch"]
     assert (tmp_path / "charts" / "stages_gantt.png").stat().st_size > 1000
-    assert "us per generated token" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "us per generated token" in printed
+    assert "by process (us per token): " in printed and "schedule " in printed
