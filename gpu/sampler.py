@@ -46,6 +46,9 @@ class SamplingArrays:
     allowed_token_ids: np.ndarray  # [S, Na] int32, -1 padded
     bad_token_ids: np.ndarray  # [S, Nx] int32, -1 padded
     stop_token_ids: np.ndarray  # [S, Ns] int32, -1 padded
+    # Structured outputs: bit t of row r's words allows token t (stages.structured); rows without
+    # a grammar have every bit set; width 0 when no row has one.
+    token_bitmask: np.ndarray  # [S, ceil(V / 32)] int32
 
     @classmethod
     def defaults(cls, num_rows: int, **overrides: np.ndarray) -> SamplingArrays:
@@ -67,6 +70,7 @@ class SamplingArrays:
             allowed_token_ids=empty_ids,
             bad_token_ids=empty_ids,
             stop_token_ids=empty_ids,
+            token_bitmask=np.zeros((num_rows, 0), np.int32),
         )
         fields.update(overrides)
         return cls(**fields)
@@ -144,10 +148,19 @@ def _id_mask(ids: np.ndarray, vocab_size: int) -> torch.Tensor:  # ids: [S, N] -
     return mask
 
 
+def _bitmask(words: np.ndarray, vocab_size: int) -> torch.Tensor:  # [S, W] int32 -> [S, V] bool
+    bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little")
+    if bits.shape[1] < vocab_size:  # tokens past the mask's width are not allowed
+        bits = np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
+    return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
+
+
 def _apply_token_rules(
     logits: torch.Tensor, params: SamplingArrays, history: Sequence[TokenHistory]
 ) -> None:
     vocab_size = logits.shape[1]
+    if params.token_bitmask.shape[1]:
+        logits.masked_fill_(~_bitmask(params.token_bitmask, vocab_size), float("-inf"))
     if params.allowed_token_ids.size and (params.allowed_token_ids >= 0).any():
         allowed = _id_mask(params.allowed_token_ids, vocab_size)
         restricted = allowed.any(dim=1, keepdim=True)

@@ -29,6 +29,7 @@ from server.serving import (
     usage_event,
 )
 from stages.api import RequestOutput, TokenLogprob, ToolCall
+from stages.parsers import forced_tool_calls
 
 
 def _chunk(
@@ -72,11 +73,36 @@ def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
 
 
 class _Calls:
-    """The tool calls a request made so far (only the first when parallel_tool_calls is false)."""
+    """The tool calls a request made so far (only the first when parallel_tool_calls is false).
+
+    With a forced tool_choice the output is the calls' JSON (its grammar saw to that): the text is
+    held back and becomes the calls when the request finishes. A named function is called with
+    the text as its arguments and finishes with "stop", as OpenAI answers a forced function;
+    "required" parses vLLM's list of {"name", "parameters"} and finishes with "tool_calls".
+    """
 
     def __init__(self, request: ChatCompletionRequest) -> None:
         self.limit = 1 if request.parallel_tool_calls is False else None
         self.calls: list[ToolCall] = []
+        self.forced = request.forced_tool
+        self._held: list[str] = []
+
+    def hold(self, text: str) -> str:
+        """The content to send now: all of it, or none while a forced call's JSON is written."""
+        if self.forced is None:
+            return text
+        self._held.append(text)
+        return ""
+
+    def release(self) -> tuple[list[ToolCall], str]:
+        """At the finish of a forced call: (the calls taken, content when the text held no calls)."""
+        if self.forced is None:
+            return [], ""
+        text = "".join(self._held)
+        calls = forced_tool_calls(text, self.forced)
+        if calls is None:
+            return [], text
+        return self.take(calls), ""
 
     def take(self, new: tuple[ToolCall, ...]) -> list[ToolCall]:
         room = len(new) if self.limit is None else max(0, self.limit - len(self.calls))
@@ -85,6 +111,8 @@ class _Calls:
         return taken
 
     def finish_reason(self, reason: str | None) -> str | None:
+        if self.calls and self.forced not in (None, "required"):
+            return reason
         return "tool_calls" if self.calls and reason in ("stop", "length") else reason
 
 
@@ -110,8 +138,9 @@ def stream_chat(
             delta: dict[str, Any] = {}
             if output.reasoning and request.include_reasoning:
                 delta["reasoning_content"] = delta["reasoning"] = output.reasoning
-            if output.text or (output.logprobs and not delta):
-                delta["content"] = output.text
+            text = calls.hold(output.text)
+            if text or (output.logprobs and not delta):
+                delta["content"] = text
             if output.tool_calls:
                 start = len(calls.calls)
                 taken = calls.take(output.tool_calls)
@@ -123,6 +152,12 @@ def stream_chat(
                 logprobs = chat_logprobs(output.logprobs, top_n) if output.logprobs else None
                 yield sse(_chunk(ctx, [_choice(delta, logprobs)], usage_now()))
             if output.finish_reason is not None:
+                forced, held = calls.release()
+                if forced:
+                    delta = {"tool_calls": [_tool_call(call, i) for i, call in enumerate(forced)]}
+                    yield sse(_chunk(ctx, [_choice(delta)], usage_now()))
+                elif held:
+                    yield sse(_chunk(ctx, [_choice({"content": held})], usage_now()))
                 reason = calls.finish_reason(output.finish_reason)
                 choice = _choice({}, None, reason, output.stop_reason)
                 finish = _chunk(ctx, [choice], usage_now())
@@ -145,10 +180,11 @@ async def collect_chat(
     calls = _Calls(request)
     entries: list[TokenLogprob] = []
     async for output in chain(first, outputs, tracker):
-        texts.append(output.text)
+        texts.append(calls.hold(output.text))
         reasoning.append(output.reasoning)
         calls.take(output.tool_calls)
         entries.extend(output.logprobs or ())
+    texts.append(calls.release()[1])
     logprobs = chat_logprobs(entries, request.top_logprobs or 0) if request.logprobs else None
     content: str | None = "".join(texts)
     message: dict[str, Any] = {"role": "assistant", "content": content}

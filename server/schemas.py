@@ -9,6 +9,7 @@ Checks that span several fields live in each request's `validate` method.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -16,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from server.errors import APIError
-from stages.api import ChatPrompt, SamplingParams, TextPrompt, TokensPrompt
+from stages.api import ChatPrompt, SamplingParams, StructuredOutput, TextPrompt, TokensPrompt
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -66,6 +67,34 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     request_id: str | None = None
     priority: int = 0
     prompt_logprobs: LogprobCount | None = None  # vLLM: top-k logprobs of every prompt token
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (one of them per request)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """The one shape the output must take, if any was asked for (APIError when the fields
+        are malformed or more than one is set)."""
+        found = [
+            spec
+            for spec in (
+                _response_format(self.response_format),
+                _structured_outputs(self.structured_outputs),
+                _guided(self),
+            )
+            if spec is not None
+        ]
+        if len(found) > 1:
+            raise APIError(
+                "only one kind of structured output may be asked for "
+                f"(found {', '.join(spec.param for spec in found)})",
+                param=found[1].param,
+            )
+        return found[0] if found else None
 
     def _validate_common(self, max_tokens: int | None, vocab_size: int) -> None:
         if self.n != 1:
@@ -116,6 +145,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            structured=self.structured(),
         )
 
     @property
@@ -137,7 +167,6 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: LogprobCount | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # False: only the first call the model writes
@@ -160,12 +189,6 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             _check_message(index, message)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(
-                f"response_format type {self.response_format.get('type')!r} is not supported; "
-                "only 'text' is",
-                param="response_format",
-            )
         if self.add_generation_prompt and self.continue_final_message:
             raise APIError(
                 "add_generation_prompt and continue_final_message cannot both be true",
@@ -177,6 +200,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
                 param="continue_final_message",
             )
         self._validate_tools()
+        self.structured()  # after the tools: a forced tool_choice reads them
 
     def _validate_tools(self) -> None:
         for index, tool in enumerate(self.tools or ()):
@@ -192,21 +216,82 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
                 )
         if self.tool_choice not in (None, "none") and not self.tools:
             raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
-        if self.tool_choice is None or self.tool_choice in ("none", "auto"):
+        if self.tool_choice is None or self.tool_choice in ("none", "auto", "required"):
             return
-        # "required" and a named function force the output's shape, which needs guided decoding.
-        raise APIError(
-            f"tool_choice {self.tool_choice!r} is not supported (it needs guided decoding); "
-            "use 'auto' or 'none'",
-            param="tool_choice",
-        )
+        if isinstance(self.tool_choice, str):
+            raise APIError(
+                f"tool_choice must be 'none', 'auto', 'required' or a named function, got "
+                f"{self.tool_choice!r}",
+                param="tool_choice",
+            )
+        function = self.tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if self.tool_choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(
+                "a named tool_choice must be {'type': 'function', 'function': {'name': ...}}",
+                param="tool_choice",
+            )
+
+    def _tool(self, name: str) -> dict[str, Any] | None:
+        for tool in self.tools or ():
+            if tool["function"]["name"] == name:
+                return tool["function"]
+        return None
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function the model must call (tool_choice names one), "required" (it must call
+        at least one), or None; the output is then JSON that the server turns into tool_calls."""
+        if self.tool_choice == "required" and self.tools:
+            return "required"
+        if isinstance(self.tool_choice, dict):
+            return str(self.tool_choice["function"]["name"])
+        return None
+
+    def structured(self) -> StructuredOutput | None:
+        forced = self.forced_tool
+        if forced is None:
+            return super().structured()
+        if super().structured() is not None:
+            raise APIError(
+                "a forced tool_choice cannot be combined with another structured output",
+                param="tool_choice",
+            )
+        if forced == "required":
+            # vLLM's shape: a JSON list of {"name", "parameters"}, one entry per call
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [t["function"]["name"]]},
+                        "parameters": _parameters_schema(t["function"]),
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for t in self.tools or ()
+            ]
+            schema: dict[str, Any] = {
+                "type": "array",
+                "minItems": 1,
+                "items": {"anyOf": calls},
+            }
+        else:
+            function = self._tool(forced)
+            if function is None:
+                raise APIError(
+                    f"tool_choice names {forced!r}, which is not among the tools",
+                    param="tool_choice",
+                )
+            schema = _parameters_schema(function)
+        return StructuredOutput("json", json.dumps(schema), param="tool_choice")
 
     def tool_call_parser(self, parser: str | None, enable_auto_tool_choice: bool) -> str | None:
         """The tool-call parser this request's output goes through (None: tools are not parsed).
 
         As in vLLM, tools with tool_choice "auto" (the default once tools are given) need the
         server started with --enable-auto-tool-choice and a --tool-call-parser."""
-        if not self.tools or self.tool_choice == "none":
+        if not self.tools or self.tool_choice == "none" or self.forced_tool is not None:
             return None
         if not enable_auto_tool_choice or parser is None:
             raise APIError(
@@ -243,6 +328,7 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
 
     def validate(self, vocab_size: int) -> None:
         self._validate_common(self.max_tokens, vocab_size)
+        self.structured()
         if isinstance(self.prompt, str):
             if not self.prompt:
                 raise APIError("prompt must not be empty", param="prompt")
@@ -368,3 +454,94 @@ def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
     if isinstance(content, list):
         return {**message, "content": "\n".join(part["text"] for part in content)}
     return message
+
+
+def _parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
+    parameters = function.get("parameters")
+    return parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}
+
+
+def _schema_text(value: Any, param: str) -> str:
+    """A JSON schema given as an object or as JSON text, as JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise APIError(f"{param} is not valid JSON: {error}", param=param) from error
+    if not isinstance(value, (dict, bool)):
+        raise APIError(f"{param} must be a JSON schema object", param=param)
+    return json.dumps(value)
+
+
+def _response_format(body: dict[str, Any] | None) -> StructuredOutput | None:
+    if body is None:
+        return None
+    kind = body.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object", param="response_format")
+    if kind == "json_schema":
+        spec = body.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise APIError(
+                "response_format of type json_schema needs json_schema.schema",
+                param="response_format.json_schema",
+            )
+        param = "response_format.json_schema.schema"
+        return StructuredOutput("json", _schema_text(spec["schema"], param), param=param)
+    raise APIError(
+        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        param="response_format.type",
+    )
+
+
+def _structured_outputs(body: dict[str, Any] | None) -> StructuredOutput | None:
+    """vLLM's `structured_outputs`: {json | regex | choice | grammar | json_object}."""
+    if body is None:
+        return None
+    given = [
+        key
+        for key in ("json", "regex", "choice", "grammar", "json_object")
+        if body.get(key) not in (None, False)
+    ]
+    if len(given) != 1:
+        raise APIError(
+            "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+            param="structured_outputs",
+        )
+    key = given[0]
+    return _spec(key, body[key], f"structured_outputs.{key}")
+
+
+def _guided(request: _GenerationRequest) -> StructuredOutput | None:
+    given = [
+        (key, value)
+        for key, value in (
+            ("json", request.guided_json),
+            ("regex", request.guided_regex),
+            ("choice", request.guided_choice),
+            ("grammar", request.guided_grammar),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise APIError(
+            "only one of guided_json, guided_regex, guided_choice, guided_grammar may be set",
+            param=f"guided_{given[1][0]}",
+        )
+    return _spec(given[0][0], given[0][1], f"guided_{given[0][0]}") if given else None
+
+
+def _spec(kind: str, value: Any, param: str) -> StructuredOutput:
+    if kind == "json":
+        return StructuredOutput("json", _schema_text(value, param), param=param)
+    if kind == "json_object":
+        return StructuredOutput("json_object", param=param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise APIError(f"{param} must be a non-empty list of strings", param=param)
+        return StructuredOutput("choice", json.dumps(value), param=param)
+    if not isinstance(value, str) or not value:
+        raise APIError(f"{param} must be a non-empty string", param=param)
+    return StructuredOutput(kind, value, param=param)

@@ -17,6 +17,15 @@ import msgspec
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A shape the output must take (stages.structured compiles it)."""
+
+    kind: str  # json | json_object | regex | choice | grammar
+    value: str = ""  # the JSON schema (as JSON text), regex, choices (a JSON list) or grammar
+    param: str = "response_format"  # the request field it came from, named by errors
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling and stopping, with vLLM's meanings and defaults."""
 
@@ -39,6 +48,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
+    structured: StructuredOutput | None = None  # guided decoding: the output follows a grammar
 
 
 @dataclass(frozen=True, slots=True)

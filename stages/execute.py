@@ -72,6 +72,7 @@ class ExecuteActor(SyncActor):
             )
         self.params: dict[int, RequestParams] = {}
         self.last_token: dict[int, int] = {}
+        self.grammars = _grammar_matchers(config.model_path)
 
     def run(self) -> None:
         inbox, outbox, trace = self.ctx.inbox["plan"], self.ctx.outbox["results"], self.ctx.trace
@@ -96,9 +97,12 @@ class ExecuteActor(SyncActor):
                 cpu_ns=time.process_time_ns() - cpu,
             )
             sampled = output.token_ids
+            grammars = self.grammars if len(self.grammars) else None
             for handle, token in zip(handles.tolist(), sampled.tolist(), strict=True):
                 if token >= 0:
                     self.last_token[handle] = token
+                    if grammars is not None:
+                        grammars.consume(handle, token)
             top_k = output.top_ids.shape[1]
             prompt_rows = _prompt_rows(handles, output)
             outbox.send(
@@ -137,11 +141,13 @@ class ExecuteActor(SyncActor):
         for handle in message["free_handles"].tolist():
             self.params.pop(handle, None)
             self.last_token.pop(handle, None)
+            self.grammars.drop(handle)
         if len(message["free_handles"]):
             self.runner.free(message["free_handles"].copy())
         offsets = message["new_id_offsets"].tolist()
         ids, bias_values = message["new_ids"], message["new_bias_values"]
         bias_cursor = 0
+        grammar_offsets = message["new_grammar_offsets"].tolist()
         for i, handle in enumerate(message["new_handles"].tolist()):
             stop, bias, allowed = (
                 ids[offsets[3 * i + k] : offsets[3 * i + k + 1]].copy() for k in range(3)
@@ -151,6 +157,9 @@ class ExecuteActor(SyncActor):
             self.params[handle] = RequestParams(
                 message["new_sampling"][i].copy(), stop, bias, values, allowed
             )
+            start, end = grammar_offsets[i], grammar_offsets[i + 1]
+            if end > start:
+                self.grammars.add(handle, message["new_grammars"][start:end].tobytes().decode())
         seqs = message["seqs"].copy()
         handles = seqs["handle"].astype(np.int64)
         input_ids = message["input_ids"].astype(np.int64)
@@ -177,6 +186,9 @@ class ExecuteActor(SyncActor):
             allowed_token_ids=_padded([p.allowed_ids for p in params], np.int32, -1),
             bad_token_ids=np.full((count, 0), -1, np.int32),
             stop_token_ids=_padded([p.stop_ids for p in params], np.int32, -1),
+            token_bitmask=self.grammars.masks(handles.tolist(), seqs["sample"].tolist())
+            if len(self.grammars)
+            else np.zeros((count, 0), np.int32),
         )
         query_start_loc = np.append(
             seqs["query_start"], seqs["query_start"][-1] + seqs["query_len"][-1]
@@ -195,6 +207,17 @@ class ExecuteActor(SyncActor):
             prompt_logprobs=rows["prompt_logprobs"],
         )
         return batch, step_id, handles
+
+
+def _grammar_matchers(model_path: str):  # type: ignore[no-untyped-def]
+    """The matchers of structured-output requests, over the model's vocabulary."""
+    from gpu.config import load_model_config
+    from gpu.tokenizer import load_tokenizer
+    from stages.structured import GrammarMatchers
+
+    bundle = load_tokenizer(model_path)
+    vocab_size = max(load_model_config(model_path).vocab_size, bundle.vocab_size)
+    return GrammarMatchers(bundle.tokenizer.to_str(), vocab_size, bundle.eos_token_ids)
 
 
 def _prompt_rows(handles: np.ndarray, output) -> np.ndarray:  # type: ignore[no-untyped-def]

@@ -69,6 +69,7 @@ PROMPT = Record(
     ("bias_values", np.float32),
     ("allowed_ids", np.int32),
     ("detok", np.uint8),  # msgpack of DetokParams, forwarded to detokenize untouched
+    ("grammar", np.uint8),  # UTF-8 llguidance grammar (stages.structured); empty: unconstrained
 )
 PROMPTS = Vocabulary("prompts", [PROMPT, ABORT])
 
@@ -96,6 +97,8 @@ STEP = Record(
     ("new_id_offsets", np.int32),  # [N * 3 + 1]: stop, bias, allowed id lists per new request
     ("new_ids", np.int32),
     ("new_bias_values", np.float32),  # aligned with the bias id lists
+    ("new_grammar_offsets", np.int32),  # [N + 1]: each new request's grammar in new_grammars
+    ("new_grammars", np.uint8),  # UTF-8 llguidance grammars; empty: unconstrained
     ("free_handles", np.int64),  # requests execute may forget
 )
 PLAN = Vocabulary("plan", [STEP])

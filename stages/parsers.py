@@ -125,6 +125,23 @@ def _call_from(value: Any) -> ToolCall | None:
     return ToolCall(new_tool_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+def forced_tool_calls(text: str, forced: str) -> tuple[ToolCall, ...] | None:
+    """The calls in the output of a request whose tool_choice forced them (its grammar made the
+    text JSON): `forced` names the function, whose arguments are the text, or is "required", for
+    a JSON list of {"name", "parameters"}. None when the text is not that (cut short by
+    max_tokens, say): it then stays content."""
+    if forced != "required":
+        return (ToolCall(new_tool_call_id(), forced, text),)
+    try:
+        values = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(values, list) or not values:
+        return None
+    calls = [_call_from(value) for value in values]
+    return None if any(call is None for call in calls) else tuple(c for c in calls if c)
+
+
 def _json_values(text: str, separators: str = "") -> list[Any] | None:
     """Every JSON value in text, back to back (whitespace or `separators` between); None if any
     part of the text is not JSON."""

@@ -13,10 +13,11 @@ from gpu.tokenizer import TokenizerBundle, load_tokenizer
 from pipeline.actor import AsyncActor
 from pipeline.clock import now_ns
 from stages import messages as m
-from stages.api import EngineError
+from stages.api import EngineError, StructuredOutput
 from stages.chat import render_chat
 from stages.config import EngineConfig
 from stages.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, prompt_opens_reasoning
+from stages.structured import compile_grammar
 from stages.wire import (
     DetokParams,
     WireChat,
@@ -148,6 +149,10 @@ class RenderActor(AsyncActor):
         for token in (*bias, *(s.allowed_token_ids or ()), *s.stop_token_ids):
             if not 0 <= token < self.bundle.vocab_size:
                 raise EngineError(f"token id {token} is out of vocabulary", param="logit_bias")
+        grammar = ""
+        if s.structured is not None:
+            spec = s.structured
+            grammar = compile_grammar(StructuredOutput(spec.kind, spec.value, spec.param))
         row = np.zeros(1, m.REQUEST_ROW)
         row[0] = (
             handle,
@@ -194,4 +199,5 @@ class RenderActor(AsyncActor):
             "bias_values": np.fromiter(bias.values(), np.float32, len(bias)),
             "allowed_ids": np.asarray(s.allowed_token_ids or [], np.int32),
             "detok": np.frombuffer(encoder.encode(detok), np.uint8),
+            "grammar": np.frombuffer(grammar.encode(), np.uint8),
         }

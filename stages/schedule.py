@@ -266,6 +266,7 @@ def _sequence(message: Message) -> Sequence:
         bias_values=message["bias_values"].copy(),
         allowed_ids=message["allowed_ids"].copy(),
         detok=message["detok"].tobytes(),
+        grammar=message["grammar"].tobytes(),
         render_start_ns=int(request["render_start_ns"]),
         rendered_ns=int(request["rendered_ns"]),
     )
@@ -338,5 +339,7 @@ def _plan_arrays(step: Step, block_size: int) -> dict[str, np.ndarray]:
         "new_bias_values": np.concatenate([s.bias_values for s in new])
         if new
         else np.zeros(0, np.float32),
+        "new_grammar_offsets": np.cumsum([0, *(len(s.grammar) for s in new)], dtype=np.int32),
+        "new_grammars": np.frombuffer(b"".join(s.grammar for s in new), np.uint8),
         "free_handles": np.array(step.free_handles, np.int64),
     }

@@ -79,6 +79,7 @@ class Sequence:
     bias_values: np.ndarray
     allowed_ids: np.ndarray
     detok: bytes
+    grammar: bytes = b""  # llguidance grammar for execute; empty: unconstrained
     render_start_ns: int = 0
     rendered_ns: int = 0
     scheduled_ns: int = 0  # first scheduled

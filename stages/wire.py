@@ -50,6 +50,13 @@ class WireSampling(msgspec.Struct):
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured: WireStructured | None = None
+
+
+class WireStructured(msgspec.Struct):
+    kind: str
+    value: str = ""
+    param: str = "response_format"
 
 
 class WireRequest(msgspec.Struct):
@@ -155,6 +162,9 @@ def encode_request(request: api.GenerateRequest) -> bytes:
         prompt_logprobs=s.prompt_logprobs,
         logit_bias=dict(s.logit_bias) if s.logit_bias else None,
         allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
+        structured=WireStructured(s.structured.kind, s.structured.value, s.structured.param)
+        if s.structured is not None
+        else None,
     )
     return msgspec.msgpack.encode(
         WireRequest(

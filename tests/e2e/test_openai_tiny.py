@@ -203,6 +203,125 @@ def test_bad_requests_get_openai_errors_and_the_next_request_succeeds(client):
         chat(client, content="word " * 400, max_tokens=2)
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_response_format_json_schema_streamed_and_not(client):
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["answer", "n"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    for seed in (1, 2):
+        response = chat(
+            client, max_tokens=40, temperature=1, seed=seed, response_format=response_format
+        )
+        value = json.loads(response.choices[0].message.content)
+        assert value["answer"] in ("yes", "no") and isinstance(value["n"], int)
+        assert response.choices[0].finish_reason == "stop"
+        stream = chat(
+            client,
+            max_tokens=40,
+            temperature=1,
+            seed=seed,
+            response_format=response_format,
+            stream=True,
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == response.choices[0].message.content  # same seed, same JSON
+    reply = chat(client, max_tokens=30, temperature=0, response_format={"type": "json_object"})
+    assert reply.choices[0].message.content.startswith("{")
+    guided = chat(client, max_tokens=8, extra_body={"guided_choice": ["left", "right"]})
+    assert guided.choices[0].message.content in ("left", "right")
+    regex = chat(client, max_tokens=8, extra_body={"structured_outputs": {"regex": "[a-c]{3}"}})
+    assert len(regex.choices[0].message.content) == 3
+
+
+def test_forced_tool_choice_named_and_required(client):
+    named = chat(
+        client,
+        max_tokens=30,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    message = named.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.function.name == "get_time"
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    assert named.choices[0].finish_reason == "stop"  # as OpenAI answers a forced function
+
+    required = chat(
+        client, max_tokens=60, temperature=0, tools=[WEATHER, TIME], tool_choice="required"
+    )
+    calls = required.choices[0].message.tool_calls
+    assert calls and required.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        assert call.function.name in ("get_weather", "get_time")
+        assert set(json.loads(call.function.arguments)) <= {"city", "zone"}
+
+    stream = chat(
+        client,
+        max_tokens=30,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stream=True,
+        seed=3,
+    )
+    chunks = [c for c in stream if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    assert not any(d.content for d in deltas)  # the JSON goes out as the call, not as content
+    streamed = [tc for d in deltas for tc in d.tool_calls or ()]
+    assert len(streamed) == 1 and streamed[0].function.name == "get_weather"
+    assert json.loads(streamed[0].function.arguments)["city"] in ("Paris", "Oslo")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_structured_output_errors(client):
+    cases = [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        {"response_format": {"type": "yaml"}},
+        {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}},
+        {"extra_body": {"guided_regex": "[0-9"}},  # compiled by render: its 400
+        {"extra_body": {"guided_json": {"type": "nonsense"}}},
+        {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}},
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        {"tools": [WEATHER], "tool_choice": {"type": "function"}},
+        {"tool_choice": "required"},  # no tools
+    ]
+    for kwargs in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, max_tokens=4, **kwargs)
+        assert info.value.body["message"]
+        ok = chat(client, max_tokens=2, extra_body={"ignore_eos": True})
+        assert ok.usage.completion_tokens == 2
+
+
 def test_sigterm_stops_every_process_and_leaves_no_names(server):
     port, process = server
     assert http_get(port, "/health")[0] == 200

@@ -47,8 +47,30 @@ BAD_REQUESTS = [
     (CHAT, chat(stop=[""]), 400, "stop"),
     (CHAT, chat(stop=7), 400, "stop"),
     (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
-    (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    (CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
+    (CHAT, chat(response_format={"type": "json_schema"}), 400, "response_format.json_schema"),
+    (
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": "{x"}}),
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (CHAT, chat(guided_choice=[]), 400, "guided_choice"),
+    (CHAT, chat(guided_regex="a", guided_choice=["b"]), 400, "guided_choice"),
+    (CHAT, chat(structured_outputs={}), 400, "structured_outputs"),
+    (
+        COMPLETIONS,
+        {"model": "fake-model", "prompt": "x", "structured_outputs": {"grammar": ""}},
+        400,
+        "structured_outputs.grammar",
+    ),
+    (CHAT, chat(tool_choice="required"), 400, "tool_choice"),  # no tools
+    (
+        CHAT,
+        chat(tool_choice="sometimes", tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tool_choice",
+    ),
     (CHAT, chat(tool_choice="auto"), 400, "tool_choice"),  # no tools
     # tools with "auto" need --enable-auto-tool-choice and a --tool-call-parser (as in vLLM)
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool_choice"),
@@ -56,7 +78,17 @@ BAD_REQUESTS = [
         CHAT,
         chat(
             tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice",
+    ),
+    (
+        CHAT,
+        chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
             tool_choice={"type": "function", "function": {"name": "f"}},
+            response_format={"type": "json_object"},
         ),
         400,
         "tool_choice",

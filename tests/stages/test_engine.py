@@ -276,3 +276,45 @@ def test_a_dead_stage_fails_its_requests_and_the_pipeline_comes_back(tiny_chat_m
     finally:
         runner.run(engine.stop())
         runner.close()
+
+
+def test_structured_outputs_hold_through_the_pipeline(engine_loop):
+    """The random model writes what its grammar allows, beside unconstrained requests."""
+    import json
+
+    from stages.api import StructuredOutput
+
+    engine, loop = engine_loop
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "blue"]}, "n": {"enum": [1, 22]}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
+    specs = [
+        StructuredOutput("json", json.dumps(schema)),
+        StructuredOutput("regex", "[0-9]{4}"),
+        StructuredOutput("choice", json.dumps(["yes", "no"])),
+    ]
+
+    async def together():
+        requests = [
+            request(rid=f"s{i}", temperature=1.0, seed=i, max_tokens=60, structured=spec)
+            for i, spec in enumerate(specs)
+        ]
+        requests.append(request(rid="free", temperature=0, max_tokens=8, ignore_eos=True))
+        return await asyncio.gather(*(collect(engine, r) for r in requests))
+
+    constrained_json, digits, choice, free = loop.run(together())
+    texts = ["".join(o.text for o in outs) for outs in (constrained_json, digits, choice)]
+    assert json.loads(texts[0]) in [{"color": c, "n": n} for c in ("red", "blue") for n in (1, 22)]
+    assert texts[1].isdigit() and len(texts[1]) == 4
+    assert texts[2] in ("yes", "no")
+    for outs in (constrained_json, digits, choice):
+        assert outs[-1].finish_reason == "stop"  # EOS, once the grammar was complete
+    assert free[-1].num_output_tokens == 8
+    with pytest.raises(EngineError) as info:
+        loop.run(
+            collect(engine, request(structured=StructuredOutput("regex", "[", "guided_regex")))
+        )
+    assert info.value.status == 400 and info.value.param == "guided_regex"

@@ -1,0 +1,142 @@
+"""Structured outputs: the grammar a request's output must follow, and the token masks that hold
+the sampler to it. Torch-free.
+
+The server turns OpenAI's `response_format`, vLLM's `structured_outputs` (and its older
+`guided_*` fields) and a forced `tool_choice` into a `StructuredOutput` (stages.api). Render
+compiles it to an llguidance grammar, so a schema or regex that cannot be compiled is the client's
+400 before anything is scheduled. Execute keeps one matcher per constrained request: before a step
+it writes the mask of the tokens each constrained row may sample next, and after it feeds the
+matcher the token that was sampled. llguidance is what llama.cpp, vLLM and TensorRT-LLM use for
+this; its masks take tens of microseconds per row.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import llguidance
+import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark
+
+from stages.api import EngineError, StructuredOutput
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the type stubs only
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON on one line with the separators json.dumps writes: free whitespace lets a small model
+# pad its output with newlines until max_tokens (the reason vLLM grew --disable-any-whitespace).
+_JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+def compile_grammar(spec: StructuredOutput) -> str:
+    """The llguidance grammar for a request's structured output; EngineError (400) when the schema,
+    regex, choices or grammar cannot be compiled."""
+    param = spec.param
+    try:
+        grammar = _grammar(spec)
+    except (ValueError, TypeError) as error:
+        raise EngineError(
+            f"invalid {spec.kind} for structured output: {error}", param=param
+        ) from error
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise EngineError(f"invalid {spec.kind} for structured output: {problem}", param=param)
+    return grammar
+
+
+def _grammar(spec: StructuredOutput) -> str:
+    kind, value = spec.kind, spec.value
+    if kind == "json":
+        schema = json.loads(value)
+        if schema is True:
+            schema = {}  # the schema every JSON value satisfies
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, _JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, _JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        choices = json.loads(value)
+        if (
+            not isinstance(choices, list)
+            or not choices
+            or not all(isinstance(c, str) for c in choices)
+        ):
+            raise ValueError("choices must be a non-empty list of strings")
+        # A Lark rule of string literals: JSON's string escapes are Lark's.
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        )
+    if kind == "grammar":
+        # Lark, as llguidance takes it; GBNF (llama.cpp's grammars) is converted.
+        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(value))
+    raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+class GrammarMatchers:
+    """Execute's matchers, one per constrained request, and the masks they write for a step.
+
+    `tokenizer_json` is the model's `tokenizers` JSON; `vocab_size` the width of the logits (which
+    may exceed the tokenizer's); `eos_ids` the tokens that end a request, the only ones a finished
+    grammar allows.
+    """
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids)
+        )
+        self.vocab_size = vocab_size
+        self.width = (vocab_size + 31) // 32  # int32 words per mask row
+        self._eos_ids = list(eos_ids)
+        self._matchers: dict[int, llguidance.LLMatcher] = {}
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def __contains__(self, handle: int) -> bool:
+        return handle in self._matchers
+
+    def add(self, handle: int, grammar: str) -> None:
+        self._matchers[handle] = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+
+    def drop(self, handle: int) -> None:
+        self._matchers.pop(handle, None)
+
+    def consume(self, handle: int, token: int) -> None:
+        """The token sampled for the request (a constrained one; others are ignored)."""
+        matcher = self._matchers.get(handle)
+        if matcher is not None and not matcher.is_error():
+            matcher.consume_token(token)
+
+    def masks(self, handles: Sequence[int], sampling: Sequence[bool]) -> np.ndarray:
+        """[rows, width] int32 bit masks (bit t of row r: token t allowed); every bit set for
+        rows without a grammar or not sampling; shape [rows, 0] when no row is constrained."""
+        rows = [
+            (row, self._matchers[handle])
+            for row, (handle, samples) in enumerate(zip(handles, sampling, strict=True))
+            if samples and handle in self._matchers
+        ]
+        if not rows:
+            return np.zeros((len(handles), 0), np.int32)
+        out = np.full((len(handles), self.width), -1, np.int32)
+        for row, matcher in rows:
+            if matcher.is_error():
+                # A matcher that failed (it should not: every token it allowed was sampled)
+                # ends the request rather than letting it run unconstrained.
+                words = out.view(np.uint32)[row]
+                words[:] = 0
+                for eos in self._eos_ids:
+                    words[eos // 32] |= np.uint32(1 << (eos % 32))
+                continue
+            view = out[row]
+            matcher.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+        return out

@@ -1,0 +1,137 @@
+"""Structured outputs: grammars compiled from each kind of spec, the masks execute writes, and
+the sampler held to them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.sampler import SamplingArrays, TokenHistory, sample
+from gpu.tokenizer import load_tokenizer
+from stages.api import EngineError, StructuredOutput
+from stages.structured import GrammarMatchers, compile_grammar
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_chat_model):
+    return load_tokenizer(tiny_chat_model)
+
+
+@pytest.fixture()
+def matchers(bundle):
+    return GrammarMatchers(bundle.tokenizer.to_str(), bundle.vocab_size, bundle.eos_token_ids)
+
+
+def allowed(mask_row: np.ndarray, vocab_size: int) -> set[int]:
+    bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")[:vocab_size]
+    return set(np.flatnonzero(bits).tolist())
+
+
+def follow(matchers, bundle, handle: int, pick) -> str:
+    """Walks the grammar to its end, taking `pick(allowed ids)` each step; the text written."""
+    ids = []
+    for _ in range(64):
+        mask = matchers.masks([handle], [True])
+        choices = allowed(mask[0], bundle.vocab_size)
+        assert choices, "a live grammar always allows some token"
+        token = pick(sorted(choices))
+        if token in bundle.eos_token_ids:
+            return bundle.decode(ids)
+        matchers.consume(handle, token)
+        ids.append(token)
+    raise AssertionError("the grammar never let the request end")
+
+
+@pytest.mark.parametrize(
+    ("spec", "check"),
+    [
+        (
+            StructuredOutput(
+                "json",
+                json.dumps(
+                    {
+                        "type": "object",
+                        "properties": {"color": {"enum": ["red", "blue"]}},
+                        "required": ["color"],
+                        "additionalProperties": False,
+                    }
+                ),
+            ),
+            lambda text: json.loads(text)["color"] in ("red", "blue"),
+        ),
+        (StructuredOutput("regex", "[0-9]{3}"), lambda text: text.isdigit() and len(text) == 3),
+        (
+            StructuredOutput("choice", json.dumps(["yes", "no", "héllo"])),
+            lambda text: text in ("yes", "no", "héllo"),
+        ),
+        (
+            StructuredOutput("grammar", 'root ::= "a" ("b" | "c")'),  # GBNF, converted
+            lambda text: text in ("ab", "ac"),
+        ),
+        (
+            StructuredOutput("grammar", 'start: "x" ("y" | "w") "z"'),  # Lark
+            lambda text: text in ("xyz", "xwz"),
+        ),
+    ],
+)
+def test_any_path_through_the_masks_writes_a_valid_output(spec, check, matchers, bundle):
+    grammar = compile_grammar(spec)
+    for handle, pick in enumerate((min, max, lambda ids: ids[len(ids) // 2])):
+        matchers.add(handle, grammar)
+        text = follow(matchers, bundle, handle, pick)
+        assert check(text), text
+        matchers.drop(handle)
+    assert len(matchers) == 0
+
+
+def test_json_object_allows_only_an_object(matchers, bundle):
+    matchers.add(1, compile_grammar(StructuredOutput("json_object")))
+    first = allowed(matchers.masks([1], [True])[0], bundle.vocab_size)
+    assert first and all(bundle.decode([t]).startswith("{") for t in first)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput("json", "{not json", param="guided_json"),
+        StructuredOutput("json", json.dumps({"type": "nonsense"})),
+        StructuredOutput("regex", "[0-9", param="structured_outputs.regex"),
+        StructuredOutput("choice", json.dumps([])),
+        StructuredOutput("grammar", "start: undefined_rule"),
+        StructuredOutput("xml", "<a/>"),
+    ],
+)
+def test_what_cannot_be_compiled_is_a_400_naming_its_field(spec):
+    with pytest.raises(EngineError) as info:
+        compile_grammar(spec)
+    assert info.value.status == 400 and info.value.param == spec.param
+
+
+def test_rows_without_a_grammar_or_not_sampling_allow_everything(matchers, bundle):
+    assert matchers.masks([1, 2], [True, True]).shape == (2, 0)  # nobody constrained: no masks
+    matchers.add(2, compile_grammar(StructuredOutput("regex", "a")))
+    masks = matchers.masks([1, 2, 2], [True, True, False])
+    assert masks.shape == (3, (bundle.vocab_size + 31) // 32)
+    assert (masks[0] == -1).all() and (masks[2] == -1).all()
+    assert len(allowed(masks[1], bundle.vocab_size)) < bundle.vocab_size
+
+
+def test_the_sampler_only_samples_allowed_tokens():
+    vocab = 70
+    words = np.zeros((2, 3), np.int32)
+    words.view(np.uint32)[0, 2] = 1 << (65 - 64)  # row 0: only token 65
+    words[1] = -1  # row 1: unconstrained
+    logits = torch.zeros(2, vocab)
+    logits[:, 3] = 10.0  # the favourite everywhere
+    params = SamplingArrays.defaults(2, token_bitmask=words)
+    history = [TokenHistory.of([1], [])] * 2
+    out = sample(logits, params, history)
+    assert out.token_ids.tolist() == [65, 3]
+    random = SamplingArrays.defaults(
+        2, token_bitmask=words, temperature=np.ones(2, np.float32), seed=np.array([1, 2])
+    )
+    for _ in range(5):
+        assert sample(logits, random, history).token_ids[0].item() == 65
