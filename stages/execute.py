@@ -7,6 +7,7 @@ a plan made one step ahead names that token -1, and it is filled in here.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,6 +15,9 @@ from pipeline.actor import SyncActor
 from pipeline.clock import now_ns
 from stages import messages as m
 from stages.config import EngineConfig, num_kv_blocks
+
+if TYPE_CHECKING:
+    from stages.structured import GrammarMatchers
 
 
 class RequestParams:
@@ -72,7 +76,9 @@ class ExecuteActor(SyncActor):
             )
         self.params: dict[int, RequestParams] = {}
         self.last_token: dict[int, int] = {}
-        self.grammars = _grammar_matchers(config.model_path)
+        # Built at the first structured-output request (~0.5 s once): a server that never gets
+        # one carries no llguidance tokenizer.
+        self.grammars: GrammarMatchers | None = None
 
     def run(self) -> None:
         inbox, outbox, trace = self.ctx.inbox["plan"], self.ctx.outbox["results"], self.ctx.trace
@@ -97,7 +103,7 @@ class ExecuteActor(SyncActor):
                 cpu_ns=time.process_time_ns() - cpu,
             )
             sampled = output.token_ids
-            grammars = self.grammars if len(self.grammars) else None
+            grammars = self.grammars if self.grammars is not None and len(self.grammars) else None
             for handle, token in zip(handles.tolist(), sampled.tolist(), strict=True):
                 if token >= 0:
                     self.last_token[handle] = token
@@ -141,7 +147,8 @@ class ExecuteActor(SyncActor):
         for handle in message["free_handles"].tolist():
             self.params.pop(handle, None)
             self.last_token.pop(handle, None)
-            self.grammars.drop(handle)
+            if self.grammars is not None:
+                self.grammars.drop(handle)
         if len(message["free_handles"]):
             self.runner.free(message["free_handles"].copy())
         offsets = message["new_id_offsets"].tolist()
@@ -159,6 +166,8 @@ class ExecuteActor(SyncActor):
             )
             start, end = grammar_offsets[i], grammar_offsets[i + 1]
             if end > start:
+                if self.grammars is None:
+                    self.grammars = _grammar_matchers(self.ctx.config.model_path)
                 self.grammars.add(handle, message["new_grammars"][start:end].tobytes().decode())
         seqs = message["seqs"].copy()
         handles = seqs["handle"].astype(np.int64)
@@ -187,7 +196,7 @@ class ExecuteActor(SyncActor):
             bad_token_ids=np.full((count, 0), -1, np.int32),
             stop_token_ids=_padded([p.stop_ids for p in params], np.int32, -1),
             token_bitmask=self.grammars.masks(handles.tolist(), seqs["sample"].tolist())
-            if len(self.grammars)
+            if self.grammars is not None and len(self.grammars)
             else np.zeros((count, 0), np.int32),
         )
         query_start_loc = np.append(
@@ -209,7 +218,7 @@ class ExecuteActor(SyncActor):
         return batch, step_id, handles
 
 
-def _grammar_matchers(model_path: str):  # type: ignore[no-untyped-def]
+def _grammar_matchers(model_path: str) -> GrammarMatchers:
     """The matchers of structured-output requests, over the model's vocabulary."""
     from gpu.config import load_model_config
     from gpu.tokenizer import load_tokenizer
