@@ -9,6 +9,7 @@ import numpy as np
 from perf.stats import percentiles_ms
 
 FORWARD_KIND = 4  # stages.messages.SPAN_FORWARD (perf/ does not import the stages)
+FRONT_END = "server"  # Engine.cpu_seconds' name for the process that drives the stages
 SPAN_NAMES = {1: "render", 2: "plan", 3: "result", 4: "forward", 5: "detokenize"}
 
 
@@ -39,18 +40,29 @@ def overhead_per_token(
     spans: dict[str, np.ndarray],
     tokens: int,
 ) -> dict[str, float]:
-    """CPU microseconds per generated token, all pipeline processes, outside the forward pass."""
+    """CPU microseconds per generated token outside the forward pass.
+
+    `overhead_us_per_token` is the pipeline's: the four stage processes (the forward pass taken
+    out of execute). `front_end_us_per_token` is the process that drives them (the HTTP server,
+    or pipeline-bench itself offline), and `total_us_per_token` both.
+    """
     used = {name: cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0) for name in cpu_after}
     forward_s = sum(
         float(s["cpu_ns"][s["kind"] == FORWARD_KIND].sum()) / 1e9 for s in spans.values() if len(s)
     )
     total = sum(used.values())
-    per_token = (total - forward_s) / tokens * 1e6 if tokens else 0.0
+    front_end = used.get(FRONT_END, 0.0)
+
+    def per_token(seconds: float) -> float:
+        return seconds / tokens * 1e6 if tokens else 0.0
+
     return {
         "tokens": tokens,
         "cpu_s_total": total,
         "cpu_s_forward": forward_s,
-        "overhead_us_per_token": per_token,
+        "overhead_us_per_token": per_token(total - front_end - forward_s),
+        "front_end_us_per_token": per_token(front_end),
+        "total_us_per_token": per_token(total - forward_s),
         **{f"cpu_s_{name}": value for name, value in used.items()},
     }
 
@@ -85,14 +97,15 @@ def format_stages(figures: dict[str, Any], overhead: dict[str, float]) -> str:
             f"{f['span_ms']['p99']:>7.2f}m {f['mean_batch']:>6.1f} {f['mean_depth']:>6.2f}"
         )
     lines.append(
-        f"pipeline CPU outside the forward pass: {overhead['overhead_us_per_token']:.1f} us per generated "
-        f"token ({overhead['tokens']} tokens, {overhead['cpu_s_total']:.2f} s CPU in all, "
-        f"{overhead['cpu_s_forward']:.2f} s in forward)"
+        f"pipeline CPU outside the forward pass: {overhead['overhead_us_per_token']:.1f} us per "
+        f"generated token in the stages, {overhead['front_end_us_per_token']:.1f} more in the front "
+        f"end, {overhead['total_us_per_token']:.1f} in all ({overhead['tokens']} tokens, "
+        f"{overhead['cpu_s_total']:.2f} s CPU, {overhead['cpu_s_forward']:.2f} s of it in forward)"
     )
     tokens = overhead["tokens"]
     if tokens:
-        # Where it goes, by process: the HTTP front end beside the stages. The forward pass is
-        # counted in the process that ran it (execute) and taken out of that one.
+        # By process; the forward pass is counted in the process that ran it (execute) and taken
+        # out of that one.
         shares = []
         for key, value in overhead.items():
             if not key.startswith("cpu_s_") or key in ("cpu_s_total", "cpu_s_forward"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from perf.cli import main
 from tests.stages.tiny import build_tiny_chat_model
 
@@ -45,6 +47,13 @@ def test_offline_dummy_reports_where_time_goes(tmp_path, capsys):
         assert (
             overhead["overhead_us_per_token"] > 0 and overhead["cpu_s_forward"] == 0
         )  # null model
+        # the stages and the process driving them add up to the whole
+        assert overhead["total_us_per_token"] == pytest.approx(
+            overhead["overhead_us_per_token"] + overhead["front_end_us_per_token"]
+        )
+        assert overhead["total_us_per_token"] == pytest.approx(
+            overhead["cpu_s_total"] / overhead["tokens"] * 1e6
+        )
     # Eight requests in flight share steps: the mean batch grows with concurrency.
     assert runs[1]["stages"]["execute"]["mean_batch"] > runs[0]["stages"]["execute"]["mean_batch"]
     assert (tmp_path / "charts" / "stages_gantt.png").stat().st_size > 1000
