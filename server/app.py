@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import secrets
 import time
 import uuid
@@ -26,19 +28,14 @@ from server.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from server.serving import ResponseContext, Tracker, close_outputs, start
-from stages.api import EngineClient, EngineError, GenerateRequest, RequestOutput
+from server.serving import Choice, ResponseContext, Tracker, close_choices, start
+from stages.api import EngineClient, EngineError, GenerateRequest
 
 log = structlog.get_logger("server")
 
 RequestT = TypeVar("RequestT", bound=msgspec.Struct)
-StreamBuilder = Callable[
-    [ResponseContext, RequestOutput, AsyncIterator[RequestOutput], Tracker], AsyncIterator[bytes]
-]
-Collector = Callable[
-    [ResponseContext, RequestOutput, AsyncIterator[RequestOutput], Tracker],
-    Awaitable[dict[str, Any]],
-]
+StreamBuilder = Callable[[ResponseContext, list[Choice]], AsyncIterator[bytes]]
+Collector = Callable[[ResponseContext, list[Choice]], Awaitable[dict[str, Any]]]
 
 
 def server_version() -> str:
@@ -90,6 +87,7 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
         generate_request: GenerateRequest,
         model: str,
         stream: bool,
+        n: int,
         stream_builder: StreamBuilder,
         collector: Collector,
     ) -> Response:
@@ -103,21 +101,44 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
             include_request_metrics=config.enable_per_request_metrics,
             reasoning=generate_request.reasoning_parser is not None,
         )
-        tracker = Tracker(metrics, generate_request.request_id, generate_request.arrival_ns)
-        first, outputs = await start(engine, generate_request)
+        choices = await start_choices(generate_request, n)
         if stream:
             return Response(
-                stream_builder(ctx, first, outputs, tracker),
+                stream_builder(ctx, choices),
                 content_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            return json_response(await collector(ctx, first, outputs, tracker))
+            return json_response(await collector(ctx, choices))
         except EngineError as error:
             raise APIError.from_engine(error) from error
         finally:
-            tracker.abandon()
-            await close_outputs(outputs)
+            await close_choices(choices)
+
+    async def start_choices(generate_request: GenerateRequest, n: int) -> list[Choice]:
+        """n engine requests, one per choice (as vLLM fans out n > 1); a seed gives choice i
+        seed + i, so the choices differ and the whole response still repeats."""
+        requests = [generate_request]
+        seed = generate_request.sampling.seed
+        for i in range(1, n):
+            sampling = dataclasses.replace(
+                generate_request.sampling, seed=None if seed is None else seed + i
+            )
+            requests.append(dataclasses.replace(generate_request, sampling=sampling))
+        trackers = [Tracker(metrics, r.request_id, r.arrival_ns) for r in requests]
+        started = await asyncio.gather(
+            *(start(engine, r) for r in requests), return_exceptions=True
+        )
+        choices = [
+            Choice(i, result[0], result[1], trackers[i])
+            for i, result in enumerate(started)
+            if not isinstance(result, BaseException)
+        ]
+        failed = [result for result in started if isinstance(result, BaseException)]
+        if failed:
+            await close_choices(choices)
+            raise failed[0]
+        return choices
 
     @app.before_request
     async def authorize() -> None:
@@ -180,8 +201,9 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
             generate_request,
             model,
             body.stream,
-            lambda ctx, first, outputs, tracker: stream_builder(ctx, body, first, outputs, tracker),
-            lambda ctx, first, outputs, tracker: collector(ctx, body, first, outputs, tracker),
+            body.n,
+            lambda ctx, choices: stream_builder(ctx, body, choices),
+            lambda ctx, choices: collector(ctx, body, choices),
         )
 
     @app.post("/v1/chat/completions")
@@ -204,8 +226,8 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
             CompletionRequest,
             "cmpl",
             lambda body: body.prompt_value(),
-            lambda ctx, body, *rest: stream_completion(ctx, engine, body, *rest),
-            lambda ctx, body, *rest: collect_completion(ctx, engine, body, *rest),
+            lambda ctx, body, choices: stream_completion(ctx, engine, body, choices),
+            lambda ctx, body, choices: collect_completion(ctx, engine, body, choices),
         )
 
     @app.get("/v1/models")

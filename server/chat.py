@@ -13,22 +13,23 @@ a request that called tools is "tool_calls".
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from server.logprobs import chat_logprobs, prompt_logprobs_body
 from server.schemas import ChatCompletionRequest
 from server.serving import (
+    Choice,
     ResponseContext,
-    Tracker,
-    chain,
     finish_event,
-    guarded_stream,
+    gather_choices,
     sse,
+    sse_stream,
+    total_usage,
     usage_body,
     usage_event,
 )
-from stages.api import RequestOutput, TokenLogprob, ToolCall
+from stages.api import TokenLogprob, ToolCall
 from stages.parsers import forced_tool_calls
 
 
@@ -49,13 +50,14 @@ def _chunk(
 
 
 def _choice(
+    index: int,
     delta: dict[str, Any],
     logprobs: dict[str, Any] | None = None,
     finish_reason: str | None = None,
     stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     return {
-        "index": 0,
+        "index": index,
         "delta": delta,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
@@ -117,22 +119,23 @@ class _Calls:
 
 
 def stream_chat(
-    ctx: ResponseContext,
-    request: ChatCompletionRequest,
-    first: RequestOutput,
-    outputs: AsyncIterator[RequestOutput],
-    tracker: Tracker,
+    ctx: ResponseContext, request: ChatCompletionRequest, choices: Sequence[Choice]
 ) -> AsyncGenerator[bytes, None]:
     top_n = request.top_logprobs or 0
-    calls = _Calls(request)
 
-    def usage_now() -> dict[str, int] | None:
-        return tracker.usage if request.continuous_usage else None
+    def usage() -> bytes:
+        return usage_event(_chunk(ctx, [], total_usage(choices)), ctx, choices[0].tracker)
 
-    async def body() -> AsyncIterator[bytes]:
-        async for output in chain(first, outputs, tracker):
-            if output is first:
-                role = _choice({"role": "assistant", "content": ""})
+    async def events(choice: Choice) -> AsyncIterator[bytes]:
+        tracker, index = choice.tracker, choice.index
+        calls = _Calls(request)
+
+        def usage_now() -> dict[str, int] | None:
+            return tracker.usage if request.continuous_usage else None
+
+        async for output in choice.chain():
+            if output is choice.first:
+                role = _choice(index, {"role": "assistant", "content": ""})
                 no_output_yet = usage_body(tracker.num_prompt_tokens, 0)
                 yield sse(_chunk(ctx, [role], no_output_yet if request.continuous_usage else None))
             delta: dict[str, Any] = {}
@@ -150,36 +153,30 @@ def stream_chat(
                     ]
             if delta or output.logprobs:
                 logprobs = chat_logprobs(output.logprobs, top_n) if output.logprobs else None
-                yield sse(_chunk(ctx, [_choice(delta, logprobs)], usage_now()))
+                yield sse(_chunk(ctx, [_choice(index, delta, logprobs)], usage_now()))
             if output.finish_reason is not None:
                 forced, held = calls.release()
                 if forced:
                     delta = {"tool_calls": [_tool_call(call, i) for i, call in enumerate(forced)]}
-                    yield sse(_chunk(ctx, [_choice(delta)], usage_now()))
+                    yield sse(_chunk(ctx, [_choice(index, delta)], usage_now()))
                 elif held:
-                    yield sse(_chunk(ctx, [_choice({"content": held})], usage_now()))
+                    yield sse(_chunk(ctx, [_choice(index, {"content": held})], usage_now()))
                 reason = calls.finish_reason(output.finish_reason)
-                choice = _choice({}, None, reason, output.stop_reason)
-                finish = _chunk(ctx, [choice], usage_now())
+                finish_choice = _choice(index, {}, None, reason, output.stop_reason)
+                finish = _chunk(ctx, [finish_choice], usage_now())
                 yield finish_event(finish, ctx, tracker, request.include_usage)
-        if request.include_usage:
-            yield usage_event(_chunk(ctx, [], tracker.usage), ctx, tracker)
 
-    return guarded_stream(body(), outputs, tracker, ctx.request_id)
+    return sse_stream(choices, events, usage if request.include_usage else None, ctx.request_id)
 
 
-async def collect_chat(
-    ctx: ResponseContext,
-    request: ChatCompletionRequest,
-    first: RequestOutput,
-    outputs: AsyncIterator[RequestOutput],
-    tracker: Tracker,
+async def _collect_choice(
+    ctx: ResponseContext, request: ChatCompletionRequest, choice: Choice
 ) -> dict[str, Any]:
     texts: list[str] = []
     reasoning: list[str] = []
     calls = _Calls(request)
     entries: list[TokenLogprob] = []
-    async for output in chain(first, outputs, tracker):
+    async for output in choice.chain():
         texts.append(calls.hold(output.text))
         reasoning.append(output.reasoning)
         calls.take(output.tool_calls)
@@ -194,27 +191,33 @@ async def collect_chat(
         message["tool_calls"] = [_tool_call(call) for call in calls.calls]
     if ctx.reasoning and request.include_reasoning:
         message["reasoning_content"] = message["reasoning"] = "".join(reasoning) or None
+    tracker = choice.tracker
+    return {
+        "index": choice.index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": calls.finish_reason(tracker.finish_reason),
+        "stop_reason": tracker.stop_reason,
+    }
+
+
+async def collect_chat(
+    ctx: ResponseContext, request: ChatCompletionRequest, choices: Sequence[Choice]
+) -> dict[str, Any]:
+    bodies = await gather_choices(choices, lambda choice: _collect_choice(ctx, request, choice))
     response: dict[str, Any] = {
         "id": ctx.request_id,
         "object": "chat.completion",
         "created": ctx.created,
         "model": ctx.model,
         "system_fingerprint": ctx.system_fingerprint,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": calls.finish_reason(tracker.finish_reason),
-                "stop_reason": tracker.stop_reason,
-            }
-        ],
-        "usage": tracker.usage,
+        "choices": bodies,
+        "usage": total_usage(choices),
     }
     if request.prompt_logprobs is not None:
         response["prompt_logprobs"] = prompt_logprobs_body(
-            first.prompt_logprobs or (), request.prompt_logprobs
+            choices[0].first.prompt_logprobs or (), request.prompt_logprobs
         )
     if ctx.include_request_metrics:
-        response["metrics"] = tracker.metrics_body()
+        response["metrics"] = choices[0].tracker.metrics_body()
     return response

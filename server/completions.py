@@ -4,18 +4,19 @@ are placed as in chat.py."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from server.logprobs import CompletionLogprobs, merge, prompt_logprobs_body
 from server.schemas import CompletionRequest
 from server.serving import (
+    Choice,
     ResponseContext,
-    Tracker,
-    chain,
     finish_event,
-    guarded_stream,
+    gather_choices,
     sse,
+    sse_stream,
+    total_usage,
     usage_event,
 )
 from stages.api import EngineClient, RequestOutput, TextPrompt
@@ -38,13 +39,14 @@ def _body(
 
 
 def _choice(
+    index: int,
     text: str,
     logprobs: dict[str, Any] | None = None,
     finish_reason: str | None = None,
     stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     return {
-        "index": 0,
+        "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
@@ -76,63 +78,72 @@ def stream_completion(
     ctx: ResponseContext,
     engine: EngineClient,
     request: CompletionRequest,
-    first: RequestOutput,
-    outputs: AsyncIterator[RequestOutput],
-    tracker: Tracker,
+    choices: Sequence[Choice],
 ) -> AsyncGenerator[bytes, None]:
-    def usage_now() -> dict[str, int] | None:
-        return tracker.usage if request.continuous_usage else None
+    def usage() -> bytes:
+        return usage_event(_body(ctx, [], total_usage(choices)), ctx, choices[0].tracker)
 
-    async def body() -> AsyncIterator[bytes]:
+    async def events(choice: Choice) -> AsyncIterator[bytes]:
+        tracker, index = choice.tracker, choice.index
+
+        def usage_now() -> dict[str, int] | None:
+            return tracker.usage if request.continuous_usage else None
+
         text_offset = 0
         if request.echo:
-            echo = _Echo(engine, request, first)
+            echo = _Echo(engine, request, choice.first)
             text_offset = len(echo.text)
-            yield sse(_body(ctx, [_choice(echo.text, echo.logprobs)], usage_now()))
+            yield sse(_body(ctx, [_choice(index, echo.text, echo.logprobs)], usage_now()))
         logprobs = None
         if request.logprobs is not None:
             logprobs = CompletionLogprobs(request.logprobs, text_offset)
-        async for output in chain(first, outputs, tracker):
+        async for output in choice.chain():
             if output.text or output.logprobs:
                 entries = logprobs.entries(output.logprobs or ()) if logprobs is not None else None
-                yield sse(_body(ctx, [_choice(output.text, entries)], usage_now()))
+                yield sse(_body(ctx, [_choice(index, output.text, entries)], usage_now()))
             if output.finish_reason is not None:
-                choice = _choice("", None, output.finish_reason, output.stop_reason)
-                finish = _body(ctx, [choice], usage_now())
+                finish_choice = _choice(index, "", None, output.finish_reason, output.stop_reason)
+                finish = _body(ctx, [finish_choice], usage_now())
                 yield finish_event(finish, ctx, tracker, request.include_usage)
-        if request.include_usage:
-            yield usage_event(_body(ctx, [], tracker.usage), ctx, tracker)
 
-    return guarded_stream(body(), outputs, tracker, ctx.request_id)
+    return sse_stream(choices, events, usage if request.include_usage else None, ctx.request_id)
+
+
+async def _collect_choice(
+    engine: EngineClient, request: CompletionRequest, choice: Choice
+) -> dict[str, Any]:
+    texts: list[str] = []
+    logprobs: dict[str, Any] | None = None
+    if request.echo:
+        echo = _Echo(engine, request, choice.first)
+        texts.append(echo.text)
+        logprobs = echo.logprobs
+    builder = None
+    if request.logprobs is not None:
+        builder = CompletionLogprobs(request.logprobs, len(texts[0]) if texts else 0)
+    async for output in choice.chain():
+        texts.append(output.text)
+        if builder is not None:
+            logprobs = merge(logprobs, builder.entries(output.logprobs or ()))
+    tracker = choice.tracker
+    body = _choice(
+        choice.index, "".join(texts), logprobs, tracker.finish_reason, tracker.stop_reason
+    )
+    if request.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(
+            choice.first.prompt_logprobs or (), request.prompt_logprobs
+        )
+    return body
 
 
 async def collect_completion(
     ctx: ResponseContext,
     engine: EngineClient,
     request: CompletionRequest,
-    first: RequestOutput,
-    outputs: AsyncIterator[RequestOutput],
-    tracker: Tracker,
+    choices: Sequence[Choice],
 ) -> dict[str, Any]:
-    texts: list[str] = []
-    logprobs: dict[str, Any] | None = None
-    if request.echo:
-        echo = _Echo(engine, request, first)
-        texts.append(echo.text)
-        logprobs = echo.logprobs
-    builder = None
-    if request.logprobs is not None:
-        builder = CompletionLogprobs(request.logprobs, len(texts[0]) if texts else 0)
-    async for output in chain(first, outputs, tracker):
-        texts.append(output.text)
-        if builder is not None:
-            logprobs = merge(logprobs, builder.entries(output.logprobs or ()))
-    choice = _choice("".join(texts), logprobs, tracker.finish_reason, tracker.stop_reason)
-    if request.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs_body(
-            first.prompt_logprobs or (), request.prompt_logprobs
-        )
-    response = _body(ctx, [choice], tracker.usage)
+    bodies = await gather_choices(choices, lambda choice: _collect_choice(engine, request, choice))
+    response = _body(ctx, bodies, total_usage(choices))
     if ctx.include_request_metrics:
-        response["metrics"] = tracker.metrics_body()
+        response["metrics"] = choices[0].tracker.metrics_body()
     return response

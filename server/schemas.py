@@ -31,6 +31,7 @@ LogprobCount = Annotated[int, Meta(ge=0, le=20)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 TokenId = Annotated[int, Meta(ge=0)]
 
+MAX_CHOICES = 16  # n: each choice is an engine request of its own
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -97,8 +98,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         return found[0] if found else None
 
     def _validate_common(self, max_tokens: int | None, vocab_size: int) -> None:
-        if self.n != 1:
-            raise APIError("n > 1 is not supported: only one choice per request", param="n")
+        if self.n > MAX_CHOICES:
+            raise APIError(f"n must be at most {MAX_CHOICES}", param="n")
         if self.prompt_logprobs is not None and self.stream:
             raise APIError(
                 "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"

@@ -3,8 +3,9 @@ for the server's metrics, SSE framing, usage, and closing the engine's stream (w
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,21 +177,111 @@ def stream_error(error: Exception, request_id: str) -> bytes:
     return sse(api_error.body())
 
 
-async def guarded_stream(
-    body: AsyncIterator[bytes],
-    outputs: AsyncIterator[RequestOutput],
-    tracker: Tracker,
+@dataclass(slots=True)
+class Choice:
+    """One of a request's `n` choices: its engine stream (first output already read) and its
+    tracker. Each choice is an engine request of its own."""
+
+    index: int
+    first: RequestOutput
+    outputs: AsyncIterator[RequestOutput]
+    tracker: Tracker
+
+    def chain(self) -> AsyncIterator[RequestOutput]:
+        return chain(self.first, self.outputs, self.tracker)
+
+
+def total_usage(choices: Sequence[Choice]) -> dict[str, int]:
+    """The prompt counted once, the completions of every choice summed (as vLLM counts n > 1)."""
+    return usage_body(
+        choices[0].tracker.num_prompt_tokens, sum(c.tracker.num_output_tokens for c in choices)
+    )
+
+
+async def close_choices(choices: Sequence[Choice]) -> None:
+    for choice in choices:
+        choice.tracker.abandon()
+        await close_outputs(choice.outputs)
+
+
+async def gather_choices(
+    choices: Sequence[Choice], collect: Callable[[Choice], Awaitable[dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """Each choice's response body, collected side by side."""
+    if len(choices) == 1:
+        return [await collect(choices[0])]
+    return list(await asyncio.gather(*(collect(choice) for choice in choices)))
+
+
+_END = object()
+
+
+async def _interleave(streams: Sequence[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The pieces of several streams as each is ready (one per choice when n > 1)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[bytes]) -> None:
+        try:
+            async for piece in stream:
+                queue.put_nowait(piece)
+        except Exception as error:
+            queue.put_nowait(error)
+        finally:
+            queue.put_nowait(_END)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await close_outputs(stream)
+
+
+def sse_stream(
+    choices: Sequence[Choice],
+    events: Callable[[Choice], AsyncIterator[bytes]],
+    usage: Callable[[], bytes] | None,
     request_id: str,
 ) -> AsyncGenerator[bytes, None]:
+    """The SSE body of a streamed response: each choice's `events` (interleaved when n > 1),
+    the usage chunk, then [DONE]; a failure becomes an error event, and the engine's streams are
+    closed however the response ends (a disconnect included), which aborts what still runs."""
+
+    async def body() -> AsyncIterator[bytes]:
+        if len(choices) == 1:
+            async for piece in events(choices[0]):
+                yield piece
+        else:
+            async for piece in _interleave([events(choice) for choice in choices]):
+                yield piece
+        if usage is not None:
+            yield usage()
+
+    return guarded_stream(body(), choices, request_id)
+
+
+async def guarded_stream(
+    body: AsyncIterator[bytes], choices: Sequence[Choice], request_id: str
+) -> AsyncGenerator[bytes, None]:
     """Frames `body` as an SSE stream that always ends with [DONE], turns failures into an error
-    event, and closes the engine's stream however the response ends (a disconnect included)."""
+    event, and closes the engine's streams however the response ends (a disconnect included)."""
     try:
         async for piece in body:
             yield piece
     except Exception as error:
         yield stream_error(error, request_id)
     finally:
-        tracker.abandon()
         await close_outputs(body)
-        await close_outputs(outputs)
+        await close_choices(choices)
     yield SSE_DONE

@@ -183,13 +183,53 @@ def test_disconnect_frees_every_kv_block(server, client):
     assert metric(port, "vllm:num_requests_running") == 0
 
 
+def test_n_choices_streamed_and_not(server, client):
+    kwargs = dict(max_tokens=6, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    response = chat(client, n=3, **kwargs)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert response.usage.completion_tokens == 18  # every choice's tokens
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 18  # the prompt once
+    texts = [c.message.content for c in response.choices]
+    assert len(set(texts)) > 1  # seed + i per choice: they differ...
+    assert [
+        c.message.content for c in chat(client, n=3, **kwargs).choices
+    ] == texts  # ...and repeat
+    assert chat(client, n=1, **kwargs).choices[0].message.content == texts[0]
+
+    stream = chat(client, n=2, stream=True, stream_options={"include_usage": True}, **kwargs)
+    chunks = list(stream)
+    by_index: dict[int, list] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        by_index[choice.index].append(choice)
+    for index in (0, 1):
+        pieces = by_index[index]
+        assert pieces[0].delta.role == "assistant" and pieces[-1].finish_reason == "length"
+        assert "".join(p.delta.content or "" for p in pieces) == texts[index]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+    completion = client.completions.create(model="tiny", prompt="Hello", n=2, **kwargs)
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert completion.usage.completion_tokens == 12
+
+    # A client that leaves an n = 4 stream early frees the blocks of all four.
+    port, _ = server
+    early = chat(client, n=4, stream=True, max_tokens=200, extra_body={"ignore_eos": True})
+    next(iter(early))
+    early.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metric(port, "vllm:kv_cache_usage_perc") > 0:
+        time.sleep(0.1)
+    assert metric(port, "vllm:kv_cache_usage_perc") == 0
+
+
 def test_bad_requests_get_openai_errors_and_the_next_request_succeeds(client):
     cases = [
         (dict(model="nope"), openai.NotFoundError),
         (dict(temperature=5), openai.BadRequestError),
         (dict(max_tokens=0), openai.BadRequestError),
         (dict(max_tokens=10_000), openai.BadRequestError),  # past max_model_len
-        (dict(n=3), openai.BadRequestError),
+        (dict(n=17), openai.BadRequestError),
         (dict(extra_body={"top_k": "x"}), openai.BadRequestError),
     ]
     for kwargs, error in cases:

@@ -40,7 +40,7 @@ BAD_REQUESTS = [
     (CHAT, chat(max_tokens=0), 400, "max_tokens"),
     (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     (CHAT, chat(max_tokens=2, min_tokens=3), 400, "min_tokens"),
-    (CHAT, chat(n=2), 400, "n"),
+    (CHAT, chat(n=17), 400, "n"),
     (CHAT, chat(n=0), 400, "n"),
     (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
@@ -169,9 +169,9 @@ async def test_unknown_model_is_model_not_found(app: Quart) -> None:
     assert "gpt-4" in error["message"]
 
 
-async def test_n_above_one_says_why(app: Quart) -> None:
-    response = await app.test_client().post(CHAT, json=chat(n=3))
-    assert "n > 1 is not supported" in (await response.get_json())["error"]["message"]
+async def test_too_many_choices_says_the_limit(app: Quart) -> None:
+    response = await app.test_client().post(CHAT, json=chat(n=99))
+    assert "at most 16" in (await response.get_json())["error"]["message"]
 
 
 async def test_prompt_too_long_keeps_engine_code(app: Quart) -> None:

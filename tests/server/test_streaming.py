@@ -12,7 +12,7 @@ from quart import Quart
 from server.chat import stream_chat
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest
-from server.serving import ResponseContext, Tracker, start
+from server.serving import Choice, ResponseContext, Tracker, start
 from stages.api import ChatPrompt, GenerateRequest, SamplingParams
 from tests.server.fake_engine import FakeEngine
 
@@ -66,7 +66,7 @@ async def test_closing_the_stream_aborts_the_request(engine: FakeEngine) -> None
     tracker = Tracker(metrics, "r-1", request.arrival_ns)
     first, outputs = await start(engine, request)
     ctx = ResponseContext("r-1", "fake-model", 0, "fp", False)
-    stream = stream_chat(ctx, body, first, outputs, tracker)
+    stream = stream_chat(ctx, body, [Choice(0, first, outputs, tracker)])
     pieces = [await anext(stream), await anext(stream), await anext(stream)]
     assert b'"content":" two"' in pieces[-1]
     await stream.aclose()  # what Quart does when the client goes away
