@@ -268,6 +268,8 @@ def sse_stream(
         if usage is not None:
             yield usage()
 
+    if len(choices) == 1 and usage is None:  # the common case, one generator fewer per token
+        return guarded_stream(events(choices[0]), choices, request_id)
     return guarded_stream(body(), choices, request_id)
 
 
