@@ -152,7 +152,11 @@ def stream_chat(
                         _tool_call(call, start + i) for i, call in enumerate(taken)
                     ]
             if delta or output.logprobs:
-                logprobs = chat_logprobs(output.logprobs, top_n) if output.logprobs else None
+                logprobs = (
+                    chat_logprobs(output.logprobs, top_n, request.return_tokens_as_token_ids)
+                    if output.logprobs
+                    else None
+                )
                 yield sse(_chunk(ctx, [_choice(index, delta, logprobs)], usage_now()))
             if output.finish_reason is not None:
                 forced, held = calls.release()
@@ -182,7 +186,11 @@ async def _collect_choice(
         calls.take(output.tool_calls)
         entries.extend(output.logprobs or ())
     texts.append(calls.release()[1])
-    logprobs = chat_logprobs(entries, request.top_logprobs or 0) if request.logprobs else None
+    logprobs = (
+        chat_logprobs(entries, request.top_logprobs or 0, request.return_tokens_as_token_ids)
+        if request.logprobs
+        else None
+    )
     content: str | None = "".join(texts)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls.calls:

@@ -69,7 +69,8 @@ class _Echo:
         self.logprobs: dict[str, Any] | None = None
         if request.logprobs is not None:
             first_text = engine.detokenize(prompt_ids[:1]) if prompt_ids else ""
-            self.logprobs = CompletionLogprobs(request.logprobs).prompt_entries(
+            as_ids = request.return_tokens_as_token_ids
+            self.logprobs = CompletionLogprobs(request.logprobs, 0, as_ids).prompt_entries(
                 first_text, first.prompt_logprobs or ()
             )
 
@@ -96,7 +97,9 @@ def stream_completion(
             yield sse(_body(ctx, [_choice(index, echo.text, echo.logprobs)], usage_now()))
         logprobs = None
         if request.logprobs is not None:
-            logprobs = CompletionLogprobs(request.logprobs, text_offset)
+            logprobs = CompletionLogprobs(
+                request.logprobs, text_offset, request.return_tokens_as_token_ids
+            )
         async for output in choice.chain():
             if output.text or output.logprobs:
                 entries = logprobs.entries(output.logprobs or ()) if logprobs is not None else None
@@ -120,7 +123,9 @@ async def _collect_choice(
         logprobs = echo.logprobs
     builder = None
     if request.logprobs is not None:
-        builder = CompletionLogprobs(request.logprobs, len(texts[0]) if texts else 0)
+        builder = CompletionLogprobs(
+            request.logprobs, len(texts[0]) if texts else 0, request.return_tokens_as_token_ids
+        )
     async for output in choice.chain():
         texts.append(output.text)
         if builder is not None:

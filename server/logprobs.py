@@ -15,17 +15,29 @@ def _clamp(logprob: float) -> float:
     return max(logprob, _LOGPROB_FLOOR)
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], top_n: int) -> dict[str, Any]:
+def token_name(token_id: int, text: str, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or vLLM's `token_id:N` with
+    return_tokens_as_token_ids (for tokens whose text is not valid UTF-8 alone)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def chat_logprobs(
+    entries: Sequence[TokenLogprob], top_n: int, as_ids: bool = False
+) -> dict[str, Any]:
     """`{"content": [{token, logprob, bytes, top_logprobs}]}` for the tokens of one delta."""
     return {
         "content": [
             {
-                "token": entry.token,
+                "token": token_name(entry.token_id, entry.token, as_ids),
                 "logprob": _clamp(entry.logprob),
                 "bytes": list(entry.token_bytes),
                 "top_logprobs": [
-                    {"token": text, "logprob": _clamp(logprob), "bytes": list(raw)}
-                    for _, text, raw, logprob in entry.top[:top_n]
+                    {
+                        "token": token_name(token_id, text, as_ids),
+                        "logprob": _clamp(logprob),
+                        "bytes": list(raw),
+                    }
+                    for token_id, text, raw, logprob in entry.top[:top_n]
                 ],
             }
             for entry in entries
@@ -62,9 +74,10 @@ class CompletionLogprobs:
     """Builds `{tokens, token_logprobs, top_logprobs, text_offset}` with offsets that run on
     across the chunks of one stream (offsets count characters of the returned text)."""
 
-    def __init__(self, top_n: int, text_offset: int = 0) -> None:
+    def __init__(self, top_n: int, text_offset: int = 0, as_ids: bool = False) -> None:
         self.top_n = top_n
         self.text_offset = text_offset
+        self.as_ids = as_ids
 
     def prompt_entries(
         self, first_token_text: str, entries: Sequence[TokenLogprob | None]
@@ -75,20 +88,23 @@ class CompletionLogprobs:
             if entry is None:
                 self._append(out, first_token_text, None, None)
             else:
-                self._append(out, entry.token, _clamp(entry.logprob), self._top(entry))
+                self._append(out, self._name(entry), _clamp(entry.logprob), self._top(entry))
         return out
 
     def entries(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         out = _empty()
         for entry in entries:
-            self._append(out, entry.token, _clamp(entry.logprob), self._top(entry))
+            self._append(out, self._name(entry), _clamp(entry.logprob), self._top(entry))
         return out
+
+    def _name(self, entry: TokenLogprob) -> str:
+        return token_name(entry.token_id, entry.token, self.as_ids)
 
     def _top(self, entry: TokenLogprob) -> dict[str, float]:
         # vLLM's shape: the sampled token is always among the alternatives
-        top = {entry.token: _clamp(entry.logprob)}
-        for _, text, _, logprob in entry.top[: self.top_n]:
-            top.setdefault(text, _clamp(logprob))
+        top = {self._name(entry): _clamp(entry.logprob)}
+        for token_id, text, _, logprob in entry.top[: self.top_n]:
+            top.setdefault(token_name(token_id, text, self.as_ids), _clamp(logprob))
         return top
 
     def _append(

@@ -68,6 +68,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     request_id: str | None = None
     priority: int = 0
     prompt_logprobs: LogprobCount | None = None  # vLLM: top-k logprobs of every prompt token
+    allowed_token_ids: list[TokenId] | None = None  # vLLM: sample only among these
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last k; -1: fit
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (one of them per request)
     response_format: dict[str, Any] | None = None
@@ -124,6 +127,13 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
                     param="logit_bias",
                 )
         _check_token_ids(self.stop_token_ids or (), vocab_size, "stop_token_ids")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise APIError("allowed_token_ids must not be empty", param="allowed_token_ids")
+        _check_token_ids(self.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(
+                "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
+            )
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         defaults = SamplingParams()
@@ -147,6 +157,10 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             logprobs=logprobs,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             structured=self.structured(),
+            allowed_token_ids=tuple(self.allowed_token_ids)
+            if self.allowed_token_ids is not None
+            else None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     @property

@@ -49,6 +49,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     structured: StructuredOutput | None = None  # guided decoding: the output follows a grammar
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,6 +143,12 @@ class RenderActor(AsyncActor):
         if request.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise EngineError(f"unknown tool-call parser {request.tool_call_parser!r}")
         ids = prompt_token_ids(self.bundle, request)
+        if s.truncate_prompt_tokens is not None:
+            # vLLM's truncation: the prompt's last k tokens (-1: as many as the model takes)
+            keep = s.truncate_prompt_tokens
+            if keep < 0:  # what leaves room for max_tokens (or for one token)
+                keep = max(1, self.max_model_len - (s.max_tokens or 1))
+            ids = ids[-keep:]
         max_tokens = check_lengths(len(ids), s.max_tokens, self.max_model_len)
         stop_ids = list(s.stop_token_ids) + ([] if s.ignore_eos else self.eos_ids)
         bias = s.logit_bias or {}

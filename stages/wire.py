@@ -51,6 +51,7 @@ class WireSampling(msgspec.Struct):
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured: WireStructured | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 class WireStructured(msgspec.Struct):
@@ -165,6 +166,7 @@ def encode_request(request: api.GenerateRequest) -> bytes:
         structured=WireStructured(s.structured.kind, s.structured.value, s.structured.param)
         if s.structured is not None
         else None,
+        truncate_prompt_tokens=s.truncate_prompt_tokens,
     )
     return msgspec.msgpack.encode(
         WireRequest(

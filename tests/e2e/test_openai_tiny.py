@@ -375,3 +375,36 @@ def test_sigterm_stops_every_process_and_leaves_no_names(server):
     while [pid for pid in children if pid_alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in children if pid_alive(pid)]
+
+
+def test_allowed_token_ids_truncation_and_token_ids_as_names(client):
+    allowed = [40, 41, 42]
+    reply = chat(
+        client,
+        max_tokens=5,
+        temperature=1,
+        seed=1,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={
+            "allowed_token_ids": allowed,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        },
+    )
+    tokens = [entry.token for entry in reply.choices[0].logprobs.content]
+    assert len(tokens) == 5 and all(t in {f"token_id:{i}" for i in allowed} for t in tokens)
+    long_prompt = "word " * 400  # past max_model_len (256) untruncated
+    kept = chat(
+        client, content=long_prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": 50}
+    )
+    assert kept.usage.prompt_tokens == 50
+    fit = chat(client, content=long_prompt, max_tokens=6, extra_body={"truncate_prompt_tokens": -1})
+    assert fit.usage.prompt_tokens == 256 - 6
+    for extra in (
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [10**6]},
+        {"truncate_prompt_tokens": 0},
+    ):
+        with pytest.raises(openai.BadRequestError):
+            chat(client, max_tokens=2, extra_body=extra)
