@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--block-size", type=_positive_int)
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV blocks of prompt prefixes seen before (default on, as in vLLM)",
+    )
+    parser.add_argument(
         "--kv-cache-memory",
         type=parse_bytes,
         help="bytes for the KV cache: 1073741824, 512MiB, 4GiB, 2GB",
@@ -179,6 +185,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "block_size": args.block_size,
         "kv_cache_bytes": args.kv_cache_memory,
         "dtype": None if args.dtype == "auto" else _DTYPE_ALIASES.get(args.dtype, args.dtype),

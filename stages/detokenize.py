@@ -186,7 +186,7 @@ class DetokenizeActor(AsyncActor):
         top_logprobs = message["top_logprobs"].reshape(len(rows), top_k)
         out_rows, texts, extras, stopped = [], [], [], []
         for i, row in enumerate(rows.tolist()):
-            handle, token, logprob, rank, finish, _, n_prompt, n_output, n_preempt = row
+            handle, token, logprob, rank, finish, _, n_prompt, n_output, n_preempt, n_cached = row
             state = self.detok.states.get(handle)
             if state is None:
                 continue
@@ -228,6 +228,7 @@ class DetokenizeActor(AsyncActor):
                     finished_ns=now_ns(),
                     detokenize_ns=state.busy_ns,
                     num_preemptions=n_preempt,
+                    num_cached_tokens=n_cached,
                 )
             prompt_logprobs = None
             if state.prompt_scores is not None:  # the first delta carries them

@@ -475,6 +475,7 @@ def _metrics(w: WireMetrics, num_tokens: int) -> RequestMetrics:
         detokenize_s=w.detokenize_ns / 1e9,
         num_generated_tokens=num_tokens,
         num_preemptions=w.num_preemptions,
+        num_cached_prompt_tokens=w.num_cached_tokens,
     )
 
 

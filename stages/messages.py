@@ -144,6 +144,7 @@ TOKEN_ROW = np.dtype(
         ("num_prompt_tokens", np.int32),
         ("num_output_tokens", np.int32),
         ("num_preemptions", np.int32),
+        ("num_cached_tokens", np.int32),  # prompt tokens found in the prefix cache
     ]
 )
 STAMP_ROW = np.dtype(

@@ -24,6 +24,8 @@ GAUGES = (
     "num_free_blocks",
     "num_preemptions_total",
     "num_blocks",
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
 )
 
 
@@ -38,6 +40,7 @@ class ScheduleActor(AsyncActor):
                 max_model_len=resolve_max_model_len(config),
                 num_blocks=num_kv_blocks(config),
                 block_size=config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
             )
         )
         self.wake = asyncio.Event()
@@ -192,6 +195,7 @@ class ScheduleActor(AsyncActor):
         rows["num_prompt_tokens"] = [seq.num_prompt for seq in seqs]
         rows["num_output_tokens"] = [len(seq.output_ids) for seq in seqs]
         rows["num_preemptions"] = [seq.num_preemptions for seq in seqs]
+        rows["num_cached_tokens"] = [seq.num_cached_tokens for seq in seqs]
         stamps = np.zeros(count, m.STAMP_ROW)
         stamps["arrival_ns"] = [seq.arrival_ns for seq in seqs]
         stamps["render_start_ns"] = [seq.render_start_ns for seq in seqs]
@@ -253,6 +257,7 @@ NO_PROMPT_LOGPROBS = PromptLogprobs(
 def _sequence(message: Message) -> Sequence:
     request = message["request"][0]
     stop_ids = message["stop_ids"].copy()
+    sampling = message["sampling"].copy()
     return Sequence(
         handle=int(request["handle"]),
         priority=int(request["priority"]),
@@ -260,13 +265,16 @@ def _sequence(message: Message) -> Sequence:
         prompt_ids=message["prompt_ids"].copy(),
         max_tokens=int(request["max_tokens"]),
         stop_ids=frozenset(stop_ids.tolist()),
-        sampling=message["sampling"].copy(),
+        sampling=sampling,
         stop_list=stop_ids,
         bias_ids=message["bias_ids"].copy(),
         bias_values=message["bias_values"].copy(),
         allowed_ids=message["allowed_ids"].copy(),
         detok=message["detok"].tobytes(),
         grammar=message["grammar"].tobytes(),
+        cacheable=bool(
+            sampling["prompt_logprobs"][0] < 0 and sampling["repetition_penalty"][0] == 1.0
+        ),
         render_start_ns=int(request["render_start_ns"]),
         rendered_ns=int(request["rendered_ns"]),
     )

@@ -16,7 +16,8 @@ extra token is dropped.
 from __future__ import annotations
 
 import enum
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,12 +32,22 @@ class Status(enum.IntEnum):
 
 
 class BlockManager:
-    """Fixed-size KV blocks: a free list and each request's block table."""
+    """Fixed-size KV blocks, reference-counted, with automatic prefix caching.
+
+    A block that holds a full block of some prompt's tokens is registered under a hash of those
+    tokens and of every token before them (a chain: the same hash means the same prefix). A request
+    whose prompt starts with registered blocks takes them instead of computing them again. Blocks no
+    request holds wait in least-recently-freed order and keep their hash until they are handed out
+    again, so a prefix stays cached for as long as the memory is not needed.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -45,6 +56,10 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -55,12 +70,58 @@ class BlockManager:
         if need > len(self._free):
             return False
         for _ in range(need):
-            blocks.append(self._free.popleft())
+            block, _ = self._free.popitem(last=False)
+            cached = self._hash_of[block]
+            if cached is not None:  # evicted: its prefix is no longer cached
+                del self._cached[cached]
+                self._hash_of[block] = None
+            self._refs[block] = 1
+            blocks.append(block)
         return True
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        # Tail first: a prefix's last blocks are evicted before its first ones.
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
         blocks.clear()
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """The registered blocks of the longest cached prefix of `hashes`, now held by the caller."""
+        blocks = []
+        for block_hash in hashes:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """`block` now holds (or its step will write) the full block that `block_hash` names."""
+        if block_hash not in self._cached and self._hash_of[block] is None:
+            self._cached[block_hash] = block
+            self._hash_of[block] = block_hash
+
+
+def prompt_block_hashes(prompt_ids: np.ndarray, block_size: int) -> list[bytes]:
+    """A chained hash per full block of the prompt: block j's covers tokens [0, (j + 1) * size).
+
+    BLAKE2b rather than Python's hash: a client must not be able to craft a prompt that collides
+    with another's prefix and read its cached KV (why vLLM hashes with SHA-256 by default).
+    """
+    ids = np.ascontiguousarray(prompt_ids, np.int32)
+    hashes = []
+    parent = b""
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = hashlib.blake2b(
+            parent + ids[start : start + block_size].tobytes(), digest_size=16
+        ).digest()
+        hashes.append(parent)
+    return hashes
 
 
 @dataclass(slots=True)
@@ -96,6 +157,12 @@ class Sequence:
     num_preemptions: int = 0
     sent_to_execute: bool = False
     sent_to_detok: bool = False
+    # Prefix caching: off for requests that need every prompt position computed (prompt
+    # logprobs) or seen by execute (the repetition penalty reads the prompt's ids).
+    cacheable: bool = True
+    num_cached_tokens: int = 0  # prompt tokens taken from the cache when last admitted
+    num_registered: int = 0  # prompt blocks registered in the cache
+    block_hashes: list[bytes] | None = None  # the prompt's, computed at first admission
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.prompt_ids)
@@ -154,6 +221,7 @@ class SchedulerConfig:
     block_size: int
     # Prefill tokens a step may carry beside decodes (the whole budget when none run).
     max_prefill_tokens_while_decoding: int = 64
+    enable_prefix_caching: bool = True
 
 
 class Scheduler:
@@ -167,6 +235,8 @@ class Scheduler:
         self._next_step = 0
         self._to_free: list[int] = []  # handles execute may forget, sent with the next step
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of which found there
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -245,6 +315,8 @@ class Scheduler:
                 if need > len(seq.blocks) * capacity and not self._make_room(seq, need, taken):
                     continue
                 planned.append(self._plan(seq, count, count == left))
+                if left > 1 or seq.num_computed == seq.num_prompt:  # a prefill chunk
+                    self._register_prefix(seq)
                 taken.add(seq.handle)
                 budget -= count
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -252,13 +324,19 @@ class Scheduler:
             admit = next((s for s in self.waiting if s.steps_in_flight == 0), None)
             if admit is None:
                 break
+            cached = self._take_cached_prefix(admit)
             count = min(admit.num_tokens - admit.num_computed, budget)
             if not self.blocks.grow(admit.blocks, admit.num_computed + count):
+                if cached:  # it stays waiting: give the cached blocks back
+                    self.blocks.free(admit.blocks)
+                    admit.num_computed = admit.num_registered = 0
                 break
+            self._count_prefix_lookup(admit, cached)
             self.waiting.remove(admit)
             admit.status = Status.RUNNING
             self.running.append(admit)
             planned.append(self._plan(admit, count, admit.num_computed + count == admit.num_tokens))
+            self._register_prefix(admit)
             budget -= count
         if not planned:
             return None
@@ -280,6 +358,48 @@ class Scheduler:
         seq.steps_in_flight += 1
         return ScheduledSeq(seq, start, count, sample)
 
+    # -- prefix caching --------------------------------------------------------------------------
+
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        """Give a request that starts from nothing the cached blocks its prompt begins with; the
+        number of tokens they hold (its num_computed now). One token is always left to compute:
+        the step that computes it samples the request's next token."""
+        if (
+            not self.config.enable_prefix_caching
+            or not seq.cacheable
+            or seq.num_computed
+            or seq.blocks
+        ):
+            return 0
+        if seq.block_hashes is None:
+            seq.block_hashes = prompt_block_hashes(seq.prompt_ids, self.blocks.block_size)
+        usable = (seq.num_tokens - 1) // self.blocks.block_size
+        blocks = self.blocks.match(seq.block_hashes[:usable])
+        seq.blocks.extend(blocks)
+        seq.num_computed = seq.num_registered = len(blocks)
+        seq.num_computed *= self.blocks.block_size
+        return seq.num_computed
+
+    def _count_prefix_lookup(self, seq: Sequence, cached: int) -> None:
+        if self.config.enable_prefix_caching and seq.cacheable:
+            seq.num_cached_tokens = cached
+            self.prefix_cache_queries += seq.num_prompt
+            self.prefix_cache_hits += cached
+
+    def _register_prefix(self, seq: Sequence) -> None:
+        """Register the prompt blocks this step's chunk completes (its step writes them before
+        any later step can read them: execute runs steps in order)."""
+        if not self.config.enable_prefix_caching or not seq.cacheable:
+            return
+        full = min(seq.num_computed, seq.num_prompt) // self.blocks.block_size
+        if full <= seq.num_registered:
+            return
+        if seq.block_hashes is None:
+            seq.block_hashes = prompt_block_hashes(seq.prompt_ids, self.blocks.block_size)
+        for j in range(seq.num_registered, full):
+            self.blocks.register(seq.blocks[j], seq.block_hashes[j])
+        seq.num_registered = full
+
     def _make_room(self, seq: Sequence, num_tokens: int, taken: set[int]) -> bool:
         """Blocks for seq to hold num_tokens, preempting the latest-admitted requests not already in
         this step; seq itself is the last resort (it then waits to be recomputed)."""
@@ -296,7 +416,7 @@ class Scheduler:
         """Free the request's blocks; it waits to be recomputed from prompt and outputs."""
         self.running.remove(seq)
         self.blocks.free(seq.blocks)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq)
@@ -348,4 +468,6 @@ class Scheduler:
             "num_free_blocks": self.blocks.num_free,
             "num_preemptions_total": self.num_preemptions,
             "num_blocks": self.blocks.num_blocks,
+            "prefix_cache_queries_total": self.prefix_cache_queries,
+            "prefix_cache_hits_total": self.prefix_cache_hits,
         }

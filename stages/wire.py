@@ -106,6 +106,7 @@ class WireMetrics(msgspec.Struct, array_like=True):
     finished_ns: int
     detokenize_ns: int
     num_preemptions: int
+    num_cached_tokens: int = 0
 
 
 class WireToolCall(msgspec.Struct, array_like=True):

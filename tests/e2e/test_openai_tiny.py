@@ -362,21 +362,6 @@ def test_structured_output_errors(client):
         assert ok.usage.completion_tokens == 2
 
 
-def test_sigterm_stops_every_process_and_leaves_no_names(server):
-    port, process = server
-    assert http_get(port, "/health")[0] == 200
-    found = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout
-    children = [int(pid) for pid in found.split()]
-    assert len(children) >= 4  # render, schedule, execute, detokenize
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(30) == 0
-    assert not [n for n in names_in_shm() if f"pserve.{process.pid}." in n]
-    deadline = time.monotonic() + 10  # the stages are gone; multiprocessing's tracker follows
-    while [pid for pid in children if pid_alive(pid)] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in children if pid_alive(pid)]
-
-
 def test_allowed_token_ids_truncation_and_token_ids_as_names(client):
     allowed = [40, 41, 42]
     reply = chat(
@@ -408,3 +393,33 @@ def test_allowed_token_ids_truncation_and_token_ids_as_names(client):
     ):
         with pytest.raises(openai.BadRequestError):
             chat(client, max_tokens=2, extra_body=extra)
+
+
+def test_prefix_cache_counters_and_per_request_figure(server, client):
+    port, _ = server
+    system = "You are a terse assistant that answers in one word. " * 4
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    hits = metric(port, "vllm:prefix_cache_hits_total")
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    messages[-1]["content"] = "Hello"  # same system prompt, another question
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    cached = second.model_extra["metrics"]["num_cached_prompt_tokens"]
+    assert first.model_extra["metrics"]["num_cached_prompt_tokens"] == 0 and cached >= 32
+    assert metric(port, "vllm:prefix_cache_hits_total") - hits == cached
+    assert metric(port, "vllm:prefix_cache_queries_total") > 0
+
+
+# Last: it stops the module's server.
+def test_sigterm_stops_every_process_and_leaves_no_names(server):
+    port, process = server
+    assert http_get(port, "/health")[0] == 200
+    found = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout
+    children = [int(pid) for pid in found.split()]
+    assert len(children) >= 4  # render, schedule, execute, detokenize
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+    assert not [n for n in names_in_shm() if f"pserve.{process.pid}." in n]
+    deadline = time.monotonic() + 10  # the stages are gone; multiprocessing's tracker follows
+    while [pid for pid in children if pid_alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in children if pid_alive(pid)]

@@ -49,6 +49,7 @@ def test_every_flag(tmp_path: Path) -> None:
             "--enable-auto-tool-choice",
             "--tool-call-parser", "hermes",
             "--reasoning-parser", "deepseek_r1",
+            "--no-enable-prefix-caching",
         ]
     )  # fmt: skip
     assert config == ServerConfig(
@@ -77,6 +78,7 @@ def test_every_flag(tmp_path: Path) -> None:
         seed=7,
         log_format="json",
         log_level="debug",
+        enable_prefix_caching=False,
     )
 
 

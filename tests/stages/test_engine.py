@@ -318,3 +318,28 @@ def test_structured_outputs_hold_through_the_pipeline(engine_loop):
             collect(engine, request(structured=StructuredOutput("regex", "[", "guided_regex")))
         )
     assert info.value.status == 400 and info.value.param == "guided_regex"
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(engine_loop):
+    engine, loop = engine_loop
+    prompt = "Streaming tokens through shared memory rings between processes. " * 3
+    hits_before = engine.stats().get("prefix_cache_hits_total", 0)
+
+    def run():
+        outs = loop.run(
+            collect(engine, request(prompt, temperature=0, max_tokens=8, ignore_eos=True))
+        )
+        return [t for o in outs for t in o.token_ids], outs[-1]
+
+    first_ids, first = run()
+    again_ids, again = run()
+    assert first.metrics.num_cached_prompt_tokens == 0
+    cached = again.metrics.num_cached_prompt_tokens
+    assert 0 < cached < again.num_prompt_tokens  # whole blocks, and never the last token
+    assert again_ids == first_ids  # the cached KV is the KV the prompt would have had
+    assert engine.stats()["prefix_cache_hits_total"] - hits_before == cached
+    # prompt logprobs need every prompt position computed: no cache for them
+    scored = loop.run(
+        collect(engine, request(prompt, temperature=0, max_tokens=1, prompt_logprobs=1))
+    )
+    assert scored[-1].metrics.num_cached_prompt_tokens == 0

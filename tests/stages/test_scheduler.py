@@ -10,12 +10,21 @@ from stages.scheduler import BlockManager, Scheduler, SchedulerConfig, Sequence,
 EOS = 0
 
 
-def seq(handle: int, prompt_len: int, max_tokens: int = 100, priority: int = 0) -> Sequence:
+def seq(
+    handle: int,
+    prompt_len: int,
+    max_tokens: int = 100,
+    priority: int = 0,
+    prompt: np.ndarray | None = None,
+) -> Sequence:
+    """A request whose prompt is its own (no prefix shared with others) unless `prompt` is given."""
+    if prompt is None:
+        prompt = np.arange(1, prompt_len + 1, dtype=np.int32) + handle * 1000
     return Sequence(
         handle=handle,
         priority=priority,
         arrival_ns=handle,
-        prompt_ids=np.arange(1, prompt_len + 1, dtype=np.int32),
+        prompt_ids=np.asarray(prompt, np.int32),
         max_tokens=max_tokens,
         stop_ids=frozenset({EOS}),
         sampling=np.zeros(1, m.SAMPLING_ROW),
@@ -166,3 +175,103 @@ def test_complete_says_which_step_row_each_token_came_from() -> None:
     emitted, rows = s.complete(step.step_id, np.array([1, 2, 3]), np.array([5, 6, -1]))
     assert [(x.handle, token) for x, token in emitted] == [(2, 6)]
     assert rows == [1]
+
+
+# -- prefix caching ---------------------------------------------------------------------------
+
+
+SHARED = np.arange(500, 540, dtype=np.int32)  # 40 tokens: 10 blocks of 4
+
+
+def test_a_prompt_seen_before_takes_its_cached_blocks():
+    s = make(budget=64)
+    s.add(seq(1, 40, prompt=SHARED))
+    first, _ = run_step(s)
+    assert first.seqs[0].num_tokens == 40
+    s.add(seq(2, 44, prompt=np.concatenate([SHARED, [7, 8, 9, 10]])))
+    second, _ = run_step(s)
+    chunk = {x.seq.handle: (x.start, x.num_tokens) for x in second.seqs}
+    assert chunk[2] == (40, 4)  # the 40 shared tokens come from the cache
+    one, two = s.by_handle[1], s.by_handle[2]
+    assert two.blocks[:10] == one.blocks[:10] and two.num_cached_tokens == 40
+    assert s.stats()["prefix_cache_hits_total"] == 40
+    assert s.stats()["prefix_cache_queries_total"] == 84
+
+
+def test_the_last_prompt_token_is_always_computed():
+    s = make(budget=64)
+    s.add(seq(1, 40, prompt=SHARED))
+    run_step(s)
+    s.add(seq(2, 40, prompt=SHARED))  # the same prompt: every block cached
+    step, emitted = run_step(s)
+    chunk = {x.seq.handle: (x.start, x.num_tokens, x.sample) for x in step.seqs}
+    assert chunk[2] == (36, 4, True)  # the last block is computed again, and samples
+    assert s.by_handle[2].blocks[:9] == s.by_handle[1].blocks[:9]
+    assert s.by_handle[2].blocks[9] != s.by_handle[1].blocks[9]
+    assert [x.handle for x, _ in emitted] == [1, 2]
+
+
+def test_shared_blocks_outlive_one_holder_and_free_blocks_keep_their_prefix():
+    s = make(num_blocks=24, budget=64)
+    s.add(seq(1, 40, prompt=SHARED))
+    run_step(s)
+    s.add(seq(2, 40, prompt=SHARED))
+    run_step(s)
+    held = s.blocks.num_free
+    own = set(s.by_handle[1].blocks) - set(s.by_handle[2].blocks)
+    s.abort(1)
+    assert s.blocks.num_free == held + len(own)  # the 9 shared blocks stay with 2
+    s.abort(2)
+    assert s.blocks.num_free == 24 and s.blocks.usage == 0  # free, yet still cached
+    s.add(seq(3, 40, prompt=SHARED))
+    step, _ = run_step(s)
+    assert step.seqs[0].start == 36
+    # Blocks are handed out never-used first, then least recently freed, a prefix's tail first:
+    # a 64-token chunk takes the 12 never-used blocks and the prefix's last 4.
+    s.abort(3)
+    s.add(seq(4, 64))
+    run_step(s)
+    s.abort(4)
+    s.add(seq(5, 40, prompt=SHARED))
+    step, _ = run_step(s)
+    assert step.seqs[0].start == 32 and s.by_handle[5].num_cached_tokens == 32
+    s.abort(5)
+    s.add(seq(6, 96))  # every block: nothing of the prefix is left
+    run_step(s)
+    run_step(s)
+    s.abort(6)
+    s.add(seq(7, 40, prompt=SHARED))
+    step, _ = run_step(s)
+    assert step.seqs[0].start == 0 and s.by_handle[7].num_cached_tokens == 0
+
+
+def test_requests_that_need_every_prompt_position_skip_the_cache():
+    s = make(budget=64)
+    s.add(seq(1, 40, prompt=SHARED))
+    run_step(s)
+    other = seq(2, 40, prompt=SHARED)
+    other.cacheable = False  # prompt logprobs, or a repetition penalty
+    s.add(other)
+    step, _ = run_step(s)
+    assert {x.seq.handle: x.start for x in step.seqs}[2] == 0
+    off = Scheduler(SchedulerConfig(8, 64, 512, 64, 4, enable_prefix_caching=False))
+    off.add(seq(1, 40, prompt=SHARED))
+    run_step(off)
+    off.add(seq(2, 40, prompt=SHARED))
+    step, _ = run_step(off)
+    assert {x.seq.handle: x.start for x in step.seqs}[2] == 0
+
+
+def test_a_preempted_request_comes_back_through_the_cache():
+    s = make(num_blocks=16, budget=64, max_seqs=4)
+    s.add(seq(1, 40))  # 10 blocks
+    s.add(seq(2, 20))  # 5 blocks: 15 of 16 in use
+    run_step(s)
+    run_step(s)  # 1 takes the 16th block for its 41st token
+    run_step(s)  # 2 needs a 6th for its 21st: it is the latest admitted, so it is preempted
+    two = s.by_handle[2]
+    assert two.num_preemptions == 1 and two.status == Status.WAITING
+    s.abort(1)
+    step, _ = run_step(s)
+    assert [(x.seq.handle, x.start) for x in step.seqs] == [(2, 20)]  # its prompt from the cache
+    assert two.num_cached_tokens == 20
