@@ -100,6 +100,7 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
             system_fingerprint=fingerprint,
             include_request_metrics=config.enable_per_request_metrics,
             reasoning=generate_request.reasoning_parser is not None,
+            prompt_tokens_details=config.enable_prompt_tokens_details,
         )
         choices = await start_choices(generate_request, n)
         if stream:

@@ -124,7 +124,7 @@ def stream_chat(
     top_n = request.top_logprobs or 0
 
     def usage() -> bytes:
-        return usage_event(_chunk(ctx, [], total_usage(choices)), ctx, choices[0].tracker)
+        return usage_event(_chunk(ctx, [], total_usage(choices, ctx)), ctx, choices[0].tracker)
 
     async def events(choice: Choice) -> AsyncIterator[bytes]:
         tracker, index = choice.tracker, choice.index
@@ -220,7 +220,7 @@ async def collect_chat(
         "model": ctx.model,
         "system_fingerprint": ctx.system_fingerprint,
         "choices": bodies,
-        "usage": total_usage(choices),
+        "usage": total_usage(choices, ctx),
     }
     if request.prompt_logprobs is not None:
         response["prompt_logprobs"] = prompt_logprobs_body(

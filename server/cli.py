@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="add timing and speculative-decoding `metrics` to each response",
     )
     parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage says how many prompt tokens came from the prefix cache "
+        "(prompt_tokens_details.cached_tokens)",
+    )
+    parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='parse tool calls out of chat output (tool_choice "auto"); needs --tool-call-parser',
@@ -172,6 +178,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         served_model_name=served_model_name,
         api_key=args.api_key,
         enable_per_request_metrics=args.enable_per_request_metrics,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_format=args.log_format,
         log_level=args.log_level,
         reasoning_parser=args.reasoning_parser,

@@ -82,7 +82,7 @@ def stream_completion(
     choices: Sequence[Choice],
 ) -> AsyncGenerator[bytes, None]:
     def usage() -> bytes:
-        return usage_event(_body(ctx, [], total_usage(choices)), ctx, choices[0].tracker)
+        return usage_event(_body(ctx, [], total_usage(choices, ctx)), ctx, choices[0].tracker)
 
     async def events(choice: Choice) -> AsyncIterator[bytes]:
         tracker, index = choice.tracker, choice.index
@@ -148,7 +148,7 @@ async def collect_completion(
     choices: Sequence[Choice],
 ) -> dict[str, Any]:
     bodies = await gather_choices(choices, lambda choice: _collect_choice(engine, request, choice))
-    response = _body(ctx, bodies, total_usage(choices))
+    response = _body(ctx, bodies, total_usage(choices, ctx))
     if ctx.include_request_metrics:
         response["metrics"] = choices[0].tracker.metrics_body()
     return response

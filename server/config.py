@@ -12,6 +12,7 @@ class ServerConfig:
     served_model_name: str | None = None  # None = the engine's ModelInfo.served_model_name
     api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
     enable_per_request_metrics: bool = False
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     log_format: str = "auto"  # auto (JSON unless stderr is a terminal) | json | console
     log_level: str = "info"
     shutdown_timeout_s: float = 10.0  # how long Hypercorn lets open requests finish on SIGTERM

@@ -32,6 +32,7 @@ class ResponseContext:
     system_fingerprint: str
     include_request_metrics: bool
     reasoning: bool = False  # a reasoning parser runs on this request's output
+    prompt_tokens_details: bool = False  # final usage says how many prompt tokens were cached
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -191,11 +192,17 @@ class Choice:
         return chain(self.first, self.outputs, self.tracker)
 
 
-def total_usage(choices: Sequence[Choice]) -> dict[str, int]:
-    """The prompt counted once, the completions of every choice summed (as vLLM counts n > 1)."""
-    return usage_body(
+def total_usage(choices: Sequence[Choice], ctx: ResponseContext) -> dict[str, Any]:
+    """The prompt counted once, the completions of every choice summed (as vLLM counts n > 1);
+    with prompt_tokens_details, the prompt tokens the prefix cache held."""
+    usage: dict[str, Any] = usage_body(
         choices[0].tracker.num_prompt_tokens, sum(c.tracker.num_output_tokens for c in choices)
     )
+    if ctx.prompt_tokens_details:
+        metrics = choices[0].tracker.request_metrics
+        cached = metrics.num_cached_prompt_tokens if metrics is not None else 0
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 async def close_choices(choices: Sequence[Choice]) -> None:

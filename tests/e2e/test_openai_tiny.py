@@ -44,6 +44,7 @@ def server(tmp_path_factory):
         "--threads",
         "1",
         "--enable-per-request-metrics",
+        "--enable-prompt-tokens-details",
     ]
     with running_server(args, port, log_path) as process:
         yield port, process
@@ -406,6 +407,16 @@ def test_prefix_cache_counters_and_per_request_figure(server, client):
     cached = second.model_extra["metrics"]["num_cached_prompt_tokens"]
     assert first.model_extra["metrics"]["num_cached_prompt_tokens"] == 0 and cached >= 32
     assert metric(port, "vllm:prefix_cache_hits_total") - hits == cached
+    assert second.usage.prompt_tokens_details.cached_tokens == cached
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    *_, last = list(stream)
+    assert last.usage.prompt_tokens_details.cached_tokens >= cached
     assert metric(port, "vllm:prefix_cache_queries_total") > 0
 
 
