@@ -46,6 +46,9 @@ class SamplingArrays:
     allowed_token_ids: np.ndarray  # [S, Na] int32, -1 padded
     bad_token_ids: np.ndarray  # [S, Nx] int32, -1 padded
     stop_token_ids: np.ndarray  # [S, Ns] int32, -1 padded
+    # vLLM's bad words of two tokens or more: per row a tuple of token tuples (None: none). A
+    # word's last token is banned when the output ends with the rest of it.
+    bad_words: np.ndarray  # [S] object
     # Structured outputs: bit t of row r's words allows token t (stages.structured); rows without
     # a grammar have every bit set; width 0 when no row has one.
     token_bitmask: np.ndarray  # [S, ceil(V / 32)] int32
@@ -70,6 +73,7 @@ class SamplingArrays:
             allowed_token_ids=empty_ids,
             bad_token_ids=empty_ids,
             stop_token_ids=empty_ids,
+            bad_words=np.empty(num_rows, object),
             token_bitmask=np.zeros((num_rows, 0), np.int32),
         )
         fields.update(overrides)
@@ -104,6 +108,7 @@ def rows_needing_token_ids(params: SamplingArrays) -> np.ndarray:  # -> [S] bool
         (params.repetition_penalty != 1.0)
         | (params.frequency_penalty != 0.0)
         | (params.presence_penalty != 0.0)
+        | (params.bad_words != None)  # noqa: E711 (elementwise on an object array)
     )
 
 
@@ -167,6 +172,15 @@ def _apply_token_rules(
         logits.masked_fill_(restricted & ~allowed, float("-inf"))
     if params.bad_token_ids.size and (params.bad_token_ids >= 0).any():
         logits.masked_fill_(_id_mask(params.bad_token_ids, vocab_size), float("-inf"))
+    for row in np.flatnonzero(params.bad_words != None).tolist():  # noqa: E711
+        output = history[row].output_ids.tolist()
+        for word in params.bad_words[row]:
+            head = len(word) - 1
+            ends_with_head = (
+                len(output) >= head and tuple(output[len(output) - head :]) == word[:-1]
+            )
+            if ends_with_head and 0 <= word[-1] < vocab_size:
+                logits[row, word[-1]] = float("-inf")
     num_outputs = np.array([h.num_outputs for h in history], dtype=np.int64)
     too_short = num_outputs < params.min_tokens
     if too_short.any() and params.stop_token_ids.size:

@@ -71,6 +71,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     allowed_token_ids: list[TokenId] | None = None  # vLLM: sample only among these
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last k; -1: fit
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
+    bad_words: list[str] | None = None  # vLLM: words the output must not contain
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (one of them per request)
     response_format: dict[str, Any] | None = None
@@ -161,6 +162,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             if self.allowed_token_ids is not None
             else None,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=tuple(w for w in self.bad_words or () if w.strip()),
         )
 
     @property

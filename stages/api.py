@@ -50,6 +50,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     structured: StructuredOutput | None = None  # guided decoding: the output follows a grammar
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    bad_words: tuple[str, ...] = ()  # vLLM: words the output must not contain
 
 
 @dataclass(frozen=True, slots=True)

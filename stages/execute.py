@@ -23,7 +23,15 @@ if TYPE_CHECKING:
 class RequestParams:
     """The sampling row and id lists of one request, as execute keeps them."""
 
-    __slots__ = ("allowed_ids", "bias_ids", "bias_values", "sampling", "stop_ids")
+    __slots__ = (
+        "allowed_ids",
+        "bad_ids",
+        "bad_words",
+        "bias_ids",
+        "bias_values",
+        "sampling",
+        "stop_ids",
+    )
 
     def __init__(
         self,
@@ -32,12 +40,18 @@ class RequestParams:
         bias_ids: np.ndarray,
         bias_values: np.ndarray,
         allowed_ids: np.ndarray,
+        bad_words: np.ndarray,
     ) -> None:
         self.sampling = sampling
         self.stop_ids = stop_ids
         self.bias_ids = bias_ids
         self.bias_values = bias_values
         self.allowed_ids = allowed_ids
+        # bad words of one token are banned outright; longer ones by the sampler, at their last
+        # token, when the output ends with the rest
+        words = _split_words(bad_words)
+        self.bad_ids = np.array([w[0] for w in words if len(w) == 1], np.int32)
+        self.bad_words = tuple(w for w in words if len(w) > 1) or None
 
 
 def _padded(rows: list[np.ndarray], dtype: type, fill: float) -> np.ndarray:
@@ -156,13 +170,13 @@ class ExecuteActor(SyncActor):
         bias_cursor = 0
         grammar_offsets = message["new_grammar_offsets"].tolist()
         for i, handle in enumerate(message["new_handles"].tolist()):
-            stop, bias, allowed = (
-                ids[offsets[3 * i + k] : offsets[3 * i + k + 1]].copy() for k in range(3)
+            stop, bias, allowed, bad_words = (
+                ids[offsets[4 * i + k] : offsets[4 * i + k + 1]].copy() for k in range(4)
             )
             values = bias_values[bias_cursor : bias_cursor + len(bias)].copy()
             bias_cursor += len(bias)
             self.params[handle] = RequestParams(
-                message["new_sampling"][i].copy(), stop, bias, values, allowed
+                message["new_sampling"][i].copy(), stop, bias, values, allowed, bad_words
             )
             start, end = grammar_offsets[i], grammar_offsets[i + 1]
             if end > start:
@@ -193,7 +207,8 @@ class ExecuteActor(SyncActor):
             logit_bias_ids=_padded([p.bias_ids for p in params], np.int32, -1),
             logit_bias_values=_padded([p.bias_values for p in params], np.float32, 0.0),
             allowed_token_ids=_padded([p.allowed_ids for p in params], np.int32, -1),
-            bad_token_ids=np.full((count, 0), -1, np.int32),
+            bad_token_ids=_padded([p.bad_ids for p in params], np.int32, -1),
+            bad_words=_bad_words(params),
             stop_token_ids=_padded([p.stop_ids for p in params], np.int32, -1),
             token_bitmask=self.grammars.masks(handles.tolist(), seqs["sample"].tolist())
             if self.grammars is not None and len(self.grammars)
@@ -216,6 +231,27 @@ class ExecuteActor(SyncActor):
             prompt_logprobs=rows["prompt_logprobs"],
         )
         return batch, step_id, handles
+
+
+def _split_words(flat: np.ndarray) -> list[tuple[int, ...]]:
+    """-1-delimited token sequences -> tuples."""
+    words, current = [], []
+    for token in flat.tolist():
+        if token < 0:
+            words.append(tuple(current))
+            current = []
+        else:
+            current.append(token)
+    return [w for w in words if w]
+
+
+def _bad_words(params: list[RequestParams]) -> np.ndarray:
+    """[S] object: each row's multi-token bad words (None for none)."""
+    out = np.empty(len(params), object)
+    for row, p in enumerate(params):
+        if p.bad_words is not None:
+            out[row] = p.bad_words
+    return out
 
 
 def _grammar_matchers(model_path: str) -> GrammarMatchers:

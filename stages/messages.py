@@ -68,6 +68,7 @@ PROMPT = Record(
     ("bias_ids", np.int32),
     ("bias_values", np.float32),
     ("allowed_ids", np.int32),
+    ("bad_words", np.int32),  # token sequences of the bad words, each followed by -1
     ("detok", np.uint8),  # msgpack of DetokParams, forwarded to detokenize untouched
     ("grammar", np.uint8),  # UTF-8 llguidance grammar (stages.structured); empty: unconstrained
 )
@@ -94,7 +95,7 @@ STEP = Record(
     ("block_tables", np.int32),  # [B * width], padded with 0
     ("new_handles", np.int64),  # requests execute sees for the first time
     ("new_sampling", SAMPLING_ROW),
-    ("new_id_offsets", np.int32),  # [N * 3 + 1]: stop, bias, allowed id lists per new request
+    ("new_id_offsets", np.int32),  # [N * 4 + 1]: stop, bias, allowed, bad-word id lists per new
     ("new_ids", np.int32),
     ("new_bias_values", np.float32),  # aligned with the bias id lists
     ("new_grammar_offsets", np.int32),  # [N + 1]: each new request's grammar in new_grammars

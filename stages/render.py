@@ -6,6 +6,8 @@ never reaches the scheduler. Aborts pass through in order, so an abort never ove
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from gpu.config import load_model_config
@@ -61,6 +63,19 @@ def prompt_token_ids(bundle: TokenizerBundle, request: WireRequest) -> list[int]
             f"token id {bad[0]} is out of vocabulary (size {bundle.vocab_size})", param="prompt"
         )
     return ids
+
+
+def bad_word_ids(bundle: TokenizerBundle, words: Sequence[str]) -> np.ndarray:
+    """vLLM's bad_words as token sequences (each word alone and after a space, the two ways a
+    tokenizer may see it), each followed by -1."""
+    sequences: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(bundle.tokenizer.encode(text, add_special_tokens=False).ids)
+            if ids:
+                sequences[ids] = None
+    flat = [token for ids in sequences for token in (*ids, -1)]
+    return np.asarray(flat, np.int32)
 
 
 def check_lengths(num_prompt: int, max_tokens: int | None, max_model_len: int) -> int:
@@ -204,6 +219,7 @@ class RenderActor(AsyncActor):
             "bias_ids": np.fromiter(bias.keys(), np.int32, len(bias)),
             "bias_values": np.fromiter(bias.values(), np.float32, len(bias)),
             "allowed_ids": np.asarray(s.allowed_token_ids or [], np.int32),
+            "bad_words": bad_word_ids(self.bundle, s.bad_words),
             "detok": np.frombuffer(encoder.encode(detok), np.uint8),
             "grammar": np.frombuffer(grammar.encode(), np.uint8),
         }

@@ -270,6 +270,7 @@ def _sequence(message: Message) -> Sequence:
         bias_ids=message["bias_ids"].copy(),
         bias_values=message["bias_values"].copy(),
         allowed_ids=message["allowed_ids"].copy(),
+        bad_words=message["bad_words"].copy(),
         detok=message["detok"].tobytes(),
         grammar=message["grammar"].tobytes(),
         cacheable=bool(
@@ -329,7 +330,7 @@ def _plan_arrays(step: Step, block_size: int) -> dict[str, np.ndarray]:
     new = step.new_for_execute
     id_lists: list[np.ndarray] = []
     for seq in new:
-        id_lists += [seq.stop_list, seq.bias_ids, seq.allowed_ids]
+        id_lists += [seq.stop_list, seq.bias_ids, seq.allowed_ids, seq.bad_words]
     offsets = np.cumsum([0, *map(len, id_lists)], dtype=np.int32)
     return {
         "meta": np.array([step.step_id, count, width, now], np.int64),

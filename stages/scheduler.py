@@ -141,6 +141,7 @@ class Sequence:
     allowed_ids: np.ndarray
     detok: bytes
     grammar: bytes = b""  # llguidance grammar for execute; empty: unconstrained
+    bad_words: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # -1 delimited
     render_start_ns: int = 0
     rendered_ns: int = 0
     scheduled_ns: int = 0  # first scheduled

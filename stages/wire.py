@@ -52,6 +52,7 @@ class WireSampling(msgspec.Struct):
     allowed_token_ids: list[int] | None = None
     structured: WireStructured | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] = []
 
 
 class WireStructured(msgspec.Struct):
@@ -168,6 +169,7 @@ def encode_request(request: api.GenerateRequest) -> bytes:
         if s.structured is not None
         else None,
         truncate_prompt_tokens=s.truncate_prompt_tokens,
+        bad_words=list(s.bad_words),
     )
     return msgspec.msgpack.encode(
         WireRequest(

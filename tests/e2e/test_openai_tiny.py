@@ -380,6 +380,9 @@ def test_allowed_token_ids_truncation_and_token_ids_as_names(client):
     )
     tokens = [entry.token for entry in reply.choices[0].logprobs.content]
     assert len(tokens) == 5 and all(t in {f"token_id:{i}" for i in allowed} for t in tokens)
+    # bad_words reaches the sampler (what it bans: tests/stages/test_engine.py)
+    banned = chat(client, max_tokens=6, extra_body={"ignore_eos": True, "bad_words": ["the"]})
+    assert banned.usage.completion_tokens == 6
     long_prompt = "word " * 400  # past max_model_len (256) untruncated
     kept = chat(
         client, content=long_prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": 50}
@@ -391,6 +394,7 @@ def test_allowed_token_ids_truncation_and_token_ids_as_names(client):
         {"allowed_token_ids": []},
         {"allowed_token_ids": [10**6]},
         {"truncate_prompt_tokens": 0},
+        {"bad_words": "the"},
     ):
         with pytest.raises(openai.BadRequestError):
             chat(client, max_tokens=2, extra_body=extra)

@@ -239,3 +239,21 @@ def test_logprobs_top_k_and_ranks_come_from_raw_logits():
         assert math.isclose(out.logprobs[row].item(), raw[row, token].item(), rel_tol=1e-6)
         assert int(out.ranks[row]) == int((raw[row] > raw[row, token]).sum()) + 1
     assert int(out.ranks[2]) == 2  # the presence penalty moved greedy off the raw argmax
+
+
+def test_bad_words_ban_their_last_token_after_the_rest():
+    logits = torch.zeros(3, 10)
+    logits[:, 6] = 5.0  # everyone's favourite
+    bad_words = np.empty(3, object)
+    bad_words[0] = ((5, 6),)  # its output ends with 5: 6 is banned
+    bad_words[1] = ((4, 5, 6), (9, 6))  # ends with 4, 5: banned by the first word
+    bad_words[2] = ((5, 6),)  # ends with 4: 6 stays allowed
+    params = SamplingArrays.defaults(3, bad_words=bad_words)
+    history = [
+        TokenHistory.of([1, 2], [3, 5]),
+        TokenHistory.of([1], [4, 5]),
+        TokenHistory.of([1], [5, 4]),
+    ]
+    assert sample(logits, params, history).token_ids.tolist()[0] != 6
+    assert sample(logits, params, history).token_ids.tolist()[1] != 6
+    assert sample(logits, params, history).token_ids.tolist()[2] == 6

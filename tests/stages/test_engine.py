@@ -343,3 +343,33 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(engine_loop):
         collect(engine, request(prompt, temperature=0, max_tokens=1, prompt_logprobs=1))
     )
     assert scored[-1].metrics.num_cached_prompt_tokens == 0
+
+
+def test_bad_words_never_appear_in_the_output(engine_loop):
+    from stages.render import bad_word_ids
+
+    engine, loop = engine_loop
+
+    def greedy(**extra):
+        outs = loop.run(
+            collect(engine, request(temperature=0, max_tokens=12, ignore_eos=True, **extra))
+        )
+        return [t for o in outs for t in o.token_ids]
+
+    plain = greedy()
+    word = engine.bundle.decode(plain[:2])
+    flat = bad_word_ids(engine.bundle, [word]).tolist()
+    sequences, current = [], []
+    for token in flat:
+        if token < 0:
+            sequences.append(current)
+            current = []
+        else:
+            current.append(token)
+
+    def contains(ids, seq):
+        return any(ids[i : i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
+
+    assert any(contains(plain, seq) for seq in sequences)  # the word is there without the ban
+    banned = greedy(bad_words=(word,))
+    assert len(banned) == 12 and not any(contains(banned, seq) for seq in sequences)
