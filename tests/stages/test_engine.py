@@ -373,3 +373,49 @@ def test_bad_words_never_appear_in_the_output(engine_loop):
     assert any(contains(plain, seq) for seq in sequences)  # the word is there without the ban
     banned = greedy(bad_words=(word,))
     assert len(banned) == 12 and not any(contains(banned, seq) for seq in sequences)
+
+
+def test_shared_prefixes_under_preemption_and_aborts_free_every_block(engine_loop):
+    """64 blocks of 16 tokens, 24 requests sharing a 5-block prefix and each wanting 5 more blocks
+    of output: preemption, cache hits on shared blocks, and aborts mid-stream, all at once."""
+    from stages.api import StructuredOutput
+
+    engine, loop = engine_loop
+    prefix = "Shared instructions for every request in this test, kept long on purpose. " * 5
+    preemptions_before = engine.stats().get("num_preemptions_total", 0)
+
+    async def run():
+        async def one(i: int):
+            req = request(
+                prefix + f"Request {i}.",
+                rid=f"p{i}",
+                temperature=0.7,
+                seed=i,
+                max_tokens=80,
+                ignore_eos=True,
+                structured=StructuredOutput("regex", "[a-z ]{80}") if i % 4 == 0 else None,
+            )
+            outs = []
+            async for out in engine.generate(req):
+                outs.append(out)
+                if i % 5 == 0 and len(outs) == 3:
+                    break  # leaves mid-stream: an abort
+            return outs
+
+        return await asyncio.gather(*(one(i) for i in range(24)))
+
+    results = loop.run(run(), timeout=300)
+    finished = [r for i, r in enumerate(results) if i % 5]
+    assert all(r[-1].finish_reason == "length" and r[-1].num_output_tokens == 80 for r in finished)
+    for i in range(0, 24, 4):  # the constrained ones held to their grammar across preemptions
+        if i % 5:
+            text = "".join(o.text for o in results[i])
+            assert len(text) == 80 and set(text) <= set("abcdefghijklmnopqrstuvwxyz ")
+    assert any(r[-1].metrics.num_cached_prompt_tokens > 0 for r in finished)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and engine.stats()["kv_cache_usage_perc"] > 0:
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats["num_preemptions_total"] > preemptions_before
+    assert stats["kv_cache_usage_perc"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
