@@ -108,7 +108,7 @@ def rows_needing_token_ids(params: SamplingArrays) -> np.ndarray:  # -> [S] bool
         (params.repetition_penalty != 1.0)
         | (params.frequency_penalty != 0.0)
         | (params.presence_penalty != 0.0)
-        | (params.bad_words != None)  # noqa: E711 (elementwise on an object array)
+        | np.not_equal(params.bad_words, None)
     )
 
 
@@ -172,7 +172,7 @@ def _apply_token_rules(
         logits.masked_fill_(restricted & ~allowed, float("-inf"))
     if params.bad_token_ids.size and (params.bad_token_ids >= 0).any():
         logits.masked_fill_(_id_mask(params.bad_token_ids, vocab_size), float("-inf"))
-    for row in np.flatnonzero(params.bad_words != None).tolist():  # noqa: E711
+    for row in np.flatnonzero(np.not_equal(params.bad_words, None)).tolist():
         output = history[row].output_ids.tolist()
         for word in params.bad_words[row]:
             head = len(word) - 1
