@@ -30,7 +30,7 @@ from server.serving import (
     usage_event,
 )
 from stages.api import TokenLogprob, ToolCall
-from stages.parsers import forced_tool_calls
+from stages.parsers import forced_tool_calls, new_tool_call_id
 
 
 def _chunk(
@@ -78,7 +78,8 @@ class _Calls:
     """The tool calls a request made so far (only the first when parallel_tool_calls is false).
 
     With a forced tool_choice the output is the calls' JSON (its grammar saw to that): the text is
-    held back and becomes the calls when the request finishes. A named function is called with
+    held back and becomes the calls when the request finishes (a streamed named call goes out
+    piece by piece instead, in stream_chat). A named function is called with
     the text as its arguments and finishes with "stop", as OpenAI answers a forced function;
     "required" parses vLLM's list of {"name", "parameters"} and finishes with "tool_calls".
     """
@@ -126,9 +127,14 @@ def stream_chat(
     def usage() -> bytes:
         return usage_event(_chunk(ctx, [], total_usage(choices, ctx)), ctx, choices[0].tracker)
 
+    # A named tool_choice streams its call as OpenAI does: the first delta opens the call (id,
+    # name), the following ones carry pieces of its arguments as the model writes them.
+    named = request.forced_tool if request.forced_tool != "required" else None
+
     async def events(choice: Choice) -> AsyncIterator[bytes]:
         tracker, index = choice.tracker, choice.index
         calls = _Calls(request)
+        call_open = False
 
         def usage_now() -> dict[str, int] | None:
             return tracker.usage if request.continuous_usage else None
@@ -141,7 +147,16 @@ def stream_chat(
             delta: dict[str, Any] = {}
             if output.reasoning and request.include_reasoning:
                 delta["reasoning_content"] = delta["reasoning"] = output.reasoning
-            text = calls.hold(output.text)
+            text = output.text if named else calls.hold(output.text)
+            if named and (text or not call_open):
+                function = {"arguments": text}
+                piece: dict[str, Any] = {"index": 0, "function": function}
+                if not call_open:
+                    piece.update(id=new_tool_call_id(), type="function")
+                    function["name"] = named
+                    call_open = True
+                delta["tool_calls"] = [piece]
+                text = ""
             if text or (output.logprobs and not delta):
                 delta["content"] = text
             if output.tool_calls:
@@ -159,7 +174,7 @@ def stream_chat(
                 )
                 yield sse(_chunk(ctx, [_choice(index, delta, logprobs)], usage_now()))
             if output.finish_reason is not None:
-                forced, held = calls.release()
+                forced, held = calls.release() if named is None else ([], "")
                 if forced:
                     delta = {"tool_calls": [_tool_call(call, i) for i, call in enumerate(forced)]}
                     yield sse(_chunk(ctx, [_choice(index, delta)], usage_now()))

@@ -338,8 +338,11 @@ def test_forced_tool_choice_named_and_required(client):
     deltas = [c.choices[0].delta for c in chunks]
     assert not any(d.content for d in deltas)  # the JSON goes out as the call, not as content
     streamed = [tc for d in deltas for tc in d.tool_calls or ()]
-    assert len(streamed) == 1 and streamed[0].function.name == "get_weather"
-    assert json.loads(streamed[0].function.arguments)["city"] in ("Paris", "Oslo")
+    # as OpenAI streams a call: the first piece opens it, the others carry its arguments
+    assert streamed[0].id and streamed[0].function.name == "get_weather"
+    assert all(tc.index == 0 and tc.id is None for tc in streamed[1:]) and len(streamed) > 2
+    arguments = "".join(tc.function.arguments for tc in streamed)
+    assert json.loads(arguments)["city"] in ("Paris", "Oslo")
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
