@@ -41,7 +41,7 @@ def compile_grammar(spec: StructuredOutput) -> str:
     param = spec.param
     try:
         grammar = _grammar(spec)
-    except (ValueError, TypeError) as error:
+    except Exception as error:  # a bad spec, in whatever way the compilers say so: the client's 400
         raise EngineError(
             f"invalid {spec.kind} for structured output: {error}", param=param
         ) from error

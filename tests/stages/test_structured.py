@@ -101,6 +101,7 @@ def test_json_object_allows_only_an_object(matchers, bundle):
         StructuredOutput("regex", "[0-9", param="structured_outputs.regex"),
         StructuredOutput("choice", json.dumps([])),
         StructuredOutput("grammar", "start: undefined_rule"),
+        StructuredOutput("grammar", "neither Lark nor GBNF", param="guided_grammar"),
         StructuredOutput("xml", "<a/>"),
     ],
 )
