@@ -88,6 +88,7 @@ class _Calls:
         self.limit = 1 if request.parallel_tool_calls is False else None
         self.calls: list[ToolCall] = []
         self.forced = request.forced_tool
+        self.named = request.named_tool
         self._held: list[str] = []
 
     def hold(self, text: str) -> str:
@@ -114,7 +115,7 @@ class _Calls:
         return taken
 
     def finish_reason(self, reason: str | None) -> str | None:
-        if self.calls and self.forced not in (None, "required"):
+        if self.calls and self.named is not None:
             return reason
         return "tool_calls" if self.calls and reason in ("stop", "length") else reason
 
@@ -129,7 +130,7 @@ def stream_chat(
 
     # A named tool_choice streams its call as OpenAI does: the first delta opens the call (id,
     # name), the following ones carry pieces of its arguments as the model writes them.
-    named = request.forced_tool if request.forced_tool != "required" else None
+    named = request.named_tool
 
     async def events(choice: Choice) -> AsyncIterator[bytes]:
         tracker, index = choice.tracker, choice.index

@@ -265,6 +265,11 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             return str(self.tool_choice["function"]["name"])
         return None
 
+    @property
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice forces (None for none, or for "required")."""
+        return self.forced_tool if self.forced_tool != "required" else None
+
     def structured(self) -> StructuredOutput | None:
         forced = self.forced_tool
         if forced is None:

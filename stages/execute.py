@@ -90,6 +90,7 @@ class ExecuteActor(SyncActor):
             )
         self.params: dict[int, RequestParams] = {}
         self.last_token: dict[int, int] = {}
+        self.with_bad_words: set[int] = set()  # steps without them skip building their arrays
         # Built at the first structured-output request (~0.5 s once): a server that never gets
         # one carries no llguidance tokenizer.
         self.grammars: GrammarMatchers | None = None
@@ -161,6 +162,7 @@ class ExecuteActor(SyncActor):
         for handle in message["free_handles"].tolist():
             self.params.pop(handle, None)
             self.last_token.pop(handle, None)
+            self.with_bad_words.discard(handle)
             if self.grammars is not None:
                 self.grammars.drop(handle)
         if len(message["free_handles"]):
@@ -178,6 +180,8 @@ class ExecuteActor(SyncActor):
             self.params[handle] = RequestParams(
                 message["new_sampling"][i].copy(), stop, bias, values, allowed, bad_words
             )
+            if len(bad_words):
+                self.with_bad_words.add(handle)
             start, end = grammar_offsets[i], grammar_offsets[i + 1]
             if end > start:
                 if self.grammars is None:
@@ -207,8 +211,10 @@ class ExecuteActor(SyncActor):
             logit_bias_ids=_padded([p.bias_ids for p in params], np.int32, -1),
             logit_bias_values=_padded([p.bias_values for p in params], np.float32, 0.0),
             allowed_token_ids=_padded([p.allowed_ids for p in params], np.int32, -1),
-            bad_token_ids=_padded([p.bad_ids for p in params], np.int32, -1),
-            bad_words=_bad_words(params),
+            bad_token_ids=_padded([p.bad_ids for p in params], np.int32, -1)
+            if self.with_bad_words
+            else np.zeros((count, 0), np.int32),
+            bad_words=_bad_words(params) if self.with_bad_words else np.empty(count, object),
             stop_token_ids=_padded([p.stop_ids for p in params], np.int32, -1),
             token_bitmask=self.grammars.masks(handles.tolist(), seqs["sample"].tolist())
             if self.grammars is not None and len(self.grammars)

@@ -159,7 +159,8 @@ class Sequence:
     sent_to_execute: bool = False
     sent_to_detok: bool = False
     # Prefix caching: off for requests that need every prompt position computed (prompt
-    # logprobs) or seen by execute (the repetition penalty reads the prompt's ids).
+    # logprobs) or seen by execute (the repetition penalty reads the prompt's ids), and for all
+    # when the scheduler's config turns it off (add() folds that in).
     cacheable: bool = True
     num_cached_tokens: int = 0  # prompt tokens taken from the cache when last admitted
     num_registered: int = 0  # prompt blocks registered in the cache
@@ -242,6 +243,7 @@ class Scheduler:
     # -- requests in and out ---------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        seq.cacheable = seq.cacheable and self.config.enable_prefix_caching
         self.by_handle[seq.handle] = seq
         self._enqueue(seq)
 
@@ -365,24 +367,22 @@ class Scheduler:
         """Give a request that starts from nothing the cached blocks its prompt begins with; the
         number of tokens they hold (its num_computed now). One token is always left to compute:
         the step that computes it samples the request's next token."""
-        if (
-            not self.config.enable_prefix_caching
-            or not seq.cacheable
-            or seq.num_computed
-            or seq.blocks
-        ):
+        if not seq.cacheable or seq.num_computed or seq.blocks:
             return 0
-        if seq.block_hashes is None:
-            seq.block_hashes = prompt_block_hashes(seq.prompt_ids, self.blocks.block_size)
         usable = (seq.num_tokens - 1) // self.blocks.block_size
-        blocks = self.blocks.match(seq.block_hashes[:usable])
+        blocks = self.blocks.match(self._prompt_hashes(seq)[:usable])
         seq.blocks.extend(blocks)
-        seq.num_computed = seq.num_registered = len(blocks)
-        seq.num_computed *= self.blocks.block_size
+        seq.num_registered = len(blocks)
+        seq.num_computed = len(blocks) * self.blocks.block_size
         return seq.num_computed
 
+    def _prompt_hashes(self, seq: Sequence) -> list[bytes]:
+        if seq.block_hashes is None:
+            seq.block_hashes = prompt_block_hashes(seq.prompt_ids, self.blocks.block_size)
+        return seq.block_hashes
+
     def _count_prefix_lookup(self, seq: Sequence, cached: int) -> None:
-        if self.config.enable_prefix_caching and seq.cacheable:
+        if seq.cacheable:
             seq.num_cached_tokens = cached
             self.prefix_cache_queries += seq.num_prompt
             self.prefix_cache_hits += cached
@@ -390,15 +390,12 @@ class Scheduler:
     def _register_prefix(self, seq: Sequence) -> None:
         """Register the prompt blocks this step's chunk completes (its step writes them before
         any later step can read them: execute runs steps in order)."""
-        if not self.config.enable_prefix_caching or not seq.cacheable:
-            return
         full = min(seq.num_computed, seq.num_prompt) // self.blocks.block_size
-        if full <= seq.num_registered:
+        if not seq.cacheable or full <= seq.num_registered:
             return
-        if seq.block_hashes is None:
-            seq.block_hashes = prompt_block_hashes(seq.prompt_ids, self.blocks.block_size)
+        hashes = self._prompt_hashes(seq)
         for j in range(seq.num_registered, full):
-            self.blocks.register(seq.blocks[j], seq.block_hashes[j])
+            self.blocks.register(seq.blocks[j], hashes[j])
         seq.num_registered = full
 
     def _make_room(self, seq: Sequence, num_tokens: int, taken: set[int]) -> bool:
