@@ -1276,6 +1276,19 @@ int paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, i
     free(vv);
     return 0;
 }
+#else
+/* Without AVX-512 the symbol still exists (ctypes binds every kernel at load) and says "not
+ * here"; prefill_attention_available() keeps callers on the torch path. */
+int paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, int64_t context,
+                            const int32_t *block_table, const void *k_cache, const void *v_cache,
+                            int cache_bf16, int64_t block_size, int64_t heads, int64_t kv_heads,
+                            int64_t dim, float scale, int64_t window, float *out,
+                            int64_t out_stride) {
+    (void)q, (void)q_stride, (void)queries, (void)context, (void)block_table, (void)k_cache;
+    (void)v_cache, (void)cache_bf16, (void)block_size, (void)heads, (void)kv_heads, (void)dim;
+    (void)scale, (void)window, (void)out, (void)out_stride;
+    return -1;
+}
 #endif
 
 int prefill_attention_available(void) {
