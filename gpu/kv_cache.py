@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu.config import ModelConfig, kv_block_bytes_for
+from stages.text.checkpoint import ModelConfig, kv_block_bytes_for
 
 DEFAULT_BLOCK_SIZE = 16
 

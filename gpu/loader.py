@@ -17,7 +17,7 @@ import numpy as np
 import structlog
 import torch
 
-from gpu.config import ModelConfig, UnsupportedModelError, open_gguf
+from stages.text.checkpoint import ModelConfig, UnsupportedModelError, open_gguf
 
 log = structlog.get_logger(__name__)
 

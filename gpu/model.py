@@ -19,7 +19,6 @@ from torch import nn
 from gpu import attention as torch_attention
 from gpu import native
 from gpu.attention import AttentionInputs, StepLayout
-from gpu.config import ModelConfig, RopeScaling, UnsupportedModelError
 from gpu.loader import GgufRawTensor
 from gpu.quant import (
     Int4Linear,
@@ -28,6 +27,7 @@ from gpu.quant import (
     NativeQ8Linear,
     ThinThickLinear,
 )
+from stages.text.checkpoint import ModelConfig, RopeScaling, UnsupportedModelError
 
 QUANTIZATION_MODES = ("int8", "int4")
 

@@ -14,7 +14,6 @@ import structlog
 import torch
 
 from gpu import native
-from gpu.config import ModelConfig, load_model_config, resolve_kv_cache_dtype
 from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from gpu.loader import iter_weights, read_gguf_raw_tensors
 from gpu.model import (
@@ -32,6 +31,7 @@ from gpu.sampler import (
     rows_needing_token_ids,
     sample,
 )
+from stages.text.checkpoint import ModelConfig, load_model_config, resolve_kv_cache_dtype
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +56,7 @@ class RunnerConfig:
     # The C kernels of gpu/native on CPU (norms, RoPE + KV write, decode attention, GGUF-format
     # quantized matmuls with int8 activations); None: wherever they build. False: torch only.
     native_kernels: bool | None = None
-    kv_cache_dtype: str = "auto"  # see gpu.config.resolve_kv_cache_dtype
+    kv_cache_dtype: str = "auto"  # see stages.text.checkpoint.resolve_kv_cache_dtype
 
 
 @dataclass(slots=True, frozen=True)

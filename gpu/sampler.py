@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from stages.api import SamplingParams
 
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over the seed space
@@ -49,7 +53,7 @@ class SamplingArrays:
     # vLLM's bad words of two tokens or more: per row a tuple of token tuples (None: none). A
     # word's last token is banned when the output ends with the rest of it.
     bad_words: np.ndarray  # [S] object
-    # Structured outputs: bit t of row r's words allows token t (stages.structured); rows without
+    # Structured outputs: bit t of row r's words allows token t (stages.text.structured); rows without
     # a grammar have every bit set; width 0 when no row has one.
     token_bitmask: np.ndarray  # [S, ceil(V / 32)] int32
 
@@ -82,6 +86,108 @@ class SamplingArrays:
     def select(self, rows: np.ndarray) -> SamplingArrays:
         """The parameters of `rows` only."""
         return SamplingArrays(**{name: getattr(self, name)[rows] for name in self.__slots__})
+
+
+# The per-row scalars: (SamplingArrays field, SamplingParams attribute, dtype, what None means).
+# A new scalar option is a line here, a SamplingArrays field, and the code that uses it.
+SCALARS: tuple[tuple[str, str, type, int | None], ...] = (
+    ("temperature", "temperature", np.float32, None),
+    ("top_p", "top_p", np.float32, None),
+    ("top_k", "top_k", np.int32, None),
+    ("min_p", "min_p", np.float32, None),
+    ("presence_penalty", "presence_penalty", np.float32, None),
+    ("frequency_penalty", "frequency_penalty", np.float32, None),
+    ("repetition_penalty", "repetition_penalty", np.float32, None),
+    ("seed", "seed", np.int64, -1),
+    ("min_tokens", "min_tokens", np.int32, None),
+    ("num_logprobs", "logprobs", np.int32, -1),
+)
+ROW = np.dtype([(name, dtype) for name, _, dtype, _ in SCALARS])
+_NO_IDS = np.zeros(0, np.int32)
+
+
+@dataclass(slots=True, frozen=True)
+class RequestSampling:
+    """One request's parameters as the sampler gathers them, built once when the request arrives."""
+
+    row: np.ndarray  # [1] ROW
+    prompt_logprobs: int  # top-k of prompt logprobs wanted; < 0 = none
+    logit_bias_ids: np.ndarray  # [Nb] int32
+    logit_bias_values: np.ndarray  # [Nb] float32
+    allowed_token_ids: np.ndarray  # [Na] int32; empty = every token
+    stop_token_ids: np.ndarray  # [Ns] int32
+    bad_token_ids: np.ndarray  # [Nx] int32: bad words of one token, banned outright
+    bad_words: tuple[tuple[int, ...], ...] | None  # longer bad words, banned at their last token
+
+    @classmethod
+    def of(
+        cls,
+        params: SamplingParams,
+        stop_token_ids: Sequence[int],  # the request's and EOS, as render resolved them
+        bad_words: Sequence[tuple[int, ...]],  # token sequences
+    ) -> RequestSampling:
+        row = np.zeros(1, ROW)
+        for name, attribute, _, none in SCALARS:
+            value = getattr(params, attribute)
+            if value is None:
+                value = none
+            elif name == "seed":
+                value &= _SEED_MASK  # any client seed, negative or past int64, is a seed
+            row[name] = value
+        bias = params.logit_bias or {}
+        return cls(
+            row=row,
+            prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
+            logit_bias_ids=np.fromiter(bias.keys(), np.int32, len(bias)),
+            logit_bias_values=np.fromiter(bias.values(), np.float32, len(bias)),
+            allowed_token_ids=np.asarray(params.allowed_token_ids or (), np.int32),
+            stop_token_ids=np.asarray(stop_token_ids, np.int32),
+            bad_token_ids=np.array([w[0] for w in bad_words if len(w) == 1], np.int32),
+            bad_words=tuple(w for w in bad_words if len(w) > 1) or None,
+        )
+
+    @property
+    def has_bad_words(self) -> bool:
+        return bool(len(self.bad_token_ids)) or self.bad_words is not None
+
+
+def gather(
+    requests: Sequence[RequestSampling],
+    token_bitmask: np.ndarray,  # [S, W] int32, or width 0 when no row has a grammar
+    with_bad_words: bool = True,  # False: no row has bad words (their arrays are skipped)
+) -> SamplingArrays:
+    """The step's rows, one per request in batch order."""
+    rows = np.concatenate([r.row for r in requests]) if requests else np.zeros(0, ROW)
+    count = len(requests)
+    return SamplingArrays(
+        **{name: rows[name] for name in ROW.names},
+        logit_bias_ids=_padded([r.logit_bias_ids for r in requests], np.int32, -1),
+        logit_bias_values=_padded([r.logit_bias_values for r in requests], np.float32, 0.0),
+        allowed_token_ids=_padded([r.allowed_token_ids for r in requests], np.int32, -1),
+        bad_token_ids=_padded([r.bad_token_ids for r in requests], np.int32, -1)
+        if with_bad_words
+        else np.zeros((count, 0), np.int32),
+        bad_words=_objects([r.bad_words for r in requests])
+        if with_bad_words
+        else np.empty(count, object),
+        stop_token_ids=_padded([r.stop_token_ids for r in requests], np.int32, -1),
+        token_bitmask=token_bitmask,
+    )
+
+
+def _objects(items: list[tuple[tuple[int, ...], ...] | None]) -> np.ndarray:  # -> [S] object
+    out = np.empty(len(items), object)
+    for i, item in enumerate(items):
+        out[i] = item
+    return out
+
+
+def _padded(rows: list[np.ndarray], dtype: type, fill: float) -> np.ndarray:  # -> [S, max len]
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), width), fill, dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
 
 
 @dataclass(slots=True, frozen=True)

@@ -270,7 +270,7 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
 
 def _kv_row_bytes(model_path: str, element: int) -> int:
     """Bytes of K (or V) for one token across all layers."""
-    from gpu.config import load_model_config
+    from stages.text.checkpoint import load_model_config
 
     c = load_model_config(model_path)
     return c.num_layers * c.num_kv_heads * c.head_dim * element

@@ -8,7 +8,7 @@ import numpy as np
 
 from perf.stats import percentiles_ms
 
-FORWARD_KIND = 4  # stages.messages.SPAN_FORWARD (perf/ does not import the stages)
+FORWARD_KIND = 4  # stages.spans.SPAN_FORWARD (perf/ does not import the stages)
 FRONT_END = "server"  # Engine.cpu_seconds' name for the process that drives the stages
 SPAN_NAMES = {1: "render", 2: "plan", 3: "result", 4: "forward", 5: "detokenize"}
 

@@ -30,7 +30,7 @@ from server.serving import (
     usage_event,
 )
 from stages.api import TokenLogprob, ToolCall
-from stages.parsers import forced_tool_calls, new_tool_call_id
+from stages.text.parsers import forced_tool_calls, new_tool_call_id
 
 
 def _chunk(

@@ -26,7 +26,7 @@ from server.config import ServerConfig
 from server.logs import configure_server_logging
 from server.serve import serve_app
 from stages.config import EngineConfig, default_model_path
-from stages.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 log = structlog.get_logger("server")
 

@@ -16,7 +16,7 @@ class ServerConfig:
     log_format: str = "auto"  # auto (JSON unless stderr is a terminal) | json | console
     log_level: str = "info"
     shutdown_timeout_s: float = 10.0  # how long Hypercorn lets open requests finish on SIGTERM
-    # Output parsing for chat (stages.parsers), named and switched on as in `vllm serve`.
+    # Output parsing for chat (stages.text.parsers), named and switched on as in `vllm serve`.
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content split out
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" works

@@ -5,7 +5,6 @@ it per request."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -166,10 +165,10 @@ class OpenAIServing:
         requests = [generate_request]
         seed = generate_request.sampling.seed
         for i in range(1, n):
-            sampling = dataclasses.replace(
+            sampling = msgspec.structs.replace(
                 generate_request.sampling, seed=None if seed is None else seed + i
             )
-            requests.append(dataclasses.replace(generate_request, sampling=sampling))
+            requests.append(msgspec.structs.replace(generate_request, sampling=sampling))
         trackers = [Tracker(self.metrics, r.request_id, r.arrival_ns) for r in requests]
         started = await asyncio.gather(
             *(start(self.engine, r) for r in requests), return_exceptions=True

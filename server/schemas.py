@@ -8,7 +8,6 @@ Checks that span several fields live in each request's `validate` method.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -337,7 +336,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         if self.logprobs:
             logprobs = self.top_logprobs or 0
         sampling = self._sampling(self.effective_max_tokens, logprobs)
-        return dataclasses.replace(sampling, prompt_logprobs=self.prompt_logprobs)
+        return msgspec.structs.replace(sampling, prompt_logprobs=self.prompt_logprobs)
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
@@ -385,7 +384,7 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
             # echo with logprobs returns the prompt's logprobs ahead of the completion's
             wanted.append(self.logprobs)
         counts = [k for k in wanted if k is not None]
-        return dataclasses.replace(sampling, prompt_logprobs=max(counts) if counts else None)
+        return msgspec.structs.replace(sampling, prompt_logprobs=max(counts) if counts else None)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -10,24 +10,26 @@ too long, a chat template that raises) arrive as `EngineError` with the HTTP sta
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
 
 
-@dataclass(frozen=True, slots=True)
-class StructuredOutput:
-    """A shape the output must take (stages.structured compiles it)."""
+class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
+    """A shape the output must take (stages.text.structured compiles it)."""
 
     kind: str  # json | json_object | regex | choice | grammar
     value: str = ""  # the JSON schema (as JSON text), regex, choices (a JSON list) or grammar
     param: str = "response_format"  # the request field it came from, named by errors
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Per-request sampling and stopping, with vLLM's meanings and defaults."""
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Per-request sampling and stopping, with vLLM's meanings and defaults.
+
+    The one declaration of a sampling option below the HTTP schema: it travels to the stages as
+    it is (msgpack, once per request), and the sampler reads its scalar fields by name
+    (`gpu.sampler.ROW`)."""
 
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -46,50 +48,47 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None = no logprobs; k >= 0 = sampled token's plus top k
     prompt_logprobs: int | None = None
-    logit_bias: Mapping[int, float] | None = None
+    logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     structured: StructuredOutput | None = None  # guided decoding: the output follows a grammar
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
     bad_words: tuple[str, ...] = ()  # vLLM: words the output must not contain
 
 
-@dataclass(frozen=True, slots=True)
-class ChatPrompt:
-    messages: Sequence[Mapping[str, Any]]  # OpenAI chat messages, as JSON values
+class ChatPrompt(msgspec.Struct, frozen=True, tag="chat"):
+    messages: list[dict[str, Any]]  # OpenAI chat messages, as JSON values
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: Mapping[str, Any] | None = None
-    tools: Sequence[Mapping[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class TextPrompt:
+class TextPrompt(msgspec.Struct, frozen=True, tag="text"):
     text: str
     add_special_tokens: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class TokensPrompt:
-    token_ids: Sequence[int]
+class TokensPrompt(msgspec.Struct, frozen=True, tag="tokens"):
+    token_ids: list[int]
 
 
 Prompt = ChatPrompt | TextPrompt | TokensPrompt
 
 
-@dataclass(frozen=True, slots=True)
-class GenerateRequest:
+class GenerateRequest(msgspec.Struct, frozen=True):
+    """One request to the engine; the render stage receives it as it is (msgpack)."""
+
     request_id: str
     prompt: Prompt
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams = SamplingParams()
     priority: int = 0  # lower runs first (vLLM's convention); ties in arrival order
     arrival_ns: int = 0  # CLOCK_MONOTONIC when the server accepted it
-    # Output parsers (stages.parsers) the detokenize stage runs for this request, by name.
+    # Output parsers (stages.text.parsers) the detokenize stage runs for this request, by name.
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ToolCall:
+class ToolCall(msgspec.Struct, frozen=True, array_like=True):
     """A complete function call the model wrote (parsed by the request's tool-call parser)."""
 
     id: str
@@ -97,38 +96,59 @@ class ToolCall:
     arguments: str  # a JSON object's text, as OpenAI's `function.arguments`
 
 
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     token: str  # the token's text ("bytes:\\xNN" style escapes are the server's business)
     token_bytes: bytes
     logprob: float
-    rank: int  # 1-based rank in the model's distribution
+    rank: int  # 1-based rank in the model's distribution; 0 for a prompt's first token
     top: tuple[tuple[int, str, bytes, float], ...] = ()  # (id, text, bytes, logprob), best first
 
 
-@dataclass(frozen=True, slots=True)
-class RequestMetrics:
-    """Monotonic stamps (ns) the stages took for one request, and what the server derives."""
+class RequestMetrics(msgspec.Struct, frozen=True, array_like=True):
+    """The CLOCK_MONOTONIC stamps (ns) the stages took for one request, and the times derived.
 
-    arrival_ns: int
+    Schedule fills it when the request finishes; detokenize adds its own two figures."""
+
+    arrival_ns: int  # the server accepted the request
+    render_start_ns: int
     rendered_ns: int  # render finished (template + tokenize)
     scheduled_ns: int  # first scheduled (queue time ends)
-    first_token_ns: int  # first output token left execute
+    first_token_ns: int  # first output token left execute (prefill done)
     last_token_ns: int
-    finished_ns: int  # the detokenizer emitted the final delta
-    render_s: float
-    queue_s: float
-    prefill_s: float
-    decode_s: float
-    detokenize_s: float  # time spent detokenizing this request's tokens
     num_generated_tokens: int
+    finished_ns: int = 0  # the detokenizer emitted the final delta
+    detokenize_ns: int = 0  # time detokenize spent on this request's tokens
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
     spec_num_steps: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_acceptance_histogram: tuple[int, ...] = ()
+
+    @property
+    def render_s(self) -> float:
+        return _span_s(self.render_start_ns, self.rendered_ns)
+
+    @property
+    def queue_s(self) -> float:
+        return _span_s(self.rendered_ns, self.scheduled_ns)
+
+    @property
+    def prefill_s(self) -> float:
+        return _span_s(self.scheduled_ns, self.first_token_ns)
+
+    @property
+    def decode_s(self) -> float:
+        return _span_s(self.first_token_ns, self.last_token_ns)
+
+    @property
+    def detokenize_s(self) -> float:
+        return self.detokenize_ns / 1e9
+
+
+def _span_s(start_ns: int, end_ns: int) -> float:
+    return max(0.0, (end_ns - start_ns) / 1e9) if start_ns and end_ns else 0.0
 
 
 class RequestOutput(msgspec.Struct, frozen=True):

@@ -6,6 +6,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from stages.text.checkpoint import kv_block_bytes_for, load_model_config, resolve_kv_cache_dtype
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -36,7 +38,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 1024 * 1024
     dtype: str = "float32"
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # gpu.config.resolve_kv_cache_dtype
+    kv_cache_dtype: str = "auto"  # stages.text.checkpoint.resolve_kv_cache_dtype
     threads: int = 0  # 0: torch's default (all cores)
     seed: int = 0
     log_format: str = "auto"
@@ -48,10 +50,14 @@ class EngineConfig:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
+def resolve_max_model_len(config: EngineConfig) -> int:
+    """--max-model-len, capped at the checkpoint's context length (which 0 means)."""
+    model_len = load_model_config(config.model_path).max_position_embeddings
+    return min(config.max_model_len, model_len) if config.max_model_len > 0 else model_len
+
+
 def num_kv_blocks(config: EngineConfig) -> int:
     """KV blocks that fit the budget; execute allocates exactly these and schedule hands them out."""
-    from gpu.config import kv_block_bytes_for, load_model_config, resolve_kv_cache_dtype
-
     model = load_model_config(config.model_path)
     element = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
     block_bytes = kv_block_bytes_for(model, config.block_size, DTYPE_BYTES[element])

@@ -17,59 +17,50 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 import numpy as np
 import structlog
 
-from gpu.tokenizer import load_tokenizer
 from pipeline.actor import ActorSpec
 from pipeline.clock import process_cpu_s
 from pipeline.errors import ActorFailed, RuntimeFault
 from pipeline.ring import RingSpec
 from pipeline.supervisor import Supervisor, SupervisorConfig
-from stages import messages as m
 from stages.api import (
     ChatPrompt,
     EngineError,
     GenerateRequest,
     ModelInfo,
-    RequestMetrics,
     RequestOutput,
     TextPrompt,
     TokenLogprob,
-    ToolCall,
 )
-from stages.config import EngineConfig, num_kv_blocks
-from stages.render import prompt_token_ids, resolve_max_model_len
-from stages.schedule import GAUGES
-from stages.wire import (
-    DeltaExtra,
-    WireLogprob,
-    WireMetrics,
-    encode_request,
-    error_decoder,
-    extra_decoder,
-)
+from stages.config import EngineConfig, num_kv_blocks, resolve_max_model_len
+from stages.rings import common, deltas, plan, prompts, requests, results, tokens
+from stages.scheduler import GAUGES
+from stages.text.prompts import prompt_token_ids
+from stages.text.tokenizer import load_tokenizer
 
 log = structlog.get_logger("stages.engine")
 
 STOP_ORDER = ("render", "schedule", "execute", "detokenize")
 MAX_RESTARTS = 3
 RESTART_WINDOW_S = 300.0
-_PLAIN = DeltaExtra()  # a delta row with only a token and its text
 
 
 def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpec]]:
     """The rings and actors of DESIGN.md's drawing."""
     step_bytes = 256 * 1024 + 64 * config.max_num_seqs * 64  # block tables grow with context
     rings = [
-        RingSpec("requests", m.REQUESTS, n_slots=64, slot_bytes=64 * 1024),
-        RingSpec("errors", m.ERRORS, n_slots=16, slot_bytes=4096),
-        RingSpec("prompts", m.PROMPTS, n_slots=64, slot_bytes=64 * 1024),
-        RingSpec("plan", m.PLAN, n_slots=4, slot_bytes=_round(step_bytes)),
-        RingSpec("results", m.RESULTS, n_slots=4, slot_bytes=256 * 1024),
-        RingSpec("tokens", m.TOKENS_VOCAB, n_slots=16, slot_bytes=256 * 1024),
-        RingSpec("stop_hits", m.STOP_HITS, n_slots=16, slot_bytes=4096),
-        RingSpec("deltas", m.DELTAS_VOCAB, n_slots=16, slot_bytes=256 * 1024),
+        RingSpec("requests", requests.REQUESTS, n_slots=64, slot_bytes=64 * 1024),
+        RingSpec("errors", requests.ERRORS, n_slots=16, slot_bytes=4096),
+        RingSpec("prompts", prompts.PROMPTS, n_slots=64, slot_bytes=64 * 1024),
+        RingSpec("plan", plan.PLAN, n_slots=4, slot_bytes=_round(step_bytes)),
+        RingSpec("results", results.RESULTS, n_slots=4, slot_bytes=256 * 1024),
+        RingSpec("tokens", tokens.TOKENS_VOCAB, n_slots=16, slot_bytes=256 * 1024),
+        RingSpec("stop_hits", tokens.STOP_HITS, n_slots=16, slot_bytes=4096),
+        RingSpec("deltas", deltas.DELTAS_VOCAB, n_slots=16, slot_bytes=256 * 1024),
     ]
     execute_entry = (
-        "stages.execute:ExecuteActor" if not config.dummy else "stages.dummy:DummyExecuteActor"
+        "stages.actors.execute:ExecuteActor"
+        if not config.dummy
+        else "stages.actors.dummy:DummyExecuteActor"
     )
     # The asyncio stages do not spin: a spin blocks their whole event loop, several readers each
     # spin, and messages come once per step (milliseconds apart), so spinning would only burn one
@@ -77,7 +68,7 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
     actors = [
         ActorSpec(
             "render",
-            "stages.render:RenderActor",
+            "stages.actors.render:RenderActor",
             config,
             ("requests",),
             ("prompts", "errors"),
@@ -85,7 +76,7 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
         ),
         ActorSpec(
             "schedule",
-            "stages.schedule:ScheduleActor",
+            "stages.actors.schedule:ScheduleActor",
             config,
             ("prompts", "results", "stop_hits"),
             ("plan", "tokens"),
@@ -96,7 +87,7 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
         ),
         ActorSpec(
             "detokenize",
-            "stages.detokenize:DetokenizeActor",
+            "stages.actors.detokenize:DetokenizeActor",
             config,
             ("tokens",),
             ("deltas", "stop_hits"),
@@ -252,16 +243,9 @@ class Engine:
         self._ids[handle] = request.request_id
         finished = False
         try:
-            payload = np.frombuffer(encode_request(request), np.uint8)
+            arrays = requests.pack_submit(handle, request)
             async with self._send_lock:
-                await self.supervisor.producers["requests"].send_async(
-                    m.SUBMIT,
-                    {
-                        "handle": np.array([handle], np.int64),
-                        "arrival_ns": np.array([request.arrival_ns], np.int64),
-                        "payload": payload,
-                    },
-                )
+                await self.supervisor.producers["requests"].send_async(requests.SUBMIT, arrays)
             while True:
                 item = await queue.get()
                 # A reader slower than the engine gets what piled up as one output (as vLLM does).
@@ -297,20 +281,7 @@ class Engine:
                     queue.put_nowait(EngineError("aborted", status=499, type="Aborted"))
 
     def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
-        from stages.wire import WireChat, WireRequest, WireSampling, WireText
-
-        wire = (
-            WireChat(
-                messages=[dict(x) for x in prompt.messages],
-                add_generation_prompt=prompt.add_generation_prompt,
-                continue_final_message=prompt.continue_final_message,
-                chat_template_kwargs=dict(prompt.chat_template_kwargs or {}),
-                tools=[dict(t) for t in prompt.tools] if prompt.tools else None,
-            )
-            if isinstance(prompt, ChatPrompt)
-            else WireText(prompt.text, prompt.add_special_tokens)
-        )
-        return prompt_token_ids(self.bundle, WireRequest(wire, WireSampling()))
+        return prompt_token_ids(self.bundle, prompt)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         bad = [t for t in token_ids if not 0 <= t < self.bundle.vocab_size]
@@ -350,85 +321,61 @@ class Engine:
             while not self._aborts.empty():
                 handles.append(self._aborts.get_nowait())
             async with self._send_lock:
-                await producer.send_async(m.ABORT, {"handles": np.array(handles, np.int64)})
+                await producer.send_async(common.ABORT, common.pack_abort(handles))
 
     async def _read_errors(self) -> None:
         consumer = self.supervisor.consumers["errors"]
         with contextlib.suppress(RuntimeFault):
             while True:
                 with await consumer.recv_async() as message:
-                    handle = int(message["handle"][0])
-                    status = int(message["status"][0])
-                    body = error_decoder.decode(message["payload"].tobytes())
+                    handle, error = requests.unpack_error(message)
                 queue = self._streams.get(handle)
                 if queue is not None:
-                    queue.put_nowait(
-                        EngineError(body.message, status, body.type, body.param, body.code)
-                    )
+                    queue.put_nowait(error)
 
     async def _read_deltas(self) -> None:
         consumer = self.supervisor.consumers["deltas"]
+        streams, ids = self._streams, self._ids
         with contextlib.suppress(RuntimeFault):
             while True:
                 with await consumer.recv_async() as message:
-                    rows = message["rows"].tolist()
-                    text_offsets = message["text_offsets"].tolist()
-                    text = message["text"].tobytes()
-                    extra_offsets = message["extra_offsets"].tolist()
-                    extra = message["extra"].tobytes()
-                for i, (handle, finish, n_prompt, n_output, token) in enumerate(rows):
-                    queue = self._streams.get(handle)
-                    if queue is None:
-                        continue
-                    start, end = extra_offsets[i], extra_offsets[i + 1]
-                    info = extra_decoder.decode(extra[start:end]) if end > start else _PLAIN
-                    prompt_ids, prompt_logprobs = None, None
-                    if info.prompt_logprobs is not None:
-                        prompt_ids, prompt_logprobs = self._prompt_logprobs(info.prompt_logprobs)
-                    queue.put_nowait(
-                        RequestOutput(
-                            request_id=self._ids.get(handle, ""),
-                            text=text[text_offsets[i] : text_offsets[i + 1]].decode("utf-8"),
-                            token_ids=(token,) if token >= 0 else (),
-                            prompt_token_ids=prompt_ids,
-                            num_prompt_tokens=n_prompt,
-                            num_output_tokens=n_output,
-                            finish_reason=m.FINISH_NAMES.get(finish),
-                            stop_reason=info.stop_reason,
-                            logprobs=self._logprobs(info.logprobs) if info.logprobs else None,
-                            prompt_logprobs=prompt_logprobs,
-                            metrics=_metrics(info.metrics, n_output) if info.metrics else None,
-                            reasoning=info.reasoning,
-                            tool_calls=tuple(
-                                ToolCall(c.id, c.name, c.arguments) for c in info.tool_calls
-                            )
-                            if info.tool_calls
-                            else (),
-                        )
-                    )
+                    batch = deltas.unpack_deltas(message)
+                for delta in batch:
+                    queue = streams.get(delta.handle)
+                    if queue is not None:
+                        queue.put_nowait(_output(ids.get(delta.handle, ""), delta))
 
-    def _prompt_logprobs(
-        self, rows: list[WireLogprob]
-    ) -> tuple[tuple[int, ...] | None, tuple[TokenLogprob | None, ...]]:
-        """(the prompt's token ids, its logprobs with None for the first token) from the rows
-        detokenize gathered; the first row is position 0 (rank 0, no logprob)."""
-        if rows and rows[0].rank == 0:
-            return tuple(r.token_id for r in rows), (None, *self._logprobs(rows[1:]))
-        return None, (None, *self._logprobs(rows))
 
-    def _logprobs(self, rows: list[WireLogprob]) -> tuple[TokenLogprob, ...]:
-        token_bytes = self.bundle.token_bytes
-        return tuple(
-            TokenLogprob(
-                token_id=r.token_id,
-                token=_token_text(token_bytes[r.token_id]),
-                token_bytes=token_bytes[r.token_id],
-                logprob=r.logprob,
-                rank=r.rank,
-                top=tuple((t, _token_text(token_bytes[t]), token_bytes[t], lp) for t, lp in r.top),
-            )
-            for r in rows
-        )
+def _output(request_id: str, delta: deltas.Delta) -> RequestOutput:
+    extra = delta.extra
+    prompt_ids, prompt_logprobs = None, None
+    if extra.prompt_logprobs is not None:
+        prompt_ids, prompt_logprobs = _prompt_logprobs(extra.prompt_logprobs)
+    return RequestOutput(
+        request_id=request_id,
+        text=delta.text,
+        token_ids=(delta.token_id,) if delta.token_id >= 0 else (),
+        prompt_token_ids=prompt_ids,
+        num_prompt_tokens=delta.num_prompt_tokens,
+        num_output_tokens=delta.num_output_tokens,
+        finish_reason=common.FINISH_NAMES.get(delta.finish),
+        stop_reason=extra.stop_reason,
+        logprobs=extra.logprobs,
+        prompt_logprobs=prompt_logprobs,
+        metrics=extra.metrics,
+        reasoning=extra.reasoning,
+        tool_calls=extra.tool_calls,
+    )
+
+
+def _prompt_logprobs(
+    rows: tuple[TokenLogprob, ...],
+) -> tuple[tuple[int, ...] | None, tuple[TokenLogprob | None, ...]]:
+    """(the prompt's token ids, its logprobs with None for the first token) from the rows
+    detokenize gathered; a first row of rank 0 is position 0, which has no logprob."""
+    if rows and rows[0].rank == 0:
+        return tuple(r.token_id for r in rows), (None, *rows[1:])
+    return None, (None, *rows)
 
 
 def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
@@ -450,32 +397,6 @@ def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         metrics=second.metrics,
         reasoning=first.reasoning + second.reasoning,
         tool_calls=first.tool_calls + second.tool_calls,
-    )
-
-
-def _token_text(data: bytes) -> str:
-    return data.decode("utf-8", errors="replace")
-
-
-def _metrics(w: WireMetrics, num_tokens: int) -> RequestMetrics:
-    def span(a: int, b: int) -> float:
-        return max(0.0, (b - a) / 1e9) if a and b else 0.0
-
-    return RequestMetrics(
-        arrival_ns=w.arrival_ns,
-        rendered_ns=w.rendered_ns,
-        scheduled_ns=w.scheduled_ns,
-        first_token_ns=w.first_token_ns,
-        last_token_ns=w.last_token_ns,
-        finished_ns=w.finished_ns,
-        render_s=span(w.render_start_ns, w.rendered_ns),
-        queue_s=span(w.rendered_ns, w.scheduled_ns),
-        prefill_s=span(w.scheduled_ns, w.prefill_done_ns),
-        decode_s=span(w.prefill_done_ns, w.last_token_ns),
-        detokenize_s=w.detokenize_ns / 1e9,
-        num_generated_tokens=num_tokens,
-        num_preemptions=w.num_preemptions,
-        num_cached_prompt_tokens=w.num_cached_tokens,
     )
 
 

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from gpu.chat_template import ChatTemplateError, render_chat
-from gpu.tokenizer import load_tokenizer
+from stages.text.chat_template import ChatTemplateError, render_chat
+from stages.text.tokenizer import load_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
@@ -74,7 +74,7 @@ def test_tojson_keeps_unicode_and_html():
 def test_tool_call_arguments_reach_the_template_as_objects():
     """The wire carries an assistant's tool-call arguments as JSON text; templates index them
     (`tool_call.arguments.city`) or `tojson` them, so they are parsed first, as vLLM does."""
-    from stages.chat import render_chat as render_request
+    from stages.text.chat import render_chat as render_request
 
     template = (
         "{% for m in messages %}{% for c in m.tool_calls or [] %}"

@@ -11,8 +11,8 @@ import torch
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
-from gpu.config import UnsupportedModelError, load_model_config
 from gpu.loader import iter_weights, read_gguf_raw_tensor
+from stages.text.checkpoint import UnsupportedModelError, load_model_config
 from tests.gpu.conftest import build_tiny_model
 from tests.gpu.paged import BlockPool, PagedSequence, build_step
 from tests.gpu.test_model import load_ours, reference_logits, run_step

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.config import load_model_config
 from gpu.kv_cache import KVCache
 from gpu.loader import iter_weights
 from gpu.model import NATIVE_KERNELS, TORCH_KERNELS, AttentionInputs, CausalLM, Kernels
+from stages.text.checkpoint import load_model_config
 from tests.gpu.paged import BlockPool, PagedSequence, StepBatch, build_step
 
 BLOCK_SIZE = 4

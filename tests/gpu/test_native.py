@@ -213,10 +213,10 @@ def test_fused_layers_equal_the_per_op_path(tiny_models, arch, cache_dtype, monk
 
     monkeypatch.setattr(native, "q4_decode_layer", count_whole)
     monkeypatch.setattr(native, "q4_layer_attn_in", count_halves)
-    from gpu.config import load_model_config
     from gpu.kv_cache import KVCache
     from gpu.loader import iter_weights
     from gpu.model import CausalLM, quantize_linears
+    from stages.text.checkpoint import load_model_config
     from tests.gpu.paged import BlockPool, PagedSequence, build_step
     from tests.gpu.test_model import run_step
 

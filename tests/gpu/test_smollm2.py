@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu.runner import ModelRunner, RunnerConfig
-from gpu.tokenizer import load_tokenizer
+from stages.text.tokenizer import load_tokenizer
 from tests.gpu.test_runner import Request, generate
 
 PROMPTS = [

@@ -10,7 +10,7 @@ import sys
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from gpu.tokenizer import TokenizerLoadError, load_tokenizer
+from stages.text.tokenizer import TokenizerLoadError, load_tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -71,7 +71,7 @@ def test_gguf_tokenizer_metadata(gguf_bundle):
 
 def test_tokenizer_module_does_not_import_torch(smollm2_gguf):
     code = (
-        "import sys; from gpu.tokenizer import load_tokenizer; "
+        "import sys; from stages.text.tokenizer import load_tokenizer; "
         f"load_tokenizer({smollm2_gguf!r}); assert 'torch' not in sys.modules"
     )
     subprocess.run(

@@ -24,7 +24,7 @@ from stages.api import (
     TokenLogprob,
     TokensPrompt,
 )
-from stages.parsers import OutputParser
+from stages.text.parsers import OutputParser
 
 FAIL_MIDSTREAM = "FAIL_MIDSTREAM"  # a prompt with this word fails after two tokens
 BAD_TEMPLATE = "BAD_TEMPLATE"  # a chat message with this word fails to render
@@ -216,16 +216,13 @@ class FakeEngine:
         arrival_ns = request.arrival_ns or start_ns
         return RequestMetrics(
             arrival_ns=arrival_ns,
+            render_start_ns=arrival_ns,
             rendered_ns=start_ns,
-            scheduled_ns=start_ns,
+            scheduled_ns=start_ns + 1_000_000,
             first_token_ns=first_token_ns,
             last_token_ns=now_ns,
             finished_ns=now_ns,
-            render_s=(start_ns - arrival_ns) / 1e9,
-            queue_s=0.001,
-            prefill_s=(first_token_ns - start_ns) / 1e9,
-            decode_s=(now_ns - first_token_ns) / 1e9,
-            detokenize_s=0.0005,
+            detokenize_ns=500_000,
             num_generated_tokens=num_tokens,
             spec_num_steps=2 if num_tokens > 2 else 0,
             spec_num_draft_tokens=4 if num_tokens > 2 else 0,

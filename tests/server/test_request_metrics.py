@@ -12,17 +12,14 @@ MS = 1_000_000
 
 def stamps(**overrides: object) -> RequestMetrics:
     fields: dict[str, object] = dict(
-        arrival_ns=0,
-        rendered_ns=2 * MS,
-        scheduled_ns=5 * MS,
-        first_token_ns=20 * MS,
-        last_token_ns=110 * MS,
-        finished_ns=125 * MS,
-        render_s=0.002,
-        queue_s=0.003,
-        prefill_s=0.015,
-        decode_s=0.09,
-        detokenize_s=0.001,
+        arrival_ns=1,
+        render_start_ns=1,
+        rendered_ns=2 * MS + 1,
+        scheduled_ns=5 * MS + 1,
+        first_token_ns=20 * MS + 1,
+        last_token_ns=110 * MS + 1,
+        finished_ns=125 * MS + 1,
+        detokenize_ns=1 * MS,
         num_generated_tokens=10,
     )
     fields.update(overrides)

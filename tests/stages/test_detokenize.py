@@ -6,9 +6,12 @@ import json
 
 import numpy as np
 
-from stages import messages as m
-from stages.detokenize import DetokenizeActor, Detokenizer, held_suffix, stop_match
-from stages.wire import DetokParams, encoder, extra_decoder
+from stages.actors.detokenize import DetokenizeActor
+from stages.rings import common as m
+from stages.rings import deltas, tokens
+from stages.rings.common import PromptLogprobs
+from stages.rings.tokens import DetokParams, TokenBatch
+from stages.text.detokenizer import Detokenizer, held_suffix, stop_match
 
 # A toy vocabulary of raw byte strings: "é" is split over two tokens, "🙂" over three.
 VOCAB = (
@@ -113,40 +116,33 @@ PARSE_VOCAB = (
 )
 
 
-def step(actor: DetokenizeActor, tokens: list[int], params: DetokParams | None) -> list[tuple]:
+def step(actor: DetokenizeActor, token_ids: list[int], params: DetokParams | None) -> list[tuple]:
     """One `tokens` record for request 1 (one row per token, the last one EOS), through process;
     returns (text, finish, extra) per delta row."""
-    n = len(tokens)
-    rows = np.zeros(n, m.TOKEN_ROW)
-    rows["handle"], rows["token_id"] = 1, tokens
+    n = len(token_ids)
+    rows = np.zeros(n, tokens.TOKEN_ROW)
+    rows["handle"], rows["token_id"] = 1, token_ids
     rows["finish"][-1] = m.FINISH_STOP
-    blob = encoder.encode(params) if params is not None else b""
-    message = {
-        "new_handles": np.array([1] if params is not None else [], np.int64),
-        "new_offsets": np.array([0, len(blob)] if params is not None else [0], np.int32),
-        "new_detok": np.frombuffer(blob, np.uint8),
-        "meta": np.array([0, 0, 0], np.int64),
-        "rows": rows,
-        "stamps": np.zeros(n, m.STAMP_ROW),
-        "top_ids": np.zeros(0, np.int64),
-        "top_logprobs": np.zeros(0, np.float32),
-        "prompt_rows": np.zeros(0, m.PROMPT_LOGPROB_ROW),
-        "prompt_top_ids": np.zeros(0, np.int64),
-        "prompt_top_logprobs": np.zeros(0, np.float32),
-    }
-    arrays, _ = actor.process(message)
+    batch = TokenBatch(
+        step_id=0,
+        rows=rows,
+        top_ids=np.zeros((n, 0), np.int64),
+        top_logprobs=np.zeros((n, 0), np.float32),
+        new=[(1, params)] if params is not None else [],
+        metrics=np.zeros(n, tokens.METRICS_ROW),
+        prompt=PromptLogprobs.empty(),
+    )
+    arrays, _ = actor.process(batch)
     assert arrays is not None
-    out = []
-    for i in range(len(arrays["rows"])):
-        t0, t1 = arrays["text_offsets"][i], arrays["text_offsets"][i + 1]
-        e0, e1 = arrays["extra_offsets"][i], arrays["extra_offsets"][i + 1]
-        extra = extra_decoder.decode(arrays["extra"][e0:e1].tobytes()) if e1 > e0 else None
-        out.append((arrays["text"][t0:t1].tobytes().decode(), arrays["rows"][i]["finish"], extra))
-    return out
+    return [
+        (d.text, d.finish, None if d.extra is deltas.PLAIN else d.extra)
+        for d in deltas.unpack_deltas(arrays)
+    ]
 
 
 def test_the_stage_splits_reasoning_and_tool_calls_into_delta_extras():
     actor = DetokenizeActor.__new__(DetokenizeActor)
+    actor.token_bytes = PARSE_VOCAB
     actor.detok = Detokenizer(PARSE_VOCAB, frozenset({9}), frozenset({9}))
     params = DetokParams(reasoning_parser="qwen3", tool_call_parser="hermes")
     out = step(actor, list(range(10)), params)
@@ -162,8 +158,9 @@ def test_the_stage_splits_reasoning_and_tool_calls_into_delta_extras():
 
 def test_the_stage_without_parsers_streams_the_markup_as_text():
     actor = DetokenizeActor.__new__(DetokenizeActor)
+    actor.token_bytes = PARSE_VOCAB
     actor.detok = Detokenizer(PARSE_VOCAB, frozenset({9}), frozenset({9}))
     out = step(actor, list(range(10)), DetokParams())
     assert "".join(t for t, _, _ in out) == b"".join(PARSE_VOCAB[:9]).decode()
     assert all(e is None for _, _, e in out[:-1])  # plain rows carry no extra bytes
-    assert out[-1][2].metrics is not None and out[-1][2].tool_calls is None
+    assert out[-1][2].metrics is not None and out[-1][2].tool_calls == ()

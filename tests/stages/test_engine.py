@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 
 import pytest
+from msgspec.structs import replace
 
 from pipeline.clock import now_ns
 from stages.api import (
@@ -346,7 +346,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(engine_loop):
 
 
 def test_bad_words_never_appear_in_the_output(engine_loop):
-    from stages.render import bad_word_ids
+    from stages.text.prompts import bad_word_ids
 
     engine, loop = engine_loop
 
@@ -358,14 +358,7 @@ def test_bad_words_never_appear_in_the_output(engine_loop):
 
     plain = greedy()
     word = engine.bundle.decode(plain[:2])
-    flat = bad_word_ids(engine.bundle, [word]).tolist()
-    sequences, current = [], []
-    for token in flat:
-        if token < 0:
-            sequences.append(current)
-            current = []
-        else:
-            current.append(token)
+    sequences = [list(ids) for ids in bad_word_ids(engine.bundle, [word])]
 
     def contains(ids, seq):
         return any(ids[i : i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))

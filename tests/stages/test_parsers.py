@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from stages.parsers import (
+from stages.text.parsers import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     OutputParser,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from stages import messages as m
-from stages.scheduler import BlockManager, Scheduler, SchedulerConfig, Sequence, Status
+from stages.kv_blocks import BlockManager
+from stages.rings import common as m
+from stages.scheduler import Scheduler, SchedulerConfig, Sequence, Status
 
 EOS = 0
 
@@ -27,11 +28,7 @@ def seq(
         prompt_ids=np.asarray(prompt, np.int32),
         max_tokens=max_tokens,
         stop_ids=frozenset({EOS}),
-        sampling=np.zeros(1, m.SAMPLING_ROW),
-        stop_list=np.array([EOS], np.int32),
-        bias_ids=np.zeros(0, np.int32),
-        bias_values=np.zeros(0, np.float32),
-        allowed_ids=np.zeros(0, np.int32),
+        rendered=b"",
         detok=b"",
     )
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from gpu.sampler import SamplingArrays, TokenHistory, sample
-from gpu.tokenizer import load_tokenizer
 from stages.api import EngineError, StructuredOutput
-from stages.structured import GrammarMatchers, compile_grammar
+from stages.text.structured import GrammarMatchers, compile_grammar
+from stages.text.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu.tokenizer import load_tokenizer
 from pipeline.actor import SyncActor
 from pipeline.clock import now_ns
-from stages import messages as m
+from stages import spans
 from stages.config import EngineConfig
+from stages.rings import plan, results
+from stages.rings.common import PromptLogprobs
+from stages.text.tokenizer import load_tokenizer
 
 
 class DummyExecuteActor(SyncActor):
@@ -29,34 +31,29 @@ class DummyExecuteActor(SyncActor):
         while True:
             waited = now_ns()
             with inbox.recv() as message:
-                step_id = int(message["meta"][0])
-                seqs = message["seqs"]
-                handles = seqs["handle"].astype(np.int64)
-                sample = seqs["sample"].copy()
-                positions = (seqs["context_len"]).astype(np.int64)
+                step = plan.unpack_step(message)
             started = now_ns()
             depth = inbox.depth()
-            # A fixed function of the position, so equal requests get equal outputs as with a model.
-            picks = (positions * 104729) % len(self.choices)
-            tokens = np.where(sample, self.choices[picks], -1)
+            seqs = step.seqs
+            handles = seqs["handle"].astype(np.int64)
             count = len(handles)
-            outbox.send(
-                m.RESULT,
-                {
-                    "meta": np.array([step_id, count, 0, started, now_ns(), 0], np.int64),
-                    "handles": handles,
-                    "token_ids": tokens,
-                    "logprobs": np.zeros(count, np.float32),
-                    "ranks": np.ones(count, np.int64),
-                    "top_ids": np.zeros(0, np.int64),
-                    "top_logprobs": np.zeros(0, np.float32),
-                    "prompt_rows": np.zeros(0, m.PROMPT_LOGPROB_ROW),
-                    "prompt_top_ids": np.zeros(0, np.int64),
-                    "prompt_top_logprobs": np.zeros(0, np.float32),
-                },
+            # A fixed function of the position, so equal requests get equal outputs as with a model.
+            picks = (seqs["context_len"].astype(np.int64) * 104729) % len(self.choices)
+            result = results.StepResult(
+                step_id=step.step_id,
+                t_start_ns=started,
+                t_end_ns=now_ns(),
+                handles=handles,
+                token_ids=np.where(seqs["sample"], self.choices[picks], -1),
+                logprobs=np.zeros(count, np.float32),
+                ranks=np.ones(count, np.int64),
+                top_ids=np.zeros((count, 0), np.int64),
+                top_logprobs=np.zeros((count, 0), np.float32),
+                prompt=PromptLogprobs.empty(),
             )
+            outbox.send(results.RESULT, results.pack_result(result))
             self.ctx.trace.record(
-                m.SPAN_FORWARD,
+                spans.SPAN_FORWARD,
                 started,
                 now_ns(),
                 batch=count,

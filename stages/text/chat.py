@@ -1,5 +1,5 @@
 """OpenAI chat messages to prompt text: the request-level rules (continue_final_message, text
-content parts) around gpu.chat_template's sandboxed rendering, with errors as 400s."""
+content parts) around stages.text.chat_template's sandboxed rendering, with errors as 400s."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpu.chat_template import ChatTemplateError
-from gpu.chat_template import render_chat as render_template
 from stages.api import EngineError
+from stages.text.chat_template import ChatTemplateError
+from stages.text.chat_template import render_chat as render_template
 
 
 def render_chat(

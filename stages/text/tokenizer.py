@@ -151,7 +151,7 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def _load_gguf_tokenizer(path: str) -> TokenizerBundle:
-    from gpu.config import open_gguf
+    from stages.text.checkpoint import open_gguf
 
     reader = open_gguf(path)
     kind = _gguf_field(reader, "tokenizer.ggml.model")

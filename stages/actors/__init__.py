@@ -1,0 +1,1 @@
+"""The four stage actors: each a process that receives, unpacks, decides, packs and sends."""

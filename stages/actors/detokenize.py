@@ -1,0 +1,144 @@
+"""The detokenize stage: token ids to text deltas, stop strings, logprob rows, tool calls and
+reasoning, and each finished request's metrics (stages.text.detokenizer holds the text logic).
+
+A stop-string hit finishes the request here and tells the scheduler to free it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.actor import AsyncActor
+from pipeline.clock import now_ns
+from stages import spans
+from stages.api import TokenLogprob
+from stages.config import EngineConfig
+from stages.rings import deltas, tokens
+from stages.rings.common import FINISH_NONE, FINISH_STOP, PromptLogprobs
+from stages.rings.deltas import DeltaExtra
+from stages.rings.tokens import TokenBatch
+from stages.text.detokenizer import Detokenizer
+from stages.text.tokenizer import load_tokenizer
+
+
+class DetokenizeActor(AsyncActor):
+    def warm_up(self) -> None:
+        config: EngineConfig = self.ctx.config
+        bundle = load_tokenizer(config.model_path)
+        self.token_bytes = bundle.token_bytes
+        self.detok = Detokenizer(
+            bundle.token_bytes, bundle.special_token_ids, frozenset(bundle.eos_token_ids)
+        )
+
+    async def run(self) -> None:
+        inbox = self.ctx.inbox["tokens"]
+        outbox, stop_hits = self.ctx.outbox["deltas"], self.ctx.outbox["stop_hits"]
+        while True:
+            message = await inbox.recv_async()
+            started, depth = now_ns(), inbox.depth()
+            with message:
+                batch = tokens.unpack_tokens(message)
+            arrays, stopped = self.process(batch)
+            if stopped:
+                await stop_hits.send_async(tokens.FINISHED, tokens.pack_finished(stopped))
+            if arrays is not None:
+                await outbox.send_async(deltas.DELTAS, arrays)
+            self.ctx.trace.record(
+                spans.SPAN_DETOKENIZE,
+                started,
+                now_ns(),
+                batch=0 if arrays is None else len(arrays["rows"]),
+                depth=depth,
+            )
+
+    def logprob(self, token: int, logprob: float, rank: int, top: list[tuple[int, float]]):  # type: ignore[no-untyped-def]
+        data = self.token_bytes
+        return TokenLogprob(
+            token,
+            _text(data[token]),
+            data[token],
+            logprob,
+            rank,
+            tuple((t, _text(data[t]), data[t], lp) for t, lp in top if t >= 0),
+        )
+
+    def gather_prompt_logprobs(self, prompt: PromptLogprobs) -> None:
+        """Keeps each prompt chunk's logprobs by position (a recomputed chunk overwrites its own)."""
+        top_ids, top_logprobs = prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
+        for i, (handle, position, token, logprob, rank) in enumerate(prompt.rows.tolist()):
+            state = self.detok.states.get(handle)
+            if state is None or state.prompt_scores is None:
+                continue
+            k = state.params.num_prompt_logprobs
+            top = list(zip(top_ids[i][:k], top_logprobs[i][:k], strict=True))
+            state.prompt_scores[position] = self.logprob(token, logprob, rank, top)
+
+    def process(self, batch: TokenBatch) -> tuple[dict[str, np.ndarray] | None, list[int]]:
+        for handle, params in batch.new:
+            self.detok.add(handle, params)
+        if len(batch.prompt.rows):
+            self.gather_prompt_logprobs(batch.prompt)
+        out_rows, texts, extras, stopped = [], [], [], []
+        for i, row in enumerate(batch.rows.tolist()):
+            handle, token, logprob, rank, finish, _, n_prompt, n_output = row
+            state = self.detok.states.get(handle)
+            if state is None:
+                continue
+            t0 = now_ns()
+            num_logprobs = state.params.num_logprobs
+            text, final, stop_reason = self.detok.feed(handle, token, finish) or ("", finish, None)
+            if final == FINISH_STOP and finish == FINISH_NONE:
+                stopped.append(handle)  # a stop string: the scheduler still runs it
+            reasoning, tool_calls = "", ()
+            if state.parser is not None:
+                parsed = state.parser.feed(text, final != FINISH_NONE)
+                text, reasoning, tool_calls = parsed.content, parsed.reasoning, parsed.tool_calls
+            logprobs = None
+            if num_logprobs >= 0 and token >= 0:
+                top = list(
+                    zip(
+                        batch.top_ids[i, :num_logprobs].tolist(),
+                        batch.top_logprobs[i, :num_logprobs].tolist(),
+                        strict=True,
+                    )
+                )
+                logprobs = (self.logprob(token, logprob, rank, top),)
+            state.busy_ns += now_ns() - t0
+            metrics = None
+            if final != FINISH_NONE:
+                metrics = tokens.request_metrics(batch.metrics[i], now_ns(), state.busy_ns)
+            prompt_logprobs = None
+            if state.prompt_scores is not None:  # the first delta carries them
+                scores = state.prompt_scores
+                prompt_logprobs = tuple(scores[p] for p in sorted(scores))
+                state.prompt_scores = None
+            out_rows.append((handle, final, n_prompt, n_output, token))
+            texts.append(text)
+            # Most rows are a token and its text: only the others carry an encoded extra.
+            if (
+                logprobs is None
+                and stop_reason is None
+                and metrics is None
+                and not reasoning
+                and not tool_calls
+                and prompt_logprobs is None
+            ):
+                extras.append(None)
+            else:
+                extras.append(
+                    DeltaExtra(
+                        logprobs,
+                        stop_reason,
+                        metrics,
+                        reasoning,
+                        tuple(tool_calls),
+                        prompt_logprobs,
+                    )
+                )
+        if not out_rows:
+            return None, stopped
+        return deltas.pack_deltas(out_rows, texts, extras), stopped
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")

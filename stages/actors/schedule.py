@@ -1,0 +1,225 @@
+"""The schedule stage: admits rendered prompts, plans steps for execute (one ahead), turns results
+into token rows for detokenize, and frees what aborts and stop strings finish."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from pipeline.actor import AsyncActor
+from pipeline.clock import now_ns
+from stages import spans
+from stages.config import EngineConfig, num_kv_blocks, resolve_max_model_len
+from stages.rings import common, plan, prompts, results, tokens
+from stages.rings.common import FINISH_STOP, PromptLogprobs
+from stages.rings.prompts import RenderedPrompt
+from stages.scheduler import GAUGES, Scheduler, SchedulerConfig, Sequence, Status
+
+MAX_STEPS_IN_FLIGHT = 2  # one executing, one queued behind it: execute never waits for a plan
+
+
+class ScheduleActor(AsyncActor):
+    def warm_up(self) -> None:
+        config: EngineConfig = self.ctx.config
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+                max_model_len=resolve_max_model_len(config),
+                num_blocks=num_kv_blocks(config),
+                block_size=config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+            )
+        )
+        self.wake = asyncio.Event()
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self.read_prompts())
+            tasks.create_task(self.read_stop_hits())
+            tasks.create_task(self.read_results())
+            tasks.create_task(self.plan_steps())
+
+    # -- inputs ----------------------------------------------------------------------------------
+
+    async def read_prompts(self) -> None:
+        inbox = self.ctx.inbox["prompts"]
+        while True:
+            with await inbox.recv_async() as message:
+                if message.name == common.ABORT.name:
+                    handles, prompt = common.unpack_abort(message), None
+                else:
+                    handles, prompt = [], prompts.unpack_prompt(message)
+            if prompt is not None:
+                self.scheduler.add(_sequence(prompt))
+            aborted = [self.scheduler.abort(h) for h in handles]
+            gone = [s for s in aborted if s is not None and s.sent_to_detok]
+            if gone:
+                await self.send_tokens(-1, [(s, -1) for s in gone])
+            self.wake.set()
+
+    async def read_stop_hits(self) -> None:
+        inbox = self.ctx.inbox["stop_hits"]
+        while True:
+            with await inbox.recv_async() as message:
+                handles = tokens.unpack_finished(message)
+            for handle in handles:
+                seq = self.scheduler.by_handle.get(handle)
+                if seq is not None and seq.status != Status.FINISHED:
+                    self.scheduler.finish(seq, FINISH_STOP)
+            self.wake.set()
+
+    async def read_results(self) -> None:
+        inbox = self.ctx.inbox["results"]
+        while True:
+            message = await inbox.recv_async()
+            started = now_ns()
+            with message:
+                result = results.unpack_result(message)
+            self.wake.set()  # a step slot is free: plan the next before talking to detokenize
+            emitted, rows = self.scheduler.complete(
+                result.step_id, result.handles, result.token_ids
+            )
+            for seq, _ in emitted:
+                if seq.first_token_ns == 0:
+                    seq.first_token_ns = result.t_end_ns
+                seq.last_token_ns = result.t_end_ns
+            prompt = self.with_first_prompt_token(result.prompt)
+            if emitted or prompt is not None:
+                await self.send_tokens(result.step_id, emitted, result, rows, prompt)
+            self.ctx.trace.record(
+                spans.SPAN_RESULT, started, now_ns(), batch=len(result.handles), tokens=len(emitted)
+            )
+
+    # -- outputs ---------------------------------------------------------------------------------
+
+    async def plan_steps(self) -> None:
+        outbox = self.ctx.outbox["plan"]
+        scheduler = self.scheduler
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            while len(scheduler.in_flight) < MAX_STEPS_IN_FLIGHT:
+                started = now_ns()
+                step = scheduler.schedule()
+                if step is None:
+                    break
+                for s in step.seqs:
+                    if s.seq.scheduled_ns == 0:
+                        s.seq.scheduled_ns = started
+                arrays = plan.pack_step(step, scheduler.config.block_size, started)
+                await outbox.send_async(plan.STEP, arrays)
+                self.ctx.trace.record(
+                    spans.SPAN_PLAN,
+                    started,
+                    now_ns(),
+                    batch=len(step.seqs),
+                    tokens=len(arrays["input_ids"]),
+                    depth=outbox.depth(),
+                )
+            self.publish()
+
+    def publish(self) -> None:
+        stats = self.scheduler.stats()
+        self.ctx.set_gauges([float(stats[name]) for name in GAUGES])
+
+    def with_first_prompt_token(self, prompt: PromptLogprobs) -> PromptLogprobs | None:
+        """The rows of live requests, with a row for each prompt's first token (which has no
+        logprob) ahead of its first chunk, so that detokenize knows every prompt token id."""
+        rows = prompt.rows
+        if not len(rows):
+            return None
+        by_handle = self.scheduler.by_handle
+        live = np.array([h in by_handle for h in rows["handle"].tolist()], bool)
+        if not live.all():
+            prompt = PromptLogprobs(rows[live], prompt.top_ids[live], prompt.top_logprobs[live])
+            rows = prompt.rows
+        if not len(rows):
+            return None
+        firsts = np.nonzero(rows["position"] == 1)[0]
+        if not len(firsts):
+            return prompt
+        heads = np.zeros(len(firsts), common.PROMPT_LOGPROB_ROW)
+        heads["handle"] = rows["handle"][firsts]
+        heads["token_id"] = [by_handle[h].prompt_ids[0] for h in heads["handle"].tolist()]
+        heads["logprob"] = np.nan
+        width = prompt.top_ids.shape[1]
+        return PromptLogprobs(
+            np.insert(rows, firsts, heads),
+            np.insert(prompt.top_ids, firsts, np.full((1, width), -1, np.int64), axis=0),
+            np.insert(prompt.top_logprobs, firsts, np.zeros((1, width), np.float32), axis=0),
+        )
+
+    async def send_tokens(
+        self,
+        step_id: int,
+        emitted: list[tuple[Sequence, int]],
+        result: results.StepResult | None = None,
+        result_rows: np.ndarray | None = None,  # [len(emitted)]: each token's row in result
+        prompt: PromptLogprobs | None = None,
+    ) -> None:
+        seqs = [seq for seq, _ in emitted]
+        candidates = seqs
+        if prompt is not None:
+            # detokenize keeps prompt logprobs from the first chunk on, so it must know the request
+            by_handle = self.scheduler.by_handle
+            candidates = seqs + [
+                by_handle[h] for h in dict.fromkeys(prompt.rows["handle"].tolist())
+            ]
+        new = list({id(seq): seq for seq in candidates if not seq.sent_to_detok}.values())
+        for seq in new:
+            seq.sent_to_detok = True
+        rows = np.zeros(len(emitted), tokens.TOKEN_ROW)
+        rows["handle"] = [seq.handle for seq in seqs]
+        rows["token_id"] = [token for _, token in emitted]
+        finishes = [seq.finish for seq in seqs]
+        rows["finish"] = finishes
+        rows["stop_token"] = [
+            f == FINISH_STOP and t >= 0 for f, (_, t) in zip(finishes, emitted, strict=True)
+        ]
+        rows["num_prompt_tokens"] = [seq.num_prompt for seq in seqs]
+        rows["num_output_tokens"] = [len(seq.output_ids) for seq in seqs]
+        if result is not None and result_rows is not None:
+            rows["logprob"], rows["rank"] = result.logprobs[result_rows], result.ranks[result_rows]
+            top_ids, top_logprobs = result.top_ids[result_rows], result.top_logprobs[result_rows]
+        else:
+            top_ids, top_logprobs = np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float32)
+        metrics = np.zeros(len(emitted), tokens.METRICS_ROW)
+        metrics["arrival_ns"] = [seq.arrival_ns for seq in seqs]
+        metrics["render_start_ns"] = [seq.render_start_ns for seq in seqs]
+        metrics["rendered_ns"] = [seq.rendered_ns for seq in seqs]
+        metrics["scheduled_ns"] = [seq.scheduled_ns for seq in seqs]
+        metrics["first_token_ns"] = [seq.first_token_ns for seq in seqs]
+        metrics["last_token_ns"] = [seq.last_token_ns for seq in seqs]
+        metrics["num_generated_tokens"] = rows["num_output_tokens"]
+        metrics["num_preemptions"] = [seq.num_preemptions for seq in seqs]
+        metrics["num_cached_prompt_tokens"] = [seq.num_cached_tokens for seq in seqs]
+        arrays = tokens.pack_tokens(
+            step_id,
+            rows,
+            top_ids,
+            top_logprobs,
+            [(seq.handle, seq.detok) for seq in new],
+            metrics,
+            PromptLogprobs.empty() if prompt is None else prompt,
+        )
+        await self.ctx.outbox["tokens"].send_async(tokens.TOKENS, arrays)
+
+
+def _sequence(prompt: RenderedPrompt) -> Sequence:
+    request = prompt.request()
+    return Sequence(
+        handle=prompt.handle,
+        priority=prompt.priority,
+        arrival_ns=prompt.arrival_ns,
+        prompt_ids=prompt.prompt_ids,
+        max_tokens=request.max_tokens,
+        stop_ids=frozenset(request.stop_token_ids),
+        rendered=prompt.rendered,
+        detok=prompt.detok,
+        cacheable=request.cacheable,
+        render_start_ns=prompt.render_start_ns,
+        rendered_ns=prompt.rendered_ns,
+    )

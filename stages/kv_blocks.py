@@ -1,0 +1,101 @@
+"""KV blocks: fixed-size pages of the cache, reference-counted, with automatic prefix caching."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+
+class BlockManager:
+    """Fixed-size KV blocks, reference-counted, with automatic prefix caching.
+
+    A block that holds a full block of some prompt's tokens is registered under a hash of those
+    tokens and of every token before them (a chain: the same hash means the same prefix). A request
+    whose prompt starts with registered blocks takes them instead of computing them again. Blocks no
+    request holds wait in least-recently-freed order and keep their hash until they are handed out
+    again, so a prefix stays cached for as long as the memory is not needed.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def grow(self, blocks: list[int], num_tokens: int) -> bool:
+        """Extend a block table to hold num_tokens; False (and no change) if blocks run out."""
+        need = self.blocks_for(num_tokens) - len(blocks)
+        if need > len(self._free):
+            return False
+        for _ in range(need):
+            block, _ = self._free.popitem(last=False)
+            cached = self._hash_of[block]
+            if cached is not None:  # evicted: its prefix is no longer cached
+                del self._cached[cached]
+                self._hash_of[block] = None
+            self._refs[block] = 1
+            blocks.append(block)
+        return True
+
+    def free(self, blocks: list[int]) -> None:
+        # Tail first: a prefix's last blocks are evicted before its first ones.
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+        blocks.clear()
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """The registered blocks of the longest cached prefix of `hashes`, now held by the caller."""
+        blocks = []
+        for block_hash in hashes:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """`block` now holds (or its step will write) the full block that `block_hash` names."""
+        if block_hash not in self._cached and self._hash_of[block] is None:
+            self._cached[block_hash] = block
+            self._hash_of[block] = block_hash
+
+
+def prompt_block_hashes(prompt_ids: np.ndarray, block_size: int) -> list[bytes]:
+    """A chained hash per full block of the prompt: block j's covers tokens [0, (j + 1) * size).
+
+    BLAKE2b rather than Python's hash: a client must not be able to craft a prompt that collides
+    with another's prefix and read its cached KV (why vLLM hashes with SHA-256 by default).
+    """
+    ids = np.ascontiguousarray(prompt_ids, np.int32)
+    hashes = []
+    parent = b""
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = hashlib.blake2b(
+            parent + ids[start : start + block_size].tobytes(), digest_size=16
+        ).digest()
+        hashes.append(parent)
+    return hashes

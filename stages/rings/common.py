@@ -1,0 +1,98 @@
+"""What several rings share: finish codes, the abort record, prompt-logprob rows, msgpack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+import numpy as np
+
+from pipeline.records import Record
+
+
+class Views(Protocol):
+    """A received message's arrays by field name: a ring Message, or a dict (tests)."""
+
+    def __getitem__(self, name: str, /) -> np.ndarray: ...
+
+
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = 0, 1, 2, 3
+FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORT: "abort"}
+
+encoder = msgspec.msgpack.Encoder()
+
+ABORT = Record("abort", ("handles", np.int64))
+
+
+def pack_abort(handles: list[int] | np.ndarray) -> dict[str, np.ndarray]:
+    return {"handles": np.asarray(handles, np.int64)}
+
+
+def unpack_abort(views: Views) -> list[int]:
+    return views["handles"].tolist()
+
+
+# The logprob of one prompt token given the ones before it (requests that asked for
+# prompt_logprobs); a prompt's rows arrive with the steps that prefill it, one chunk at a time.
+PROMPT_LOGPROB_ROW = np.dtype(
+    [
+        ("handle", np.int64),
+        ("position", np.int32),  # in the prompt; position 0 has no logprob (logprob nan, rank 0)
+        ("token_id", np.int64),
+        ("logprob", np.float32),
+        ("rank", np.int64),
+    ]
+)
+
+
+@dataclass(slots=True, frozen=True)
+class PromptLogprobs:
+    """One step's prompt-logprob rows and their top-k (results and tokens rings)."""
+
+    rows: np.ndarray  # [P] PROMPT_LOGPROB_ROW
+    top_ids: np.ndarray  # [P, Kp] int64, -1 padded
+    top_logprobs: np.ndarray  # [P, Kp] float32
+
+    @classmethod
+    def empty(cls) -> PromptLogprobs:
+        return cls(
+            np.zeros(0, PROMPT_LOGPROB_ROW),
+            np.zeros((0, 0), np.int64),
+            np.zeros((0, 0), np.float32),
+        )
+
+    def pack(self) -> dict[str, np.ndarray]:
+        return {
+            "prompt_rows": self.rows,
+            "prompt_top_ids": self.top_ids.ravel(),
+            "prompt_top_logprobs": self.top_logprobs.ravel(),
+        }
+
+    @classmethod
+    def unpack(cls, views: Views, top_k: int) -> PromptLogprobs:
+        rows = views["prompt_rows"].copy()
+        return cls(
+            rows,
+            views["prompt_top_ids"].reshape(len(rows), top_k).copy(),
+            views["prompt_top_logprobs"].reshape(len(rows), top_k).copy(),
+        )
+
+
+PROMPT_LOGPROB_FIELDS = (
+    ("prompt_rows", PROMPT_LOGPROB_ROW),  # [P]
+    ("prompt_top_ids", np.int64),  # [P * Kp]
+    ("prompt_top_logprobs", np.float32),  # [P * Kp]
+)
+
+
+def blobs(items: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Byte strings as (offsets [N + 1] int32, concatenation uint8)."""
+    return np.cumsum([0, *map(len, items)], dtype=np.int32), np.frombuffer(
+        b"".join(items), np.uint8
+    )
+
+
+def unblobs(offsets: np.ndarray, data: np.ndarray) -> list[bytes]:
+    raw, bounds = data.tobytes(), offsets.tolist()
+    return [raw[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]

@@ -1,0 +1,136 @@
+"""The plan ring (schedule -> execute): one engine step, flattened, as the runner takes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.records import Record, Vocabulary
+from stages.rings.common import Views, blobs, unblobs
+from stages.rings.prompts import RenderedRequest, rendered_decoder
+from stages.scheduler import Step
+
+STEP_SEQ = np.dtype(
+    [
+        ("handle", np.int64),
+        ("query_start", np.int32),
+        ("query_len", np.int32),
+        ("context_len", np.int32),  # KV length after this step
+        ("prompt_len", np.int32),
+        ("sample", np.bool_),
+    ]
+)
+STEP = Record(
+    "step",
+    ("meta", np.int64),  # [step_id, block_table_width, scheduled_ns]
+    ("seqs", STEP_SEQ),  # [B]
+    ("input_ids", np.int32),  # [T]; -1: the token execute sampled at that position last step
+    ("positions", np.int32),  # [T]
+    ("slot_mapping", np.int64),  # [T]
+    ("block_tables", np.int32),  # [B * width], padded with 0
+    ("new_handles", np.int64),  # [N] requests execute sees for the first time
+    ("new_offsets", np.int32),  # [N + 1] into new_requests
+    ("new_requests", np.uint8),  # msgpack RenderedRequest of each, concatenated
+    ("free_handles", np.int64),  # requests execute may forget
+)
+PLAN = Vocabulary("plan", [STEP])
+
+
+@dataclass(slots=True, frozen=True)
+class PlannedStep:
+    step_id: int
+    scheduled_ns: int
+    seqs: np.ndarray  # [B] STEP_SEQ
+    input_ids: np.ndarray  # [T] int32, -1 where execute fills in its last sampled token
+    positions: np.ndarray  # [T] int32
+    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [B, W] int32
+    new_requests: list[tuple[int, RenderedRequest]]
+    free_handles: np.ndarray  # [F] int64
+
+    @property
+    def query_start_loc(self) -> np.ndarray:  # -> [B + 1] int32
+        seqs = self.seqs
+        return np.append(seqs["query_start"], seqs["query_start"][-1] + seqs["query_len"][-1])
+
+
+def pack_step(step: Step, block_size: int, scheduled_ns: int) -> dict[str, np.ndarray]:
+    planned = step.seqs
+    count = len(planned)
+    starts = np.array([s.start for s in planned], np.int64)
+    query_lens = np.array([s.num_tokens for s in planned], np.int64)
+    query_start = np.zeros(count, np.int64)
+    np.cumsum(query_lens[:-1], out=query_start[1:])
+    total = int(query_lens.sum())
+    seqs = np.zeros(count, STEP_SEQ)
+    seqs["handle"] = [s.seq.handle for s in planned]
+    seqs["query_start"] = query_start
+    seqs["query_len"] = query_lens
+    seqs["context_len"] = starts + query_lens
+    seqs["prompt_len"] = [s.seq.num_prompt for s in planned]
+    seqs["sample"] = [s.sample for s in planned]
+    tables = [s.seq.blocks for s in planned]
+    width = max(map(len, tables))
+    # Padding points at block 0: never read past context_len, and always a valid index.
+    block_tables = np.array([t + [0] * (width - len(t)) for t in tables], np.int32)
+    # positions and slots of every token: row b's tokens are start_b, start_b + 1, ...
+    row_of_token = np.repeat(np.arange(count), query_lens)
+    positions = np.arange(total, dtype=np.int64) - query_start[row_of_token] + starts[row_of_token]
+    slot_mapping = block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size
+    slot_mapping += positions % block_size
+    new = step.new_for_execute
+    new_offsets, new_requests = blobs([seq.rendered for seq in new])
+    return {
+        "meta": np.array([step.step_id, width, scheduled_ns], np.int64),
+        "seqs": seqs,
+        "input_ids": _input_ids(step, total, query_start),
+        "positions": positions.astype(np.int32),
+        "slot_mapping": slot_mapping,
+        "block_tables": block_tables.ravel(),
+        "new_handles": np.array([s.handle for s in new], np.int64),
+        "new_offsets": new_offsets,
+        "new_requests": new_requests,
+        "free_handles": np.array(step.free_handles, np.int64),
+    }
+
+
+def _input_ids(step: Step, total: int, query_start: np.ndarray) -> np.ndarray:  # -> [T] int32
+    planned = step.seqs
+    if total == len(planned):  # all decodes (or one-token chunks): one token each
+        return np.array([s.seq.token_at(s.start) for s in planned], np.int32)
+    # Chunks are copied as slices; the one-token rows beside them (decodes, mostly) are gathered
+    # into one scatter instead of an array each.
+    input_ids = np.empty(total, np.int32)
+    single_rows: list[int] = []
+    single_tokens: list[int] = []
+    at = 0
+    for row, s in enumerate(planned):
+        if s.num_tokens == 1:
+            single_rows.append(row)
+            single_tokens.append(s.seq.token_at(s.start))
+        else:
+            input_ids[at : at + s.num_tokens] = s.seq.token_ids(s.start, s.start + s.num_tokens)
+        at += s.num_tokens
+    input_ids[query_start[single_rows]] = single_tokens
+    return input_ids
+
+
+def unpack_step(views: Views) -> PlannedStep:
+    step_id, width, scheduled_ns = views["meta"].tolist()
+    seqs = views["seqs"].copy()
+    handles = views["new_handles"].tolist()
+    requests = unblobs(views["new_offsets"], views["new_requests"])
+    return PlannedStep(
+        step_id=step_id,
+        scheduled_ns=scheduled_ns,
+        seqs=seqs,
+        input_ids=views["input_ids"].copy(),
+        positions=views["positions"].copy(),
+        slot_mapping=views["slot_mapping"].copy(),
+        block_tables=views["block_tables"].reshape(len(seqs), width).copy(),
+        new_requests=[
+            (h, rendered_decoder.decode(r)) for h, r in zip(handles, requests, strict=True)
+        ],
+        free_handles=views["free_handles"].copy(),
+    )

@@ -1,0 +1,74 @@
+"""The results ring (execute -> schedule): one step's sampled tokens and logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.records import Record, Vocabulary
+from stages.rings.common import PROMPT_LOGPROB_FIELDS, PromptLogprobs, Views
+
+RESULT = Record(
+    "result",
+    ("meta", np.int64),  # [step_id, top_k, t_start_ns, t_end_ns, prompt_top_k]
+    ("handles", np.int64),  # [B]
+    ("token_ids", np.int64),  # [B], -1 where not sampled
+    ("logprobs", np.float32),  # [B]
+    ("ranks", np.int64),  # [B]
+    ("top_ids", np.int64),  # [B * top_k]
+    ("top_logprobs", np.float32),  # [B * top_k]
+    *PROMPT_LOGPROB_FIELDS,
+)
+RESULTS = Vocabulary("results", [RESULT])
+
+
+@dataclass(slots=True, frozen=True)
+class StepResult:
+    step_id: int
+    t_start_ns: int  # the forward pass began
+    t_end_ns: int  # the step's tokens were sampled
+    handles: np.ndarray  # [B] int64, the step's rows in plan order
+    token_ids: np.ndarray  # [B] int64, -1 where not sampled
+    logprobs: np.ndarray  # [B] float32
+    ranks: np.ndarray  # [B] int64
+    top_ids: np.ndarray  # [B, K] int64
+    top_logprobs: np.ndarray  # [B, K] float32
+    prompt: PromptLogprobs
+
+
+def pack_result(result: StepResult) -> dict[str, np.ndarray]:
+    meta = [
+        result.step_id,
+        result.top_ids.shape[1],
+        result.t_start_ns,
+        result.t_end_ns,
+        result.prompt.top_ids.shape[1],
+    ]
+    return {
+        "meta": np.array(meta, np.int64),
+        "handles": np.asarray(result.handles, np.int64),
+        "token_ids": np.asarray(result.token_ids, np.int64),
+        "logprobs": np.asarray(result.logprobs, np.float32),
+        "ranks": np.asarray(result.ranks, np.int64),
+        "top_ids": np.asarray(result.top_ids, np.int64).ravel(),
+        "top_logprobs": np.asarray(result.top_logprobs, np.float32).ravel(),
+        **result.prompt.pack(),
+    }
+
+
+def unpack_result(views: Views) -> StepResult:
+    step_id, top_k, t_start_ns, t_end_ns, prompt_top_k = views["meta"].tolist()
+    count = len(views["handles"])
+    return StepResult(
+        step_id=step_id,
+        t_start_ns=t_start_ns,
+        t_end_ns=t_end_ns,
+        handles=views["handles"].copy(),
+        token_ids=views["token_ids"].copy(),
+        logprobs=views["logprobs"].copy(),
+        ranks=views["ranks"].copy(),
+        top_ids=views["top_ids"].reshape(count, top_k).copy(),
+        top_logprobs=views["top_logprobs"].reshape(count, top_k).copy(),
+        prompt=PromptLogprobs.unpack(views, prompt_top_k),
+    )
