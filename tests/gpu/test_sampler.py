@@ -257,3 +257,43 @@ def test_bad_words_ban_their_last_token_after_the_rest():
     assert sample(logits, params, history).token_ids.tolist()[0] != 6
     assert sample(logits, params, history).token_ids.tolist()[1] != 6
     assert sample(logits, params, history).token_ids.tolist()[2] == 6
+
+
+def test_sampling_rows_come_from_the_request_parameters_by_name():
+    from gpu.sampler import SCALARS, RequestSampling, gather
+    from stages.api import SamplingParams
+
+    plain = RequestSampling.of(SamplingParams(), (0,), ())
+    tuned = RequestSampling.of(
+        SamplingParams(
+            temperature=0.5,
+            top_p=0.9,
+            top_k=7,
+            min_p=0.1,
+            presence_penalty=0.2,
+            frequency_penalty=0.3,
+            repetition_penalty=1.1,
+            seed=-1,
+            min_tokens=4,
+            logprobs=3,
+            prompt_logprobs=1,
+            logit_bias={5: 2.0, 9: -1.0},
+            allowed_token_ids=(5, 9, 11),
+        ),
+        (0, 2),
+        ((4,), (6, 7)),
+    )
+    arrays = gather([plain, tuned], np.zeros((2, 0), np.int32))
+    # every scalar option reaches the sampler under its own name
+    for name, attribute, _, none in SCALARS:
+        assert getattr(arrays, name)[0] == (
+            none if none is not None else getattr(SamplingParams(), attribute)
+        )
+    assert arrays.temperature[1] == np.float32(0.5) and arrays.top_k[1] == 7
+    assert arrays.seed.tolist() == [-1, (1 << 63) - 1]  # a negative seed is still a seed
+    assert arrays.num_logprobs.tolist() == [-1, 3] and tuned.prompt_logprobs == 1
+    assert arrays.logit_bias_ids.tolist() == [[-1, -1], [5, 9]]
+    assert arrays.allowed_token_ids.tolist() == [[-1, -1, -1], [5, 9, 11]]
+    assert arrays.stop_token_ids.tolist() == [[0, -1], [0, 2]]
+    assert arrays.bad_token_ids.tolist() == [[-1], [4]]
+    assert arrays.bad_words[0] is None and arrays.bad_words[1] == ((6, 7),)

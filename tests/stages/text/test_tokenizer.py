@@ -77,7 +77,7 @@ def test_tokenizer_module_does_not_import_torch(smollm2_gguf):
     subprocess.run(
         [sys.executable, "-c", code],
         check=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))),
     )
 
 
