@@ -51,7 +51,9 @@ class DetokenizeActor(AsyncActor):
                 depth=depth,
             )
 
-    def logprob(self, token: int, logprob: float, rank: int, top: list[tuple[int, float]]):  # type: ignore[no-untyped-def]
+    def logprob(
+        self, token: int, logprob: float, rank: int, top: list[tuple[int, float]]
+    ) -> TokenLogprob:
         data = self.token_bytes
         return TokenLogprob(
             token,
@@ -64,14 +66,14 @@ class DetokenizeActor(AsyncActor):
 
     def gather_prompt_logprobs(self, prompt: PromptLogprobs) -> None:
         """Keeps each prompt chunk's logprobs by position (a recomputed chunk overwrites its own)."""
-        top_ids, top_logprobs = prompt.top_ids.tolist(), prompt.top_logprobs.tolist()
-        for i, (handle, position, token, logprob, rank) in enumerate(prompt.rows.tolist()):
-            state = self.detok.states.get(handle)
+        for entry in prompt.entries():
+            state = self.detok.states.get(entry.handle)
             if state is None or state.prompt_scores is None:
                 continue
-            k = state.params.num_prompt_logprobs
-            top = list(zip(top_ids[i][:k], top_logprobs[i][:k], strict=True))
-            state.prompt_scores[position] = self.logprob(token, logprob, rank, top)
+            top = entry.top[: state.params.num_prompt_logprobs]
+            state.prompt_scores[entry.position] = self.logprob(
+                entry.token_id, entry.logprob, entry.rank, top
+            )
 
     def process(self, batch: TokenBatch) -> tuple[dict[str, np.ndarray] | None, list[int]]:
         for handle, params in batch.new:
@@ -79,8 +81,8 @@ class DetokenizeActor(AsyncActor):
         if len(batch.prompt.rows):
             self.gather_prompt_logprobs(batch.prompt)
         out_rows, texts, extras, stopped = [], [], [], []
-        for i, row in enumerate(batch.rows.tolist()):
-            handle, token, logprob, rank, finish, _, n_prompt, n_output = row
+        for i, row in enumerate(batch.token_rows()):
+            handle, token, finish = row.handle, row.token_id, row.finish
             state = self.detok.states.get(handle)
             if state is None:
                 continue
@@ -102,7 +104,7 @@ class DetokenizeActor(AsyncActor):
                         strict=True,
                     )
                 )
-                logprobs = (self.logprob(token, logprob, rank, top),)
+                logprobs = (self.logprob(token, row.logprob, row.rank, top),)
             state.busy_ns += now_ns() - t0
             metrics = None
             if final != FINISH_NONE:
@@ -112,7 +114,7 @@ class DetokenizeActor(AsyncActor):
                 scores = state.prompt_scores
                 prompt_logprobs = tuple(scores[p] for p in sorted(scores))
                 state.prompt_scores = None
-            out_rows.append((handle, final, n_prompt, n_output, token))
+            out_rows.append((handle, final, row.num_prompt_tokens, row.num_output_tokens, token))
             texts.append(text)
             # Most rows are a token and its text: only the others carry an encoded extra.
             if (

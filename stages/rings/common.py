@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import msgspec
 import numpy as np
@@ -46,6 +46,17 @@ PROMPT_LOGPROB_ROW = np.dtype(
 )
 
 
+class PromptLogprob(NamedTuple):
+    """One PROMPT_LOGPROB_ROW with its top-k, by name."""
+
+    handle: int
+    position: int
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # (token id, logprob), best first; id -1 pads
+
+
 @dataclass(slots=True, frozen=True)
 class PromptLogprobs:
     """One step's prompt-logprob rows and their top-k (results and tokens rings)."""
@@ -68,6 +79,13 @@ class PromptLogprobs:
             "prompt_top_ids": self.top_ids.ravel(),
             "prompt_top_logprobs": self.top_logprobs.ravel(),
         }
+
+    def entries(self) -> list[PromptLogprob]:
+        top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
+        return [
+            PromptLogprob(*row, list(zip(top_ids[i], top_logprobs[i], strict=True)))
+            for i, row in enumerate(self.rows.tolist())
+        ]
 
     @classmethod
     def unpack(cls, views: Views, top_k: int) -> PromptLogprobs:
