@@ -14,13 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from stages.api import SamplingParams
+from stages.api import SamplingParams
 
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over the seed space
@@ -60,18 +58,10 @@ class SamplingArrays:
     @classmethod
     def defaults(cls, num_rows: int, **overrides: np.ndarray) -> SamplingArrays:
         """Greedy rows with every knob off; `overrides` replace whole fields."""
+        greedy = RequestSampling.of(SamplingParams(temperature=0.0), (), ())
         empty_ids = np.full((num_rows, 0), -1, dtype=np.int32)
         fields: dict[str, np.ndarray] = dict(
-            temperature=np.zeros(num_rows, np.float32),
-            top_p=np.ones(num_rows, np.float32),
-            top_k=np.zeros(num_rows, np.int32),
-            min_p=np.zeros(num_rows, np.float32),
-            presence_penalty=np.zeros(num_rows, np.float32),
-            frequency_penalty=np.zeros(num_rows, np.float32),
-            repetition_penalty=np.ones(num_rows, np.float32),
-            seed=np.full(num_rows, -1, np.int64),
-            min_tokens=np.zeros(num_rows, np.int32),
-            num_logprobs=np.full(num_rows, -1, np.int32),
+            **{name: np.repeat(greedy.row[name], num_rows) for name in ROW.names},
             logit_bias_ids=empty_ids,
             logit_bias_values=np.zeros((num_rows, 0), np.float32),
             allowed_token_ids=empty_ids,
