@@ -340,25 +340,26 @@ class Engine:
             while True:
                 with await consumer.recv_async() as message:
                     batch = deltas.unpack_deltas(message)
-                for delta in batch:
-                    queue = streams.get(delta.handle)
+                for row, handle in enumerate(batch.handles):
+                    queue = streams.get(handle)
                     if queue is not None:
-                        queue.put_nowait(_output(ids.get(delta.handle, ""), delta))
+                        queue.put_nowait(_output(ids.get(handle, ""), batch, row))
 
 
-def _output(request_id: str, delta: deltas.Delta) -> RequestOutput:
-    extra = delta.extra
+def _output(request_id: str, batch: deltas.DeltaBatch, row: int) -> RequestOutput:
+    extra = batch.extra(row)
     prompt_ids, prompt_logprobs = None, None
     if extra.prompt_logprobs is not None:
         prompt_ids, prompt_logprobs = _prompt_logprobs(extra.prompt_logprobs)
+    token = batch.token_ids[row]
     return RequestOutput(
         request_id=request_id,
-        text=delta.text,
-        token_ids=(delta.token_id,) if delta.token_id >= 0 else (),
+        text=batch.text(row),
+        token_ids=(token,) if token >= 0 else (),
         prompt_token_ids=prompt_ids,
-        num_prompt_tokens=delta.num_prompt_tokens,
-        num_output_tokens=delta.num_output_tokens,
-        finish_reason=common.FINISH_NAMES.get(delta.finish),
+        num_prompt_tokens=batch.num_prompt_tokens[row],
+        num_output_tokens=batch.num_output_tokens[row],
+        finish_reason=common.FINISH_NAMES.get(batch.finishes[row]),
         stop_reason=extra.stop_reason,
         logprobs=extra.logprobs,
         prompt_logprobs=prompt_logprobs,

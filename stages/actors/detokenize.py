@@ -81,8 +81,16 @@ class DetokenizeActor(AsyncActor):
         if len(batch.prompt.rows):
             self.gather_prompt_logprobs(batch.prompt)
         out_rows, texts, extras, stopped = [], [], [], []
-        for i, row in enumerate(batch.token_rows()):
-            handle, token, finish = row.handle, row.token_id, row.finish
+        rows = batch.rows
+        columns = zip(
+            rows["handle"].tolist(),
+            rows["token_id"].tolist(),
+            rows["finish"].tolist(),
+            rows["num_prompt_tokens"].tolist(),
+            rows["num_output_tokens"].tolist(),
+            strict=True,
+        )
+        for i, (handle, token, finish, num_prompt, num_output) in enumerate(columns):
             state = self.detok.states.get(handle)
             if state is None:
                 continue
@@ -104,7 +112,8 @@ class DetokenizeActor(AsyncActor):
                         strict=True,
                     )
                 )
-                logprobs = (self.logprob(token, row.logprob, row.rank, top),)
+                logprob, rank = float(rows["logprob"][i]), int(rows["rank"][i])
+                logprobs = (self.logprob(token, logprob, rank, top),)
             state.busy_ns += now_ns() - t0
             metrics = None
             if final != FINISH_NONE:
@@ -114,7 +123,7 @@ class DetokenizeActor(AsyncActor):
                 scores = state.prompt_scores
                 prompt_logprobs = tuple(scores[p] for p in sorted(scores))
                 state.prompt_scores = None
-            out_rows.append((handle, final, row.num_prompt_tokens, row.num_output_tokens, token))
+            out_rows.append((handle, final, num_prompt, num_output, token))
             texts.append(text)
             # Most rows are a token and its text: only the others carry an encoded extra.
             if (

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -50,14 +49,27 @@ DELTAS = Record(
 DELTAS_VOCAB = Vocabulary("deltas", [DELTAS])
 
 
-class Delta(NamedTuple):  # a NamedTuple: the server unpacks one per streamed token
-    handle: int
-    finish: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-    token_id: int  # -1 if none
-    text: str
-    extra: DeltaExtra
+@dataclass(slots=True)
+class DeltaBatch:
+    """One deltas message copied out, by column; `text` and `extra` decode one row on demand,
+    so rows nobody waits for any more cost nothing."""
+
+    handles: list[int]
+    finishes: list[int]
+    num_prompt_tokens: list[int]
+    num_output_tokens: list[int]
+    token_ids: list[int]  # -1 if none
+    text_offsets: list[int]
+    text_bytes: bytes
+    extra_offsets: list[int]
+    extra_bytes: bytes
+
+    def text(self, row: int) -> str:
+        return self.text_bytes[self.text_offsets[row] : self.text_offsets[row + 1]].decode("utf-8")
+
+    def extra(self, row: int) -> DeltaExtra:
+        start, end = self.extra_offsets[row], self.extra_offsets[row + 1]
+        return _extra_decoder.decode(self.extra_bytes[start:end]) if end > start else PLAIN
 
 
 def pack_deltas(
@@ -76,31 +88,16 @@ def pack_deltas(
     }
 
 
-def unpack_deltas(views: Views) -> Iterator[Delta]:
-    """The deltas in row order; copied out of the message before the first is yielded."""
-    rows = views["rows"].tolist()
-    text_offsets = views["text_offsets"].tolist()
-    text = views["text"].tobytes()
-    extra_offsets = views["extra_offsets"].tolist()
-    extra = views["extra"].tobytes()
-    return _deltas(rows, text_offsets, text, extra_offsets, extra)
-
-
-def _deltas(
-    rows: list[tuple[int, int, int, int, int]],
-    text_offsets: list[int],
-    text: bytes,
-    extra_offsets: list[int],
-    extra: bytes,
-) -> Iterator[Delta]:
-    for i, (handle, finish, n_prompt, n_output, token) in enumerate(rows):
-        start, end = extra_offsets[i], extra_offsets[i + 1]
-        yield Delta(
-            handle,
-            finish,
-            n_prompt,
-            n_output,
-            token,
-            text[text_offsets[i] : text_offsets[i + 1]].decode("utf-8"),
-            _extra_decoder.decode(extra[start:end]) if end > start else PLAIN,
-        )
+def unpack_deltas(views: Views) -> DeltaBatch:
+    rows = views["rows"]
+    return DeltaBatch(
+        handles=rows["handle"].tolist(),
+        finishes=rows["finish"].tolist(),
+        num_prompt_tokens=rows["num_prompt_tokens"].tolist(),
+        num_output_tokens=rows["num_output_tokens"].tolist(),
+        token_ids=rows["token_id"].tolist(),
+        text_offsets=views["text_offsets"].tolist(),
+        text_bytes=views["text"].tobytes(),
+        extra_offsets=views["extra_offsets"].tolist(),
+        extra_bytes=views["extra"].tobytes(),
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -79,22 +78,6 @@ TOKENS = Record(
 TOKENS_VOCAB = Vocabulary("tokens", [TOKENS])
 
 
-class TokenRow(NamedTuple):
-    """One TOKEN_ROW, by name."""
-
-    handle: int
-    token_id: int
-    logprob: float
-    rank: int
-    finish: int
-    stop_token: bool
-    num_prompt_tokens: int
-    num_output_tokens: int
-
-
-if TokenRow._fields != TOKEN_ROW.names:
-    raise TypeError("TokenRow must name TOKEN_ROW's fields in order")
-
 FINISHED = Record("finished", ("handles", np.int64))
 STOP_HITS = Vocabulary("stop_hits", [FINISHED])
 
@@ -108,9 +91,6 @@ class TokenBatch:
     new: list[tuple[int, DetokParams]]  # requests detokenize sees for the first time
     metrics: np.ndarray  # [B] METRICS_ROW
     prompt: PromptLogprobs
-
-    def token_rows(self) -> list[TokenRow]:
-        return [TokenRow._make(row) for row in self.rows.tolist()]
 
 
 def pack_tokens(

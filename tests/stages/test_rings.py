@@ -196,6 +196,12 @@ def test_deltas_round_trip_plain_rows_carry_no_extra():
         [(1, 0, 3, 1, 5), (2, common.FINISH_STOP, 4, 2, -1)], ["é", ""], [None, extra]
     )
     assert arrays["extra_offsets"].tolist()[:2] == [0, 0]
-    back = list(deltas.unpack_deltas(through(deltas.DELTAS, arrays)))
-    assert back[0] == deltas.Delta(1, 0, 3, 1, 5, "é", deltas.PLAIN)
-    assert back[1] == deltas.Delta(2, common.FINISH_STOP, 4, 2, -1, "", extra)
+    back = deltas.unpack_deltas(through(deltas.DELTAS, arrays))
+    assert (back.handles, back.finishes, back.token_ids) == (
+        [1, 2],
+        [0, common.FINISH_STOP],
+        [5, -1],
+    )
+    assert (back.num_prompt_tokens, back.num_output_tokens) == ([3, 4], [1, 2])
+    assert (back.text(0), back.extra(0)) == ("é", deltas.PLAIN)
+    assert (back.text(1), back.extra(1)) == ("", extra)

@@ -134,9 +134,11 @@ def step(actor: DetokenizeActor, token_ids: list[int], params: DetokParams | Non
     )
     arrays, _ = actor.process(batch)
     assert arrays is not None
+    batch = deltas.unpack_deltas(arrays)
+    extras = [batch.extra(row) for row in range(len(batch.handles))]
     return [
-        (d.text, d.finish, None if d.extra is deltas.PLAIN else d.extra)
-        for d in deltas.unpack_deltas(arrays)
+        (batch.text(row), batch.finishes[row], None if extra is deltas.PLAIN else extra)
+        for row, extra in enumerate(extras)
     ]
 
 
