@@ -1,1 +1,3 @@
-"""The four stage actors (render, schedule, execute, detokenize) and the messages they exchange."""
+"""The LLM engine as stages: the request vocabulary (api), the rings and their codecs (rings),
+the four actors (actors), scheduling and KV blocks, the torch-free text side (text), and the
+engine client the server process owns (engine)."""
