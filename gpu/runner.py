@@ -146,7 +146,10 @@ class ModelRunner:
             use_native = model.kernels is NATIVE_KERNELS  # kernels_for made the choice
             max_rows = config.quantized_max_rows
             if max_rows == "auto":
-                many = use_native and native.gemm_available() and config.quantization == "int4"
+                # The native Q4 kernels serve every batch (int8 activations, llama.cpp's
+                # arithmetic), so a row's logits do not depend on how many rows share its step
+                # (a prefix-cache hit computes a prompt's tail as a short chunk).
+                many = use_native and config.quantization == "int4"
                 max_rows = 1024 if many else 8
             quantize_linears(
                 model,
