@@ -409,3 +409,15 @@ class NativeQ8Linear(nn.Module):
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
         codes = torch.round(groups * inverse[..., None]).clamp(-127, 127).to(torch.int8)
         return cls(codes.reshape(out_features, in_features), scales, many_rows)
+
+
+class WithBias(nn.Module):
+    """A bias-free quantized linear plus the float bias of the layer it replaced (Qwen2 qkv)."""
+
+    def __init__(self, linear: nn.Module, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("bias", bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, K]
+        return self.linear(x) + self.bias

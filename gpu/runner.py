@@ -13,17 +13,12 @@ import numpy as np
 import structlog
 import torch
 
-from gpu import native
+from gpu.attention import AttentionInputs
+from gpu.backends import NATIVE_KERNELS, kernels_for
 from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from gpu.loader import iter_weights, read_gguf_raw_tensors
-from gpu.model import (
-    NATIVE_KERNELS,
-    QUANTIZATION_MODES,
-    AttentionInputs,
-    CausalLM,
-    kernels_for,
-    quantize_linears,
-)
+from gpu.model import CausalLM
+from gpu.quantize import QUANTIZATION_MODES, quantize_linears
 from gpu.sampler import (
     SamplingArrays,
     TokenHistory,

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu.model import CausalLM, apply_rotary
+from gpu.backends import apply_rotary
+from gpu.model import CausalLM
 from gpu.runner import ModelRunner, RunnerConfig, StepBatch
 from gpu.sampler import SamplingArrays
 

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from gpu.attention import AttentionInputs
+from gpu.backends import NATIVE_KERNELS, TORCH_KERNELS, Kernels
 from gpu.kv_cache import KVCache
 from gpu.loader import iter_weights
-from gpu.model import NATIVE_KERNELS, TORCH_KERNELS, AttentionInputs, CausalLM, Kernels
+from gpu.model import CausalLM
 from stages.text.checkpoint import load_model_config
 from tests.gpu.paged import BlockPool, PagedSequence, StepBatch, build_step
 
@@ -121,7 +123,7 @@ def test_batch_gives_each_sequence_what_it_gets_alone(tiny_models, kernels):
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
 )
 def test_triton_attention_backend_matches_the_torch_path(tiny_models):
-    from gpu.model import triton_kernels
+    from gpu.backends import triton_kernels
 
     path = tiny_models["mistral_swa"]
     config = load_model_config(str(path))

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from gpu import native
+from gpu.backends import NATIVE_KERNELS, TORCH_KERNELS, Rope, _split_rotate, kernels_for
 from gpu.kernels import reference
-from gpu.model import NATIVE_KERNELS, TORCH_KERNELS, Rope, _split_rotate, kernels_for
 from gpu.quant import NativeQ4Linear, NativeQ8Linear
 
 # With a compiler on the machine the kernels must build: a build error fails here, not skips.
@@ -215,7 +215,8 @@ def test_fused_layers_equal_the_per_op_path(tiny_models, arch, cache_dtype, monk
     monkeypatch.setattr(native, "q4_layer_attn_in", count_halves)
     from gpu.kv_cache import KVCache
     from gpu.loader import iter_weights
-    from gpu.model import CausalLM, quantize_linears
+    from gpu.model import CausalLM
+    from gpu.quantize import quantize_linears
     from stages.text.checkpoint import load_model_config
     from tests.gpu.paged import BlockPool, PagedSequence, build_step
     from tests.gpu.test_model import run_step
