@@ -83,8 +83,10 @@ class PromptLogprobs:
     def entries(self) -> list[PromptLogprob]:
         top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
         return [
-            PromptLogprob(*row, list(zip(top_ids[i], top_logprobs[i], strict=True)))
-            for i, row in enumerate(self.rows.tolist())
+            PromptLogprob(handle, position, token, logprob, rank, list(zip(ids, lps, strict=True)))
+            for (handle, position, token, logprob, rank), ids, lps in zip(
+                self.rows.tolist(), top_ids, top_logprobs, strict=True
+            )
         ]
 
     @classmethod
