@@ -69,6 +69,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish: int = m.FINISH_NONE
     num_preemptions: int = 0
+    num_recoveries: int = 0  # stage failures it was resubmitted after
     sent_to_execute: bool = False
     sent_to_detok: bool = False
     # Prefix caching: off for requests that need every prompt position computed (prompt

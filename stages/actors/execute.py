@@ -113,6 +113,9 @@ class ExecuteActor(SyncActor):
                 if self.grammars is None:
                     self.grammars = _grammar_matchers(self.ctx.config.model_path)
                 self.grammars.add(handle, request.grammar)
+                if request.resume is not None:  # the outputs already sent, as decoding fed them
+                    for token in request.resume.output_ids:
+                        self.grammars.consume(handle, token)
 
     def batch_of(self, step: PlannedStep) -> StepBatch:
         from gpu.runner import StepBatch

@@ -14,7 +14,7 @@ from stages import spans
 from stages.api import EngineError, GenerateRequest
 from stages.config import EngineConfig, resolve_max_model_len
 from stages.rings import common, prompts, requests
-from stages.rings.common import encoder
+from stages.rings.common import Resume, encoder
 from stages.rings.prompts import RenderedPrompt, RenderedRequest
 from stages.rings.tokens import DetokParams
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, prompt_opens_reasoning
@@ -39,11 +39,13 @@ class RenderActor(AsyncActor):
                 if message.name == common.ABORT.name:
                     aborted, request = common.unpack_abort(message), None
                 else:
-                    aborted, (handle, request) = None, requests.unpack_submit(message)
+                    aborted, (handle, request, resume) = None, requests.unpack_submit(message)
             if request is not None:
                 started = now_ns()
                 try:
-                    prompt: RenderedPrompt | EngineError = self.render(handle, request, started)
+                    prompt: RenderedPrompt | EngineError = self.render(
+                        handle, request, started, resume
+                    )
                 except Exception as exc:
                     prompt = self.refusal(handle, exc)
             if aborted is not None:
@@ -63,7 +65,13 @@ class RenderActor(AsyncActor):
         self.ctx.log.exception("render failed", handle=handle)
         return EngineError(f"could not render the prompt: {exc}", param="messages")
 
-    def render(self, handle: int, request: GenerateRequest, started_ns: int) -> RenderedPrompt:
+    def render(
+        self,
+        handle: int,
+        request: GenerateRequest,
+        started_ns: int,
+        resume: Resume | None = None,
+    ) -> RenderedPrompt:
         s = request.sampling
         if request.reasoning_parser not in (None, *REASONING_PARSERS):
             raise EngineError(f"unknown reasoning parser {request.reasoning_parser!r}")
@@ -86,6 +94,7 @@ class RenderActor(AsyncActor):
             stop_token_ids=s.stop_token_ids + (() if s.ignore_eos else self.eos_ids),
             bad_words=bad_word_ids(self.bundle, s.bad_words),
             grammar="" if s.structured is None else compile_grammar(s.structured),
+            resume=resume,
         )
         detok = DetokParams(
             stop=s.stop,
@@ -99,6 +108,7 @@ class RenderActor(AsyncActor):
             tool_call_parser=request.tool_call_parser,
             reasoning_starts_inside=request.reasoning_parser is not None
             and prompt_opens_reasoning(self.bundle.decode(ids[-8:]), request.reasoning_parser),
+            replay_ids=() if resume is None else resume.output_ids,
         )
         return RenderedPrompt(
             handle=handle,

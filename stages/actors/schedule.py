@@ -196,6 +196,7 @@ class ScheduleActor(AsyncActor):
         metrics["num_generated_tokens"] = rows["num_output_tokens"]
         metrics["num_preemptions"] = [seq.num_preemptions for seq in seqs]
         metrics["num_cached_prompt_tokens"] = [seq.num_cached_tokens for seq in seqs]
+        metrics["num_recoveries"] = [seq.num_recoveries for seq in seqs]
         arrays = tokens.pack_tokens(
             step_id,
             rows,
@@ -209,7 +210,10 @@ class ScheduleActor(AsyncActor):
 
 
 def _sequence(prompt: RenderedPrompt) -> Sequence:
+    """A rendered prompt as the scheduler tracks it; one resumed after a stage failure starts with
+    the outputs its client already has, to be recomputed as after a preemption."""
     request = prompt.request()
+    resume = request.resume
     return Sequence(
         handle=prompt.handle,
         priority=prompt.priority,
@@ -222,4 +226,7 @@ def _sequence(prompt: RenderedPrompt) -> Sequence:
         cacheable=request.cacheable,
         render_start_ns=prompt.render_start_ns,
         rendered_ns=prompt.rendered_ns,
+        output_ids=[] if resume is None else list(resume.output_ids),
+        first_token_ns=0 if resume is None else resume.first_token_ns,
+        num_recoveries=0 if resume is None else resume.num_recoveries,
     )

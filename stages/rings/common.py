@@ -25,6 +25,17 @@ encoder = msgspec.msgpack.Encoder()
 ABORT = Record("abort", ("handles", np.int64))
 
 
+class Resume(msgspec.Struct, frozen=True, array_like=True):
+    """A request the engine submits again after a stage failure: what its client has already been
+    sent. The stages rebuild its state from these tokens (schedule recomputes their KV as for a
+    preemption, execute feeds them to the request's grammar, detokenize replays them through its
+    text state without emitting them) and generation continues after them."""
+
+    output_ids: tuple[int, ...]  # the output tokens streamed so far, in order
+    first_token_ns: int  # when the first of them reached the server (CLOCK_MONOTONIC)
+    num_recoveries: int  # stage failures this request has lived through, this one included
+
+
 def pack_abort(handles: list[int] | np.ndarray) -> dict[str, np.ndarray]:
     return {"handles": np.asarray(handles, np.int64)}
 

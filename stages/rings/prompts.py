@@ -9,7 +9,7 @@ import numpy as np
 
 from pipeline.records import Record, Vocabulary
 from stages.api import SamplingParams
-from stages.rings.common import ABORT, Views
+from stages.rings.common import ABORT, Resume, Views
 
 
 class RenderedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -23,6 +23,7 @@ class RenderedRequest(msgspec.Struct, frozen=True, array_like=True):
     stop_token_ids: tuple[int, ...]  # the request's, and the model's EOS ids unless ignore_eos
     bad_words: tuple[tuple[int, ...], ...] = ()  # each bad word's tokens, alone and after a space
     grammar: str = ""  # compiled llguidance grammar (stages.text.structured); "": unconstrained
+    resume: Resume | None = None  # resubmitted after a stage failure: the outputs already sent
 
     @property
     def cacheable(self) -> bool:

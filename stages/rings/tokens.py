@@ -23,6 +23,9 @@ class DetokParams(msgspec.Struct, frozen=True):
     reasoning_parser: str | None = None  # stages.text.parsers names
     tool_call_parser: str | None = None
     reasoning_starts_inside: bool = False  # the prompt ended inside an open think tag
+    # Resubmitted after a stage failure: the outputs already streamed, replayed through the text
+    # state without being emitted again.
+    replay_ids: tuple[int, ...] = ()
 
 
 _detok_decoder = msgspec.msgpack.Decoder(DetokParams)
@@ -39,6 +42,7 @@ _SCHEDULE_METRICS = (
     "num_generated_tokens",
     "num_preemptions",
     "num_cached_prompt_tokens",
+    "num_recoveries",
 )
 if missing := set(_SCHEDULE_METRICS) - set(RequestMetrics.__struct_fields__):
     raise TypeError(f"METRICS_ROW names fields RequestMetrics lacks: {missing}")

@@ -58,7 +58,11 @@ def test_requests_carry_the_request_as_it_is():
     assert requests.unpack_submit(through(requests.SUBMIT, requests.pack_submit(9, request))) == (
         9,
         request,
+        None,
     )
+    resume = common.Resume(output_ids=(5, 0, 7), first_token_ns=11, num_recoveries=2)
+    packed = requests.pack_submit(9, request, resume)
+    assert requests.unpack_submit(through(requests.SUBMIT, packed)) == (9, request, resume)
     assert common.unpack_abort(through(common.ABORT, common.pack_abort([4, 5]))) == [4, 5]
 
 
