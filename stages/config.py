@@ -45,6 +45,13 @@ class EngineConfig:
     log_level: str = "info"
     dummy: bool = False  # execute returns deterministic tokens without a model (pipeline ceiling)
     startup_timeout_s: float = 600.0
+    # Requests in flight beyond max_num_seqs that may wait for a place; more are answered 429.
+    # One batch's worth bounds a newcomer's TTFT to about one request's time in the batch.
+    max_waiting_requests: int = 128
+    # Stage failures survived (each: a fresh pipeline, requests resumed) within the window;
+    # one more and the engine gives up, so that the service manager restarts the server.
+    max_stage_restarts: int = 3
+    stage_restart_window_s: float = 300.0
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

@@ -75,9 +75,22 @@ class DetokenizeActor(AsyncActor):
                 entry.token_id, entry.logprob, entry.rank, top
             )
 
+    def replay(self, handle: int, token_ids: tuple[int, ...]) -> None:
+        """Brings a request resumed after a stage failure to the text state it had: its client
+        already has these tokens' text, so nothing is emitted, but held-back text (a possible stop
+        string, a partial UTF-8 character) and the parsers' state come back as they were."""
+        for token in token_ids:
+            state = self.detok.states.get(handle)
+            if state is None:
+                return
+            text = (self.detok.feed(handle, token, FINISH_NONE) or ("",))[0]
+            if state.parser is not None:
+                state.parser.feed(text, False)
+
     def process(self, batch: TokenBatch) -> tuple[dict[str, np.ndarray] | None, list[int]]:
         for handle, params in batch.new:
             self.detok.add(handle, params)
+            self.replay(handle, params.replay_ids)
         if len(batch.prompt.rows):
             self.gather_prompt_logprobs(batch.prompt)
         out_rows, texts, extras, stopped = [], [], [], []
