@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +42,9 @@ from stages.api import (
 from stages.config import EngineConfig, num_kv_blocks, resolve_max_model_len
 from stages.rings import common, deltas, plan, prompts, requests, results, tokens
 from stages.scheduler import GAUGES
+from stages.text.checkpoint import load_model_config
 from stages.text.prompts import prompt_token_ids
+from stages.text.snapshot import write_snapshot
 from stages.text.tokenizer import load_tokenizer
 
 log = structlog.get_logger("stages.engine")
@@ -144,7 +149,6 @@ class Engine:
     """Supervises the pipeline and serves requests through it."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.bundle = load_tokenizer(config.model_path)
         self.max_model_len = resolve_max_model_len(config)
         self.num_blocks = num_kv_blocks(config)
@@ -154,6 +158,11 @@ class Engine:
                 f"request of max_model_len={self.max_model_len}: raise --kv-cache-memory or lower "
                 f"--max-model-len"
             )
+        # The stages read the tokenizer and model config from this snapshot (removed at stop).
+        self._snapshot_dir = tempfile.mkdtemp(prefix="pipeline-serve-")
+        write_snapshot(self._snapshot_dir, self.bundle, load_model_config(config.model_path))
+        config = dataclasses.replace(config, snapshot_dir=self._snapshot_dir)
+        self.config = config
         self._info = ModelInfo(
             served_model_name=config.served_model_name or config.model_path,
             model_path=config.model_path,
@@ -229,6 +238,7 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._restarting
         await self._stop_pipeline()
+        shutil.rmtree(self._snapshot_dir, ignore_errors=True)
 
     async def _stop_pipeline(self) -> None:
         current = asyncio.current_task()

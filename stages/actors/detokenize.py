@@ -18,13 +18,13 @@ from stages.rings.common import FINISH_NONE, FINISH_STOP, PromptLogprobs
 from stages.rings.deltas import DeltaExtra
 from stages.rings.tokens import TokenBatch
 from stages.text.detokenizer import Detokenizer
-from stages.text.tokenizer import load_tokenizer
+from stages.text.snapshot import tokenizer_of
 
 
 class DetokenizeActor(AsyncActor):
     def warm_up(self) -> None:
         config: EngineConfig = self.ctx.config
-        bundle = load_tokenizer(config.model_path)
+        bundle = tokenizer_of(config)
         self.token_bytes = bundle.token_bytes
         self.detok = Detokenizer(
             bundle.token_bytes, bundle.special_token_ids, frozenset(bundle.eos_token_ids)

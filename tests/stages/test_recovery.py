@@ -59,7 +59,7 @@ async def run_all(engine: Engine, requests: list[GenerateRequest], on_token=None
             text += out.text
             last = out
             if on_token is not None:
-                await on_token()
+                await on_token(len(out.token_ids))
         return ids, text, last
 
     return await asyncio.gather(*(one(r) for r in requests))
@@ -106,9 +106,9 @@ def test_chaos_streams_outlive_random_stage_kills_with_the_text_of_an_uninterrup
     tokens_seen = 0
     next_kill_at = rng.randint(5, 40)
 
-    async def maybe_kill():
+    async def maybe_kill(num_tokens: int):
         nonlocal tokens_seen, next_kill_at
-        tokens_seen += 1
+        tokens_seen += num_tokens
         if tokens_seen >= next_kill_at and len(kills) < 3 and engine.ready:
             stage = rng.choice(STAGES)
             namespaces.add(engine.supervisor.namespace)
@@ -118,7 +118,7 @@ def test_chaos_streams_outlive_random_stage_kills_with_the_text_of_an_uninterrup
 
     again = runner.run(run_all(engine, [r for r in reqs], maybe_kill), timeout=240)
     wait_ready(engine)
-    assert len(kills) == 3
+    assert len(kills) == 3, kills
     assert engine.num_recoveries == 3
     for (ids, text, _), (ids_again, text_again, last) in zip(expected, again, strict=True):
         assert ids_again == ids
@@ -174,7 +174,7 @@ def test_past_the_restart_budget_the_engine_fails_in_flight_requests_and_goes_do
         while not engine.ready:
             await asyncio.sleep(0.02)
 
-        async def kill_detokenize():  # mid-stream: the second failure is past the budget
+        async def kill_detokenize(num_tokens: int):  # mid-stream: the second failure is past the budget
             if engine.ready:
                 os.kill(engine.supervisor.pids()["detokenize"], signal.SIGKILL)
 
