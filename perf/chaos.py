@@ -131,6 +131,7 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
         duration = time.monotonic() - started
         stats = engine.stats()
         blocks_held = int(stats["num_blocks"] - stats["num_free_blocks"])
+        still = {k: stats[k] for k in ("num_requests_running", "num_requests_waiting")}
     finally:
         await engine.stop()
     left = [n for n in names_in_shm() if any(ns in n for ns in namespaces)]
@@ -151,6 +152,7 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
         "in_flight_at_kill": [k["in_flight"] for k in kills],
         "recovery_ms": recovery,
         "kv_blocks_held_after": blocks_held,
+        "scheduler_after": still,
         "shm_names_left": left,
         "errors": errors[:10],
     }

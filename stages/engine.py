@@ -52,12 +52,14 @@ log = structlog.get_logger("stages.engine")
 STOP_ORDER = ("render", "schedule", "execute", "detokenize")
 # Retry-After of a 503 while the pipeline restarts, until a restart has been timed.
 FIRST_RESTART_ESTIMATE_S = 10.0
-# A request in flight at two failures in a row with no token between them is a suspect: it is
-# resubmitted alone, one suspect at a time, each once the one before has made progress. A suspect
-# in flight alone at a third failure caused them, and fails by itself instead of taking the engine
-# down with it.
+# A request in flight at two failures of one stage in a row with no token between them is a
+# suspect: it is resubmitted alone, one suspect at a time, each once the one before has made
+# progress. A suspect whose resubmission alone is followed within PROBE_BLAME_WINDOW_S by a third
+# failure of that stage caused them (a request that crashes a stage does so at once), and fails by
+# itself instead of taking the engine down with it.
 SUSPECT_AFTER_FAILURES = 2
 BLAMED_AFTER_FAILURES = 3
+PROBE_BLAME_WINDOW_S = 2.0
 OVERLOAD_RETRY_AFTER_S = 1.0
 
 
@@ -127,7 +129,9 @@ class _Flight:
     output_ids: list[int] = field(default_factory=list)  # the output tokens read so far
     first_token_ns: int = 0  # when the first of them was read
     num_recoveries: int = 0
-    failures_without_progress: int = 0  # stage failures it was in flight at since its last token
+    failures_without_progress: int = 0  # failures of one stage it was in since its last token
+    failed_stage: str = ""  # the stage those failures were of
+    probe_sent_s: float = 0.0  # monotonic time it was last resubmitted alone, as a suspect
     submitted: bool = False  # sent to the current pipeline (or to be sent by a recovery)
     suspect: bool = False  # held back until the suspects before it have made progress
 
@@ -182,6 +186,7 @@ class Engine:
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = False
         self._failure: ActorFailed | None = None
+        self._failed_at_s = 0.0  # monotonic time of the last stage failure
         self._restart_s: float | None = None  # how long the last recovery took
         self.num_recoveries = 0  # pipelines brought back, each with its requests resumed
         self.num_rejected = 0  # requests refused with 429 because too many were waiting
@@ -261,6 +266,7 @@ class Engine:
         """
         self._ready = False
         self._failure = failure
+        self._failed_at_s = time.monotonic()
         if self._over_budget():
             self._give_up(failure)
             return
@@ -290,7 +296,7 @@ class Engine:
             except Exception as exc:
                 log.error("the pipeline did not come back", error=str(exc))
                 failure = exc if isinstance(exc, ActorFailed) else ActorFailed("engine", str(exc))
-                self._failure = failure
+                self._failure, self._failed_at_s = failure, time.monotonic()
                 if self._over_budget():
                     await self._stop_pipeline()
                     self._give_up(failure)
@@ -313,12 +319,19 @@ class Engine:
         (see SUSPECT_AFTER_FAILURES) are left to _probe_suspects."""
         producer = self.supervisor.producers["requests"]
         async with self._send_lock:
+            stage = self._failure.actor if self._failure is not None else ""
             for handle, flight in sorted(self._flights.items()):
                 if flight.submitted:  # held-back suspects were in flight at none of the failures
-                    flight.failures_without_progress += 1
+                    same = flight.failed_stage in ("", stage)
+                    flight.failures_without_progress = (
+                        flight.failures_without_progress + 1 if same else 1
+                    )
+                    flight.failed_stage = stage
                 if flight.failures_without_progress >= BLAMED_AFTER_FAILURES:
-                    self._blame(flight)
-                    continue
+                    if self._failed_at_s - flight.probe_sent_s < PROBE_BLAME_WINDOW_S:
+                        self._blame(flight)
+                        continue
+                    flight.failures_without_progress = SUSPECT_AFTER_FAILURES  # not at once
                 if flight.failures_without_progress >= SUSPECT_AFTER_FAILURES:
                     flight.suspect, flight.submitted = True, False
                     continue
@@ -365,6 +378,7 @@ class Engine:
                 probe.suspect = False
                 async with self._send_lock:
                     await self._send(producer, probe_handle, probe)
+                probe.probe_sent_s = time.monotonic()
 
     def _give_up(self, failure: ActorFailed) -> None:
         window = self.config.stage_restart_window_s
@@ -544,7 +558,7 @@ class Engine:
                     token = batch.token_ids[row]
                     if token >= 0:  # what a resubmission after a failure starts from
                         if flight.failures_without_progress:
-                            flight.failures_without_progress = 0
+                            flight.failures_without_progress, flight.failed_stage = 0, ""
                             self._probe_wake.set()
                         if not flight.output_ids:
                             flight.first_token_ns = now_ns()

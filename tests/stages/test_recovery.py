@@ -174,7 +174,9 @@ def test_past_the_restart_budget_the_engine_fails_in_flight_requests_and_goes_do
         while not engine.ready:
             await asyncio.sleep(0.02)
 
-        async def kill_detokenize(num_tokens: int):  # mid-stream: the second failure is past the budget
+        async def kill_detokenize(
+            num_tokens: int,
+        ):  # mid-stream: the second failure is past the budget
             if engine.ready:
                 os.kill(engine.supervisor.pids()["detokenize"], signal.SIGKILL)
 
