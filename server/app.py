@@ -44,14 +44,20 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
     return app
 
 
+# What --api-key guards besides /v1/*: what reads the model or the engine (as in vLLM, whose
+# /tokenize and /detokenize need the key); /health, /version and /metrics stay open to probes.
+_KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/debug/profile"})
+
+
 # The hooks and error handlers are the app's, so they also cover requests no route matched.
 @routes.before_app_request
 async def authorize() -> None:
-    bearer = openai_serving().bearer
-    if bearer is None or not request.path.startswith("/v1/"):
+    api_key = openai_serving().api_key
+    if api_key is None or not (request.path.startswith("/v1/") or request.path in _KEYED_PATHS):
         return
-    given = request.headers.get("Authorization", "").encode()
-    if not secrets.compare_digest(given, bearer):
+    # RFC 9110: the auth scheme is case-insensitive ("bearer" is as good as "Bearer").
+    scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key):
         raise APIError("Invalid API key", status=401, code="invalid_api_key")
 
 

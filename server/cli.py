@@ -117,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=_positive_int, help="CPU threads for the model")
     parser.add_argument("--seed", type=int, help="seed of the engine's default generator")
-    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
+    parser.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize, /debug/profile",
+    )
     parser.add_argument(
         "--enable-per-request-metrics",
         action="store_true",

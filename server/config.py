@@ -10,7 +10,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None  # None = the engine's ModelInfo.served_model_name
-    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
+    api_key: str | None = None  # when set, /v1/*, /tokenize, /detokenize and /debug/profile need it
     enable_per_request_metrics: bool = False
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     log_format: str = "auto"  # auto (JSON unless stderr is a terminal) | json | console

@@ -56,7 +56,7 @@ def openai_serving() -> OpenAIServing:
 class OpenAIServing:
     """One app's engine, config and what follows from them, and the steps of a generation."""
 
-    __slots__ = ("bearer", "config", "engine", "fingerprint", "metrics", "served_model_name")
+    __slots__ = ("api_key", "config", "engine", "fingerprint", "metrics", "served_model_name")
 
     def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
@@ -64,7 +64,7 @@ class OpenAIServing:
         self.served_model_name = config.served_model_name or engine.model_info.served_model_name
         self.metrics = ServerMetrics(engine.stats, self.served_model_name)
         self.fingerprint = f"pipeline-serve-{server_version()}"
-        self.bearer = f"Bearer {config.api_key}".encode() if config.api_key is not None else None
+        self.api_key = config.api_key.encode() if config.api_key is not None else None
 
     def check_model(self, name: str | None) -> str:
         if name is None or name == self.served_model_name:

@@ -220,6 +220,40 @@ async def test_api_key(make_app: Callable[..., Quart]) -> None:
     assert ok.status_code == 200
 
 
+async def test_api_key_guards_tokenize_detokenize_and_profile(
+    make_app: Callable[..., Quart],
+) -> None:
+    """As in vLLM: what reads the model needs the key; the probes (/health, /version, /metrics)
+    do not."""
+    client = make_app(api_key="sk-right").test_client()
+    calls = [
+        ("POST", "/tokenize", {"prompt": "hello there"}),
+        ("POST", "/detokenize", {"tokens": [10, 11]}),
+        ("GET", "/debug/profile", None),
+    ]
+    for method, path, body in calls:
+        refused = await client.open(path, method=method, json=body)
+        assert refused.status_code == 401, path
+        assert_error(await refused.get_json(), "AuthenticationError")
+        allowed = await client.open(
+            path, method=method, json=body, headers={"Authorization": "Bearer sk-right"}
+        )
+        assert allowed.status_code != 401, path
+    for path in ("/health", "/version", "/metrics"):
+        assert (await client.get(path)).status_code == 200, path
+
+
+@pytest.mark.parametrize("header", ["bearer sk-right", "BEARER sk-right", "Bearer  sk-right"])
+async def test_bearer_scheme_is_case_insensitive(
+    make_app: Callable[..., Quart], header: str
+) -> None:
+    client = make_app(api_key="sk-right").test_client()
+    response = await client.post(CHAT, json=chat(), headers={"Authorization": header})
+    assert response.status_code == 200
+    wrong = await client.post(CHAT, json=chat(), headers={"Authorization": "bearer sk-wrong"})
+    assert wrong.status_code == 401
+
+
 async def test_not_ready_engine(app: Quart, engine: FakeEngine) -> None:
     engine.ready = False
     client = app.test_client()
