@@ -39,6 +39,7 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
     app = Quart(__name__)
     # Generation streams for as long as it takes; Quart's default cuts responses at 60 s.
     app.config["RESPONSE_TIMEOUT"] = None
+    app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
     app.extensions[EXTENSION] = OpenAIServing(engine, config)
     app.register_blueprint(routes)
     return app

@@ -23,6 +23,7 @@ import uvloop
 
 from server.app import create_app
 from server.config import ServerConfig
+from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.logs import configure_server_logging
 from server.serve import serve_app
 from stages.config import EngineConfig, default_model_path
@@ -122,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize, /debug/profile",
     )
     parser.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are refused with a 413: 4MiB (the default), 16MiB, 1000000",
+    )
+    parser.add_argument(
         "--enable-per-request-metrics",
         action="store_true",
         help="add timing and speculative-decoding `metrics` to each response",
@@ -180,6 +187,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         port=args.port,
         served_model_name=served_model_name,
         api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
         enable_per_request_metrics=args.enable_per_request_metrics,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_format=args.log_format,

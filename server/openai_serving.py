@@ -13,9 +13,11 @@ from typing import Any, TypeVar
 
 import msgspec
 from quart import Response, current_app, g, request
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from server.config import ServerConfig
 from server.errors import APIError
+from server.limits import body_too_large, check_json_depth
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest
 from server.serving import Choice, ResponseContext, Tracker, close_choices, start
@@ -40,7 +42,15 @@ def json_response(payload: Any, status: int = 200) -> Response:
 
 
 async def decode_body(kind: type[RequestT]) -> RequestT:
-    raw = await request.get_data(as_text=False)
+    """The JSON body as `kind`; APIError for one too large (413), too deep, or malformed (400)."""
+    limit = openai_serving().config.max_request_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise body_too_large(limit, request.content_length)
+    try:
+        raw = await request.get_data(as_text=False)  # Quart cuts a chunked body off at the limit
+    except RequestEntityTooLarge:
+        raise body_too_large(limit) from None
+    check_json_depth(raw)
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.MsgspecError as error:
