@@ -17,9 +17,10 @@ from server.errors import APIError, error_body, error_type_for
 from server.openai_serving import (
     EXTENSION,
     OpenAIServing,
-    decode_body,
+    decode,
     json_response,
     openai_serving,
+    read_body,
     server_version,
 )
 from server.schemas import (
@@ -146,15 +147,21 @@ async def server_version_route() -> Response:
     return json_response({"version": server_version()})
 
 
+# Both parse, check and (de)tokenize in a worker thread: a body of megabytes takes seconds.
 @routes.post("/tokenize")
 async def tokenize() -> Response:
     serving = openai_serving()
     engine = serving.engine
-    body = await decode_body(TokenizeRequest)
-    serving.check_model(body.model)
-    body.validate()
+    raw = await read_body()
+
+    def work() -> list[int]:
+        body = decode(raw, TokenizeRequest)
+        serving.check_model(body.model)
+        body.validate()
+        return engine.tokenize(body.prompt_value())
+
     try:
-        tokens = engine.tokenize(body.prompt_value())
+        tokens = await serving.in_worker(work)
     except EngineError as error:
         raise APIError.from_engine(error) from error
     return json_response(
@@ -166,11 +173,16 @@ async def tokenize() -> Response:
 async def detokenize() -> Response:
     serving = openai_serving()
     engine = serving.engine
-    body = await decode_body(DetokenizeRequest)
-    serving.check_model(body.model)
-    body.validate(engine.model_info.vocab_size)
+    raw = await read_body()
+
+    def work() -> str:
+        body = decode(raw, DetokenizeRequest)
+        serving.check_model(body.model)
+        body.validate(engine.model_info.vocab_size)
+        return engine.detokenize(body.tokens)
+
     try:
-        text = engine.detokenize(body.tokens)
+        text = await serving.in_worker(work)
     except EngineError as error:
         raise APIError.from_engine(error) from error
     return json_response({"prompt": text})

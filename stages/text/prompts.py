@@ -24,11 +24,9 @@ def prompt_token_ids(bundle: TokenizerBundle, prompt: Prompt) -> list[int]:
             eos_token=bundle.eos_token,
         )
         # The template writes BOS itself where the model wants one.
-        return bundle.tokenizer.encode(text, add_special_tokens=False).ids
+        return bundle.encode(text, add_bos=False)
     if isinstance(prompt, TextPrompt):
-        if prompt.add_special_tokens:
-            return bundle.encode(prompt.text)
-        return bundle.tokenizer.encode(prompt.text, add_special_tokens=False).ids
+        return bundle.encode(prompt.text, add_bos=prompt.add_special_tokens)
     ids = list(prompt.token_ids)
     bad = [t for t in ids if not 0 <= t < bundle.vocab_size]
     if bad:
@@ -44,7 +42,7 @@ def bad_word_ids(bundle: TokenizerBundle, words: Sequence[str]) -> tuple[tuple[i
     sequences: dict[tuple[int, ...], None] = {}
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tuple(bundle.tokenizer.encode(text, add_special_tokens=False).ids)
+            ids = tuple(bundle.encode(text, add_bos=False))
             if ids:
                 sequences[ids] = None
     return tuple(sequences)

@@ -4,9 +4,11 @@ the official openai client."""
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import signal
 import subprocess
+import threading
 import time
 
 import openai
@@ -242,6 +244,38 @@ def test_bad_requests_get_openai_errors_and_the_next_request_succeeds(client):
         assert ok.usage.completion_tokens == 2
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         chat(client, content="word " * 400, max_tokens=2)
+
+
+def test_health_is_answered_while_a_huge_tokenize_runs(server):
+    """3.5 MB of text takes the tokenizer seconds. It runs in a worker thread that lets go of
+    the GIL, so fifty /health calls made one after another once it is sent all come back first
+    (with the tokenizer on the event loop, none would while it runs)."""
+    port, _ = server
+    text = "The quick brown fox jumps over the lazy dog. " * (3_500_000 // 45)
+    finished = []
+    sent = threading.Event()
+
+    def tokenize():
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            body = json.dumps({"model": "tiny", "prompt": text})
+            connection.request("POST", "/tokenize", body, {"Content-Type": "application/json"})
+            sent.set()
+            response = connection.getresponse()
+            finished.append(("tokenize", response.status, json.loads(response.read())))
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    assert sent.wait(60)
+    for _ in range(50):
+        finished.append(("health", http_get(port, "/health")[0], None))
+    worker.join(120)
+    assert [(name, status) for name, status, _ in finished] == [("health", 200)] * 50 + [
+        ("tokenize", 200)
+    ]
+    assert finished[-1][2]["count"] > 500_000
 
 
 WEATHER = {
