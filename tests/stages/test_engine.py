@@ -14,6 +14,7 @@ from stages.api import (
     EngineError,
     GenerateRequest,
     SamplingParams,
+    StructuredOutput,
     TextPrompt,
     TokensPrompt,
 )
@@ -412,3 +413,87 @@ def test_shared_prefixes_under_preemption_and_aborts_free_every_block(engine_loo
     assert stats["num_preemptions_total"] > preemptions_before
     assert stats["kv_cache_usage_perc"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
+
+
+def many_choices(count: int) -> StructuredOutput:
+    """A choice grammar that takes a while to compile and to build a matcher for (both grow
+    faster than the number of choices)."""
+    import hashlib
+    import json
+
+    choices = [hashlib.blake2b(str(i).encode(), digest_size=6).hexdigest() for i in range(count)]
+    return StructuredOutput("choice", json.dumps(choices), "structured_outputs.choice")
+
+
+def stamped(engine, req, events):
+    """Runs the request, appending (request id, output, arrival ns) to events as outputs come."""
+
+    async def run():
+        async for out in engine.generate(req):
+            events.append((req.request_id, out, now_ns()))
+
+    return run()
+
+
+def test_a_large_grammar_does_not_hold_up_the_request_sent_after_it(engine_loop):
+    """Render compiles it in a worker thread: a plain request sent right after it is answered
+    in full before it gets its first token."""
+    engine, loop = engine_loop
+    big = request(rid="big", temperature=1.0, seed=1, max_tokens=4, structured=many_choices(9000))
+    plain = request(rid="plain", temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def race():
+        events = []
+        first = asyncio.create_task(stamped(engine, big, events))
+        await asyncio.sleep(0)  # big is on the requests ring (its send does not wait)
+        await asyncio.gather(first, stamped(engine, plain, events))
+        return events
+
+    events = loop.run(race())
+    order = [(rid, out.finish_reason) for rid, out, _ in events]
+    assert order.index(("plain", "length")) < order.index(next(e for e in order if e[0] == "big"))
+    assert "".join(out.text for rid, out, _ in events if rid == "big")  # a choice, in the end
+
+
+def test_a_long_prompt_does_not_hold_up_the_request_sent_after_it(engine_loop):
+    """2 MB of text to tokenize (kept by truncation) renders in a worker thread."""
+    engine, loop = engine_loop
+    huge = request(
+        "The quick brown fox jumps over the lazy dog. " * 45_000,
+        rid="huge",
+        temperature=0,
+        max_tokens=2,
+        truncate_prompt_tokens=100,
+    )
+    plain = request(rid="plain", temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def race():
+        events = []
+        first = asyncio.create_task(stamped(engine, huge, events))
+        await asyncio.sleep(0)
+        await asyncio.gather(first, stamped(engine, plain, events))
+        return events
+
+    events = loop.run(race())
+    order = [(rid, out.finish_reason) for rid, out, _ in events]
+    assert order.index(("plain", "length")) < order.index(next(e for e in order if e[0] == "huge"))
+    assert events[-1][1].num_prompt_tokens == 100
+
+
+def test_grammars_and_prompts_over_the_limits_are_400s(engine_loop):
+    import json
+
+    engine, loop = engine_loop
+    with pytest.raises(EngineError) as info:  # 100,000 choices: 1.3 MB of JSON
+        loop.run(collect(engine, request(max_tokens=4, structured=many_choices(100_000))))
+    assert info.value.status == 400 and info.value.param == "structured_outputs.choice"
+    assert "at most" in info.value.message
+    short = StructuredOutput("choice", json.dumps([str(i) for i in range(10_001)]), "guided_choice")
+    with pytest.raises(EngineError, match="10001 choices") as info:
+        loop.run(collect(engine, request(max_tokens=4, structured=short)))
+    assert info.value.param == "guided_choice"
+    with pytest.raises(EngineError) as info:  # far more text than 512 tokens can hold
+        loop.run(collect(engine, request("x" * 2_000_000, max_tokens=4)))
+    assert info.value.code == "context_length_exceeded" and "characters" in info.value.message
+    outs = loop.run(collect(engine, request(temperature=0, max_tokens=3, ignore_eos=True)))
+    assert outs[-1].num_output_tokens == 3

@@ -4,6 +4,7 @@ the sampler held to them."""
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -11,7 +12,13 @@ import torch
 
 from gpu.sampler import SamplingArrays, TokenHistory, sample
 from stages.api import EngineError, StructuredOutput
-from stages.text.structured import GrammarMatchers, compile_grammar
+from stages.text.structured import (
+    GRAMMAR_STACK_BYTES,
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    GrammarMatchers,
+    compile_grammar,
+)
 from stages.text.tokenizer import load_tokenizer
 
 
@@ -109,6 +116,64 @@ def test_what_cannot_be_compiled_is_a_400_naming_its_field(spec):
     with pytest.raises(EngineError) as info:
         compile_grammar(spec)
     assert info.value.status == 400 and info.value.param == spec.param
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (
+            StructuredOutput("choice", json.dumps([f"{i:06d}" for i in range(100_000)]), "c"),
+            f"at most {MAX_GRAMMAR_CHARS} are allowed",
+        ),
+        (
+            StructuredOutput("choice", json.dumps([str(i) for i in range(MAX_CHOICES + 1)]), "c"),
+            f"{MAX_CHOICES + 1} choices; at most {MAX_CHOICES}",
+        ),
+        (StructuredOutput("regex", "a" * (MAX_GRAMMAR_CHARS + 1), "r"), "characters"),
+    ],
+)
+def test_grammars_over_the_limits_are_400s(spec, says):
+    with pytest.raises(EngineError) as info:
+        compile_grammar(spec)
+    assert info.value.status == 400 and info.value.param == spec.param
+    assert says in info.value.message
+
+
+def deep_specs() -> list[StructuredOutput]:
+    """Grammars just within MAX_GRAMMAR_CHARS that nest as deeply as that allows: a chain of
+    $refs, a chain of Lark rules."""
+    count = MAX_GRAMMAR_CHARS // 80
+    defs = {
+        f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(count)
+    }
+    defs[f"d{count}"] = {"type": "string"}
+    schema = json.dumps({"$ref": "#/$defs/d0", "$defs": defs})
+    rules = MAX_GRAMMAR_CHARS // 24
+    lark = "\n".join(
+        ["start: a0", *(f'a{i}: "x" a{i + 1} | "y"' for i in range(rules)), f'a{rules}: "z"']
+    )
+    specs = [StructuredOutput("json", schema), StructuredOutput("grammar", lark)]
+    assert all(len(spec.value) <= MAX_GRAMMAR_CHARS for spec in specs)
+    return specs
+
+
+def test_the_deepest_grammars_within_the_limits_compile_on_a_grammar_thread():
+    """llguidance recurses a native frame or more per level: on a default 8 MiB stack a chain of
+    1,000 $refs kills the process. Render compiles on threads of GRAMMAR_STACK_BYTES."""
+    compiled = []
+
+    def compile_all() -> None:
+        compiled.extend(compile_grammar(spec) for spec in deep_specs())
+
+    previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+    try:
+        worker = threading.Thread(target=compile_all)
+        worker.start()
+    finally:
+        threading.stack_size(previous)
+    worker.join()
+    assert len(compiled) == 2
 
 
 def test_rows_without_a_grammar_or_not_sampling_allow_everything(matchers, bundle):
