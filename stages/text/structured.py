@@ -124,8 +124,18 @@ class GrammarMatchers:
     def __contains__(self, handle: int) -> bool:
         return handle in self._matchers
 
-    def add(self, handle: int, grammar: str) -> None:
-        self._matchers[handle] = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+    def build(self, grammar: str, consumed: Sequence[int] = ()) -> llguidance.LLMatcher:
+        """A matcher of the grammar that has taken the tokens `consumed` (a request resumed after
+        a stage failure). Up to seconds for a large grammar, with the GIL released: execute calls
+        it in a worker thread (with a stack of GRAMMAR_STACK_BYTES), then `add`s the matcher."""
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        for token in consumed:
+            if not matcher.is_error():
+                matcher.consume_token(token)
+        return matcher
+
+    def add(self, handle: int, matcher: llguidance.LLMatcher) -> None:
+        self._matchers[handle] = matcher
 
     def drop(self, handle: int) -> None:
         self._matchers.pop(handle, None)

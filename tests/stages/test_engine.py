@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -245,6 +246,10 @@ def test_dummy_execute_runs_the_pipeline_without_a_model(tiny_chat_model):
         again = runner.run(collect(engine, request(max_tokens=50)))
         tokens = [t for o in outs for t in o.token_ids]
         assert len(tokens) == 50 and [t for o in again for t in o.token_ids] == tokens
+        # a grammar is ready at once there (the null model writes what it writes)
+        spec = StructuredOutput("regex", "[a-z]+")
+        shaped = runner.run(collect(engine, request(max_tokens=5, structured=spec)))
+        assert shaped[-1].num_output_tokens == 5
     finally:
         runner.run(engine.stop())
         runner.close()
@@ -441,8 +446,8 @@ def stamped(engine, req, events):
 
 
 def test_a_large_grammar_does_not_hold_up_the_request_sent_after_it(engine_loop):
-    """Render compiles it in a worker thread: a plain request sent right after it is answered
-    in full before it gets its first token."""
+    """Render compiles it in a worker thread (and execute builds its matcher in one): a plain
+    request sent right after it is answered in full before it gets its first token."""
     engine, loop = engine_loop
     big = request(rid="big", temperature=1.0, seed=1, max_tokens=4, structured=many_choices(9000))
     plain = request(rid="plain", temperature=0, max_tokens=4, ignore_eos=True)
@@ -458,6 +463,29 @@ def test_a_large_grammar_does_not_hold_up_the_request_sent_after_it(engine_loop)
     order = [(rid, out.finish_reason) for rid, out, _ in events]
     assert order.index(("plain", "length")) < order.index(next(e for e in order if e[0] == "big"))
     assert "".join(out.text for rid, out, _ in events if rid == "big")  # a choice, in the end
+
+
+def test_streams_go_on_while_a_grammar_matcher_is_built(engine_loop):
+    """Execute builds a matcher in a worker thread and schedule plans its request once it is
+    ready: between the request's render and its first scheduling, a running stream gets tokens."""
+    engine, loop = engine_loop
+    stream = request(rid="stream", temperature=0, max_tokens=300, ignore_eos=True)
+    big = request(rid="big", temperature=1.0, seed=2, max_tokens=4, structured=many_choices(9000))
+
+    async def together():
+        events = []
+        running = asyncio.create_task(stamped(engine, stream, events))
+        while not events:  # the stream is decoding
+            await asyncio.sleep(0.005)
+        await stamped(engine, big, events)
+        await running
+        return events
+
+    events = loop.run(together())
+    metrics = next(out.metrics for rid, out, _ in events if rid == "big" and out.finish_reason)
+    during = [t for rid, _, t in events if rid == "stream" and metrics.rendered_ns < t]
+    during = [t for t in during if t < metrics.scheduled_ns]
+    assert len(during) >= 5, (metrics, len(during))
 
 
 def test_a_long_prompt_does_not_hold_up_the_request_sent_after_it(engine_loop):
@@ -502,3 +530,47 @@ def test_grammars_and_prompts_over_the_limits_are_400s(engine_loop):
     assert info.value.code == "context_length_exceeded" and "characters" in info.value.message
     outs = loop.run(collect(engine, request(temperature=0, max_tokens=3, ignore_eos=True)))
     assert outs[-1].num_output_tokens == 3
+
+
+def test_requests_left_while_their_grammar_compiles_or_builds_free_everything(engine_loop):
+    engine, loop = engine_loop
+
+    async def leave(delay_s):
+        stream = engine.generate(request(rid=f"gone{delay_s}", structured=many_choices(6000)))
+        waiting = asyncio.create_task(anext(stream))
+        await asyncio.sleep(delay_s)  # in render, waiting for its matcher, or running
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await waiting
+        await stream.aclose()
+
+    async def all_leave():
+        await asyncio.gather(*(leave(d) for d in (0.0, 0.02, 0.1, 0.2, 0.4)))
+
+    loop.run(all_leave())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+        engine.stats()["num_requests_waiting"] or engine.stats()["kv_cache_usage_perc"]
+    ):
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats["num_requests_waiting"] == 0 and stats["num_requests_running"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    import json
+
+    spec = many_choices(50)
+    outs = loop.run(collect(engine, request(max_tokens=40, structured=spec)))
+    assert "".join(o.text for o in outs) in json.loads(spec.value)
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_the_deepest_grammars_within_the_limits_kill_no_stage(engine_loop):
+    """Render compiles and execute builds on threads with stacks deep enough for llguidance's
+    recursion (a chain of 1,000 $refs overflowed the default stack: a segfault, a restart)."""
+    from tests.stages.text.test_structured import deep_specs
+
+    engine, loop = engine_loop
+    for spec in deep_specs():
+        outs = loop.run(collect(engine, request(temperature=0, max_tokens=6, structured=spec)))
+        assert outs[-1].finish_reason in ("length", "stop")
+    assert engine.ready

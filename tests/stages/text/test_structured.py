@@ -87,7 +87,7 @@ def follow(matchers, bundle, handle: int, pick) -> str:
 def test_any_path_through_the_masks_writes_a_valid_output(spec, check, matchers, bundle):
     grammar = compile_grammar(spec)
     for handle, pick in enumerate((min, max, lambda ids: ids[len(ids) // 2])):
-        matchers.add(handle, grammar)
+        matchers.add(handle, matchers.build(grammar))
         text = follow(matchers, bundle, handle, pick)
         assert check(text), text
         matchers.drop(handle)
@@ -95,7 +95,7 @@ def test_any_path_through_the_masks_writes_a_valid_output(spec, check, matchers,
 
 
 def test_json_object_allows_only_an_object(matchers, bundle):
-    matchers.add(1, compile_grammar(StructuredOutput("json_object")))
+    matchers.add(1, matchers.build(compile_grammar(StructuredOutput("json_object"))))
     first = allowed(matchers.masks([1], [True])[0], bundle.vocab_size)
     assert first and all(bundle.decode([t]).startswith("{") for t in first)
 
@@ -158,27 +158,35 @@ def deep_specs() -> list[StructuredOutput]:
     return specs
 
 
-def test_the_deepest_grammars_within_the_limits_compile_on_a_grammar_thread():
+def test_the_deepest_grammars_within_the_limits_compile_on_a_grammar_thread(matchers):
     """llguidance recurses a native frame or more per level: on a default 8 MiB stack a chain of
-    1,000 $refs kills the process. Render compiles on threads of GRAMMAR_STACK_BYTES."""
-    compiled = []
+    1,000 $refs kills the process. Render and execute compile on threads of GRAMMAR_STACK_BYTES."""
+    built = []
 
-    def compile_all() -> None:
-        compiled.extend(compile_grammar(spec) for spec in deep_specs())
+    def compile_and_build() -> None:
+        for spec in deep_specs():
+            built.append(matchers.build(compile_grammar(spec)))
 
     previous = threading.stack_size(GRAMMAR_STACK_BYTES)
     try:
-        worker = threading.Thread(target=compile_all)
+        worker = threading.Thread(target=compile_and_build)
         worker.start()
     finally:
         threading.stack_size(previous)
     worker.join()
-    assert len(compiled) == 2
+    assert len(built) == 2 and not any(m.is_error() for m in built)
+
+
+def test_a_matcher_built_for_a_resumed_request_continues_its_output(matchers, bundle):
+    grammar = compile_grammar(StructuredOutput("regex", "quick brown"))
+    written = bundle.encode("quick", add_bos=False)
+    matchers.add(1, matchers.build(grammar, written))
+    assert follow(matchers, bundle, 1, min) == " brown"
 
 
 def test_rows_without_a_grammar_or_not_sampling_allow_everything(matchers, bundle):
     assert matchers.masks([1, 2], [True, True]).shape == (2, 0)  # nobody constrained: no masks
-    matchers.add(2, compile_grammar(StructuredOutput("regex", "a")))
+    matchers.add(2, matchers.build(compile_grammar(StructuredOutput("regex", "a"))))
     masks = matchers.masks([1, 2, 2], [True, True, False])
     assert masks.shape == (3, (bundle.vocab_size + 31) // 32)
     assert (masks[0] == -1).all() and (masks[2] == -1).all()
