@@ -391,6 +391,7 @@ def test_structured_output_errors(client):
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
         {"tools": [WEATHER], "tool_choice": {"type": "function"}},
         {"tool_choice": "required"},  # no tools
+        {"extra_body": {"structured_outputs": {"choice": [f"c{i}" for i in range(100_000)]}}},
     ]
     for kwargs in cases:
         with pytest.raises(openai.BadRequestError) as info:
@@ -398,6 +399,35 @@ def test_structured_output_errors(client):
         assert info.value.body["message"]
         ok = chat(client, max_tokens=2, extra_body={"ignore_eos": True})
         assert ok.usage.completion_tokens == 2
+
+
+def test_what_no_client_may_send_is_refused_and_the_server_keeps_serving(server, client):
+    port, process = server
+    deep = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+    deep += '"chat_template_kwargs": ' + "[" * 1000 + "]" * 1000 + "}"
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request(
+            "POST", "/v1/chat/completions", deep, {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        assert (
+            response.status == 400
+            and "at most 64" in json.loads(response.read())["error"]["message"]
+        )
+        # 5 MiB announced: answered from the Content-Length, before any of it is sent
+        connection.putrequest("POST", "/v1/chat/completions")
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(5 << 20))
+        connection.endheaders()
+        response = connection.getresponse()
+        assert response.status == 413
+        assert "--max-request-body-bytes" in json.loads(response.read())["error"]["message"]
+    finally:
+        connection.close()
+    assert process.poll() is None
+    ok = chat(client, max_tokens=2, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
 
 
 def test_allowed_token_ids_truncation_and_token_ids_as_names(client):
