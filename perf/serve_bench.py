@@ -171,7 +171,7 @@ class Client:
         self.session = session
         self.url = url.rstrip("/")
         self.model = model
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = _auth(api_key)
         self.ignore_eos = ignore_eos
 
     async def chat(self, messages: list[dict[str, str]], max_tokens: int) -> RequestResult:
@@ -332,10 +332,10 @@ def summarize(
 
 
 async def fetch_profile(
-    session: aiohttp.ClientSession, url: str
+    session: aiohttp.ClientSession, url: str, api_key: str | None
 ) -> tuple[dict[str, np.ndarray], dict[str, float]] | None:
     """Spans since the last read and CPU seconds from pipeline-serve's /debug/profile, if it has one."""
-    async with session.get(f"{url.rstrip('/')}/debug/profile") as resp:
+    async with session.get(f"{url.rstrip('/')}/debug/profile", headers=_auth(api_key)) as resp:
         if resp.status != 200:
             return None
         body = await resp.json()
@@ -348,12 +348,16 @@ async def fetch_profile(
     return spans, body["cpu_seconds"]
 
 
-async def tokens_per_word(session: aiohttp.ClientSession, url: str, model: str) -> float:
+async def tokens_per_word(
+    session: aiohttp.ClientSession, url: str, model: str, api_key: str | None
+) -> float:
     """Calibrate synthetic prompts with the server's /tokenize (vLLM's and ours); 1.3 if absent."""
     text = " ".join(WORDS * 4)
     try:
         async with session.post(
-            f"{url.rstrip('/')}/tokenize", json={"model": model, "prompt": text}
+            f"{url.rstrip('/')}/tokenize",
+            json={"model": model, "prompt": text},
+            headers=_auth(api_key),
         ) as resp:
             if resp.status == 200:
                 count = (await resp.json()).get("count")
@@ -364,9 +368,12 @@ async def tokens_per_word(session: aiohttp.ClientSession, url: str, model: str) 
     return 1.3
 
 
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def served_model(session: aiohttp.ClientSession, url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with session.get(f"{url.rstrip('/')}/v1/models", headers=headers) as resp:
+    async with session.get(f"{url.rstrip('/')}/v1/models", headers=_auth(api_key)) as resp:
         resp.raise_for_status()
         return (await resp.json())["data"][0]["id"]
 
@@ -400,7 +407,7 @@ async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str
         clients = []
         for url in args.urls:
             model = args.model or await served_model(session, url, args.api_key)
-            tpw = await tokens_per_word(session, url, model)
+            tpw = await tokens_per_word(session, url, model, args.api_key)
             clients.append((url, tpw, Client(session, url, model, args.api_key, args.ignore_eos)))
         loads: list[tuple[str, float]] = [
             ("concurrency", c) for c in (() if args.request_rates else args.concurrency)
@@ -420,7 +427,7 @@ async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str
                     )
                 label = f"{kind}={level:g} {url}" if len(clients) > 1 else f"{kind}={level:g}"
                 progress = Progress(label, count)
-                before = await fetch_profile(session, url) if args.profile else None
+                before = await fetch_profile(session, url, args.api_key) if args.profile else None
                 cpu0, wall0 = time.process_time(), time.perf_counter()
                 if kind == "concurrency":
                     results = await closed_loop(client, work, int(level), progress)
@@ -434,7 +441,7 @@ async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str
                 }
                 run.update(summarize(results, wall, cpu, args.slo))
                 if before is not None:
-                    after = await fetch_profile(session, url)
+                    after = await fetch_profile(session, url, args.api_key)
                     if after is not None:
                         tokens = sum(r.output_tokens for r in results if r.ok)
                         run["stages"] = stage_figures(after[0], wall)

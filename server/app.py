@@ -17,9 +17,10 @@ from server.errors import APIError, error_body, error_type_for, retry_after_head
 from server.openai_serving import (
     EXTENSION,
     OpenAIServing,
-    decode_body,
+    decode,
     json_response,
     openai_serving,
+    read_body,
     server_version,
 )
 from server.schemas import (
@@ -39,19 +40,26 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
     app = Quart(__name__)
     # Generation streams for as long as it takes; Quart's default cuts responses at 60 s.
     app.config["RESPONSE_TIMEOUT"] = None
+    app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
     app.extensions[EXTENSION] = OpenAIServing(engine, config)
     app.register_blueprint(routes)
     return app
 
 
+# What --api-key guards besides /v1/*: what reads the model or the engine (as in vLLM, whose
+# /tokenize and /detokenize need the key); /health, /version and /metrics stay open to probes.
+_KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/debug/profile"})
+
+
 # The hooks and error handlers are the app's, so they also cover requests no route matched.
 @routes.before_app_request
 async def authorize() -> None:
-    bearer = openai_serving().bearer
-    if bearer is None or not request.path.startswith("/v1/"):
+    api_key = openai_serving().api_key
+    if api_key is None or not (request.path.startswith("/v1/") or request.path in _KEYED_PATHS):
         return
-    given = request.headers.get("Authorization", "").encode()
-    if not secrets.compare_digest(given, bearer):
+    # RFC 9110: the auth scheme is case-insensitive ("bearer" is as good as "Bearer").
+    scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key):
         raise APIError("Invalid API key", status=401, code="invalid_api_key")
 
 
@@ -143,15 +151,21 @@ async def server_version_route() -> Response:
     return json_response({"version": server_version()})
 
 
+# Both parse, check and (de)tokenize in a worker thread: a body of megabytes takes seconds.
 @routes.post("/tokenize")
 async def tokenize() -> Response:
     serving = openai_serving()
     engine = serving.engine
-    body = await decode_body(TokenizeRequest)
-    serving.check_model(body.model)
-    body.validate()
+    raw = await read_body()
+
+    def work() -> list[int]:
+        body = decode(raw, TokenizeRequest)
+        serving.check_model(body.model)
+        body.validate()
+        return engine.tokenize(body.prompt_value())
+
     try:
-        tokens = engine.tokenize(body.prompt_value())
+        tokens = await serving.in_worker(work)
     except EngineError as error:
         raise APIError.from_engine(error) from error
     return json_response(
@@ -163,11 +177,16 @@ async def tokenize() -> Response:
 async def detokenize() -> Response:
     serving = openai_serving()
     engine = serving.engine
-    body = await decode_body(DetokenizeRequest)
-    serving.check_model(body.model)
-    body.validate(engine.model_info.vocab_size)
+    raw = await read_body()
+
+    def work() -> str:
+        body = decode(raw, DetokenizeRequest)
+        serving.check_model(body.model)
+        body.validate(engine.model_info.vocab_size)
+        return engine.detokenize(body.tokens)
+
     try:
-        text = engine.detokenize(body.tokens)
+        text = await serving.in_worker(work)
     except EngineError as error:
         raise APIError.from_engine(error) from error
     return json_response({"prompt": text})

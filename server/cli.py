@@ -23,6 +23,7 @@ import uvloop
 
 from server.app import create_app
 from server.config import ServerConfig
+from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.logs import configure_server_logging
 from server.serve import serve_app
 from stages.config import EngineConfig, default_model_path
@@ -155,7 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=_positive_int, help="CPU threads for the model")
     parser.add_argument("--seed", type=int, help="seed of the engine's default generator")
-    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
+    parser.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize, /debug/profile",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are refused with a 413: 4MiB (the default), 16MiB, 1000000",
+    )
     parser.add_argument(
         "--enable-per-request-metrics",
         action="store_true",
@@ -215,6 +225,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         port=args.port,
         served_model_name=served_model_name,
         api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
         enable_per_request_metrics=args.enable_per_request_metrics,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_format=args.log_format,

@@ -11,21 +11,30 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
 import msgspec
 from quart import Response, current_app, g, request
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from server.config import ServerConfig
 from server.errors import APIError
+from server.limits import body_too_large, check_json_depth
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest
 from server.serving import Choice, ResponseContext, Tracker, close_choices, start
-from stages.api import EngineClient, EngineError, GenerateRequest
+from stages.api import EngineClient, EngineError, GenerateRequest, SamplingParams
 
 RequestT = TypeVar("RequestT", bound=msgspec.Struct)
+T = TypeVar("T")
 StreamBuilder = Callable[[ResponseContext, list[Choice]], AsyncIterator[bytes]]
 Collector = Callable[[ResponseContext, list[Choice]], Awaitable[dict[str, Any]]]
 
 EXTENSION = "pipeline_serve"
+# Tokenizing megabytes of text takes seconds, and parsing and checking a large body tens of
+# milliseconds: such work runs in this many worker threads, off the event loop.
+WORKER_THREADS = 2
+INLINE_BODY_BYTES = 64 * 1024  # bodies up to this size are parsed on the loop, in microseconds
 
 
 def server_version() -> str:
@@ -39,8 +48,21 @@ def json_response(payload: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(payload), status=status, content_type="application/json")
 
 
-async def decode_body(kind: type[RequestT]) -> RequestT:
-    raw = await request.get_data(as_text=False)
+async def read_body() -> bytes:
+    """The raw body; APIError 413 for one over --max-request-body-bytes."""
+    limit = openai_serving().config.max_request_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise body_too_large(limit, request.content_length)
+    try:
+        # Quart cuts a chunked body off at the limit too.
+        return await request.get_data(cache=False, as_text=False, parse_form_data=False)
+    except RequestEntityTooLarge:
+        raise body_too_large(limit) from None
+
+
+def decode(raw: bytes, kind: type[RequestT]) -> RequestT:
+    """The JSON body as `kind`; APIError 400 for one nested too deep or malformed."""
+    check_json_depth(raw)
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.MsgspecError as error:
@@ -56,7 +78,15 @@ def openai_serving() -> OpenAIServing:
 class OpenAIServing:
     """One app's engine, config and what follows from them, and the steps of a generation."""
 
-    __slots__ = ("bearer", "config", "engine", "fingerprint", "metrics", "served_model_name")
+    __slots__ = (
+        "_workers",
+        "api_key",
+        "config",
+        "engine",
+        "fingerprint",
+        "metrics",
+        "served_model_name",
+    )
 
     def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine = engine
@@ -64,7 +94,16 @@ class OpenAIServing:
         self.served_model_name = config.served_model_name or engine.model_info.served_model_name
         self.metrics = ServerMetrics(engine.stats, self.served_model_name)
         self.fingerprint = f"pipeline-serve-{server_version()}"
-        self.bearer = f"Bearer {config.api_key}".encode() if config.api_key is not None else None
+        self.api_key = config.api_key.encode() if config.api_key is not None else None
+        self._workers: anyio.CapacityLimiter | None = None  # made in the loop, at first use
+
+    async def in_worker(self, work: Callable[[], T]) -> T:
+        """`work()` in a worker thread, WORKER_THREADS at a time (the rest wait their turn), so
+        that the event loop serves every other request meanwhile. Not cancelled midway: a client
+        that leaves frees its thread only when the work is done, so the bound holds."""
+        if self._workers is None:
+            self._workers = anyio.CapacityLimiter(WORKER_THREADS)
+        return await anyio.to_thread.run_sync(work, limiter=self._workers)
 
     def check_model(self, name: str | None) -> str:
         if name is None or name == self.served_model_name:
@@ -102,14 +141,22 @@ class OpenAIServing:
     ) -> Response:
         """Decode and validate the body, build the engine request, answer streaming or not."""
         arrival_ns = time.monotonic_ns()
-        body = await decode_body(schema)
-        model = self.check_model(body.model)
-        body.validate(self.engine.model_info.vocab_size)
-        reasoning_parser, tool_call_parser = parsers_of(body)
+        raw = await read_body()
+        vocab_size = self.engine.model_info.vocab_size
+
+        def parse() -> tuple[Any, str, Any, SamplingParams, tuple[str | None, str | None]]:
+            body = decode(raw, schema)
+            model = self.check_model(body.model)
+            body.validate(vocab_size)
+            return body, model, prompt_of(body), body.sampling_params(), parsers_of(body)
+
+        # A large body (thousands of messages, say) takes a while to parse and check.
+        parsed = parse() if len(raw) <= INLINE_BODY_BYTES else await self.in_worker(parse)
+        body, model, prompt, sampling, (reasoning_parser, tool_call_parser) = parsed
         generate_request = GenerateRequest(
             request_id=self.request_id_for(body.request_id, id_prefix),
-            prompt=prompt_of(body),
-            sampling=body.sampling_params(),
+            prompt=prompt,
+            sampling=sampling,
             priority=body.priority,
             arrival_ns=arrival_ns,
             reasoning_parser=reasoning_parser,

@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from server.errors import APIError
+from server.limits import check_json_depth
 from stages.api import ChatPrompt, SamplingParams, StructuredOutput, TextPrompt, TokensPrompt
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -448,6 +449,7 @@ def _check_message(index: int, message: dict[str, Any]) -> None:
             f"{param}.role must be one of {sorted(_CHAT_ROLES)}, got {role!r}",
             param=f"{param}.role",
         )
+    _check_tool_call_arguments(message.get("tool_calls"), param)
     content = message.get("content")
     if content is None:
         if role == "assistant" and message.get("tool_calls"):
@@ -470,6 +472,15 @@ def _check_message(index: int, message: dict[str, Any]) -> None:
             )
 
 
+def _check_tool_call_arguments(calls: Any, param: str) -> None:
+    """An assistant's tool-call arguments are JSON text, which the chat template gets parsed."""
+    for index, call in enumerate(calls if isinstance(calls, list) else ()):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            check_json_depth(arguments, f"{param}.tool_calls[{index}].function.arguments")
+
+
 def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
     """Text content parts become one string (as vLLM does), which every chat template reads."""
     content = message.get("content")
@@ -486,6 +497,7 @@ def _parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
 def _schema_text(value: Any, param: str) -> str:
     """A JSON schema given as an object or as JSON text, as JSON text."""
     if isinstance(value, str):
+        check_json_depth(value, param)
         try:
             value = json.loads(value)
         except json.JSONDecodeError as error:

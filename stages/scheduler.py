@@ -190,6 +190,11 @@ class Scheduler:
         if seq.steps_in_flight == 0:
             self.by_handle.pop(seq.handle, None)
 
+    def forget(self, handle: int) -> None:
+        """Execute may forget a request this scheduler never planned (one aborted while execute
+        built its grammar matcher): it learns so with the next step."""
+        self._to_free.append(handle)
+
     def abort(self, handle: int) -> Sequence | None:
         seq = self.by_handle.get(handle)
         if seq is None or seq.status == Status.FINISHED:

@@ -1,11 +1,19 @@
-"""The render stage: chat template, tokenization and prompt-length checks; one request at a time.
+"""The render stage: chat template, tokenization, prompt-length checks and grammar compilation.
 
 A request that cannot be rendered becomes an `error` record back to the server (a clear 400) and
-never reaches the scheduler. Aborts pass through in order, so an abort never overtakes its request.
+never reaches the scheduler. A request whose rendering may take long (a grammar to compile, a
+prompt of more than INLINE_PROMPT_CHARS) renders in a worker thread, and is sent on when it is
+done, while the requests behind it go on as before; the rest render on the loop, in order. Aborts
+pass through in order, so an abort never overtakes its request (one still rendering is dropped).
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
+import anyio
+import anyio.to_thread
 import numpy as np
 
 from pipeline.actor import AsyncActor
@@ -18,9 +26,18 @@ from stages.rings.common import Resume, encoder
 from stages.rings.prompts import RenderedPrompt, RenderedRequest
 from stages.rings.tokens import DetokParams
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, prompt_opens_reasoning
-from stages.text.prompts import bad_word_ids, check_lengths, prompt_token_ids
+from stages.text.prompts import (
+    LengthBound,
+    bad_word_ids,
+    check_lengths,
+    prompt_size,
+    prompt_token_ids,
+)
 from stages.text.snapshot import tokenizer_of
-from stages.text.structured import compile_grammar
+from stages.text.structured import GRAMMAR_STACK_BYTES, compile_grammar
+
+INLINE_PROMPT_CHARS = 32 * 1024  # about 8k tokens: milliseconds to template and tokenize
+RENDER_THREADS = 2
 
 
 class RenderActor(AsyncActor):
@@ -28,35 +45,79 @@ class RenderActor(AsyncActor):
         config: EngineConfig = self.ctx.config
         self.bundle = tokenizer_of(config)
         self.max_model_len = resolve_max_model_len(config)
+        self.length_bound = LengthBound.of(self.bundle, self.max_model_len)
         self.eos_ids = tuple(self.bundle.eos_token_ids)
+        # The worker threads, started later, can compile any grammar compile_grammar lets by.
+        threading.stack_size(GRAMMAR_STACK_BYTES)
+        self.in_workers: set[int] = set()  # handles rendering in a worker thread
+        self.dropped: set[int] = set()  # of those, the ones aborted meanwhile
+        self.sending = asyncio.Lock()  # one message at a time on each ring, in a fixed order
 
     async def run(self) -> None:
         inbox = self.ctx.inbox["requests"]
-        outbox, errors = self.ctx.outbox["prompts"], self.ctx.outbox["errors"]
-        while True:
-            message = await inbox.recv_async()
-            with message:
-                if message.name == common.ABORT.name:
-                    aborted, request = common.unpack_abort(message), None
-                else:
-                    aborted, (handle, request, resume) = None, requests.unpack_submit(message)
-            if request is not None:
-                started = now_ns()
-                try:
-                    prompt: RenderedPrompt | EngineError = self.render(
-                        handle, request, started, resume
-                    )
-                except Exception as exc:
-                    prompt = self.refusal(handle, exc)
-            if aborted is not None:
-                await outbox.send_async(common.ABORT, common.pack_abort(aborted))
-            elif isinstance(prompt, EngineError):
-                await errors.send_async(requests.ERROR, requests.pack_error(handle, prompt))
-            else:
-                await outbox.send_async(prompts.PROMPT, prompts.pack_prompt(prompt))
-                self.ctx.trace.record(
-                    spans.SPAN_RENDER, started, now_ns(), batch=1, tokens=len(prompt.prompt_ids)
+        workers = anyio.CapacityLimiter(RENDER_THREADS)
+        async with asyncio.TaskGroup() as off_loop:
+            while True:
+                message = await inbox.recv_async()
+                with message:
+                    if message.name == common.ABORT.name:
+                        aborted, request = common.unpack_abort(message), None
+                    else:
+                        aborted, (handle, request, resume) = None, requests.unpack_submit(message)
+                if aborted is not None:
+                    await self.forward_abort(aborted)
+                elif request is not None and _slow_to_render(request):
+                    self.in_workers.add(handle)
+                    off_loop.create_task(self.render_in_worker(workers, handle, request, resume))
+                elif request is not None:
+                    await self.deliver(handle, self.attempt(handle, request, resume))
+
+    def attempt(
+        self, handle: int, request: GenerateRequest, resume: Resume | None
+    ) -> RenderedPrompt | EngineError:
+        try:
+            return self.render(handle, request, now_ns(), resume)
+        except Exception as exc:
+            return self.refusal(handle, exc)
+
+    async def render_in_worker(
+        self,
+        workers: anyio.CapacityLimiter,
+        handle: int,
+        request: GenerateRequest,
+        resume: Resume | None,
+    ) -> None:
+        try:
+            prompt = await anyio.to_thread.run_sync(
+                self.attempt, handle, request, resume, limiter=workers
+            )
+            await self.deliver(handle, prompt)
+        finally:
+            self.in_workers.discard(handle)
+            self.dropped.discard(handle)
+
+    async def deliver(self, handle: int, prompt: RenderedPrompt | EngineError) -> None:
+        async with self.sending:
+            if handle in self.dropped:  # aborted while it rendered: schedule never hears of it
+                return
+            if isinstance(prompt, EngineError):
+                await self.ctx.outbox["errors"].send_async(
+                    requests.ERROR, requests.pack_error(handle, prompt)
                 )
+                return
+            await self.ctx.outbox["prompts"].send_async(prompts.PROMPT, prompts.pack_prompt(prompt))
+            self.ctx.trace.record(
+                spans.SPAN_RENDER,
+                prompt.render_start_ns,
+                now_ns(),
+                batch=1,
+                tokens=len(prompt.prompt_ids),
+            )
+
+    async def forward_abort(self, handles: list[int]) -> None:
+        async with self.sending:
+            self.dropped.update(h for h in handles if h in self.in_workers)
+            await self.ctx.outbox["prompts"].send_async(common.ABORT, common.pack_abort(handles))
 
     def refusal(self, handle: int, exc: Exception) -> EngineError:
         if isinstance(exc, EngineError):
@@ -77,7 +138,10 @@ class RenderActor(AsyncActor):
             raise EngineError(f"unknown reasoning parser {request.reasoning_parser!r}")
         if request.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise EngineError(f"unknown tool-call parser {request.tool_call_parser!r}")
-        ids = prompt_token_ids(self.bundle, request.prompt)
+        # Truncation keeps the end of a prompt of any length; otherwise what cannot fit is
+        # refused before it is tokenized.
+        bound = self.length_bound if s.truncate_prompt_tokens is None else None
+        ids = prompt_token_ids(self.bundle, request.prompt, bound)
         if s.truncate_prompt_tokens is not None:
             # vLLM's truncation: the prompt's last k tokens (-1: as many as the model takes)
             keep = s.truncate_prompt_tokens
@@ -120,3 +184,11 @@ class RenderActor(AsyncActor):
             rendered=encoder.encode(rendered),
             detok=encoder.encode(detok),
         )
+
+
+def _slow_to_render(request: GenerateRequest) -> bool:
+    """Whether rendering may take longer than a normal request's: a grammar to compile (up to
+    seconds), or a long prompt to template and tokenize."""
+    return request.sampling.structured is not None or (
+        prompt_size(request.prompt) > INLINE_PROMPT_CHARS
+    )

@@ -1,5 +1,10 @@
 """The schedule stage: admits rendered prompts, plans steps for execute (one ahead), turns results
-into token rows for detokenize, and frees what aborts and stop strings finish."""
+into token rows for detokenize, and frees what aborts and stop strings finish.
+
+A prompt with a grammar waits outside the scheduler until execute has built its matcher (in a
+worker thread, up to seconds): it goes to execute at once (plan.GRAMMARS), and into the scheduler
+when execute says it is ready (results.MATCHERS). The steps of everyone else go on meanwhile.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ class ScheduleActor(AsyncActor):
             )
         )
         self.wake = asyncio.Event()
+        self.awaiting_matchers: dict[int, Sequence] = {}  # by handle, until execute has built them
+        self.matchers_to_build: list[Sequence] = []  # of those, the ones not yet sent to execute
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tasks:
@@ -53,7 +60,18 @@ class ScheduleActor(AsyncActor):
                 else:
                     handles, prompt = [], prompts.unpack_prompt(message)
             if prompt is not None:
-                self.scheduler.add(_sequence(prompt))
+                seq = _sequence(prompt)
+                if prompt.request().grammar:
+                    self.awaiting_matchers[seq.handle] = seq
+                    self.matchers_to_build.append(seq)
+                else:
+                    self.scheduler.add(seq)
+            for handle in handles:
+                if self.awaiting_matchers.pop(handle, None) is not None:
+                    self.matchers_to_build = [
+                        s for s in self.matchers_to_build if s.handle != handle
+                    ]
+                    self.scheduler.forget(handle)  # execute drops what it built or is building
             aborted = [self.scheduler.abort(h) for h in handles]
             gone = [s for s in aborted if s is not None and s.sent_to_detok]
             if gone:
@@ -76,6 +94,15 @@ class ScheduleActor(AsyncActor):
         while True:
             message = await inbox.recv_async()
             started = now_ns()
+            if message.name == results.MATCHERS.name:
+                with message:
+                    ready = results.unpack_matchers(message)
+                for handle in ready:
+                    seq = self.awaiting_matchers.pop(handle, None)
+                    if seq is not None:  # else aborted meanwhile
+                        self.scheduler.add(seq)
+                self.wake.set()
+                continue
             with message:
                 result = results.unpack_result(message)
             self.wake.set()  # a step slot is free: plan the next before talking to detokenize
@@ -101,6 +128,11 @@ class ScheduleActor(AsyncActor):
         while True:
             await self.wake.wait()
             self.wake.clear()
+            if self.matchers_to_build:
+                to_build, self.matchers_to_build = self.matchers_to_build, []
+                await outbox.send_async(
+                    plan.GRAMMARS, plan.pack_grammars([(s.handle, s.rendered) for s in to_build])
+                )
             while len(scheduler.in_flight) < MAX_STEPS_IN_FLIGHT:
                 started = now_ns()
                 step = scheduler.schedule()
@@ -123,6 +155,7 @@ class ScheduleActor(AsyncActor):
 
     def publish(self) -> None:
         stats = self.scheduler.stats()
+        stats["num_requests_waiting"] += len(self.awaiting_matchers)  # as vLLM counts them
         self.ctx.set_gauges([float(stats[name]) for name in GAUGES])
 
     def with_first_prompt_token(self, prompt: PromptLogprobs) -> PromptLogprobs | None:

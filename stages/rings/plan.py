@@ -1,4 +1,5 @@
-"""The plan ring (schedule -> execute): one engine step, flattened, as the runner takes it."""
+"""The plan ring (schedule -> execute): one engine step, flattened, as the runner takes it; and the
+requests whose grammar matchers execute is to build before they are planned."""
 
 from __future__ import annotations
 
@@ -34,7 +35,15 @@ STEP = Record(
     ("new_requests", np.uint8),  # msgpack RenderedRequest of each, concatenated
     ("free_handles", np.int64),  # requests execute may forget
 )
-PLAN = Vocabulary("plan", [STEP])
+# Requests with a grammar, sent before any step plans them: execute builds their matchers in a
+# worker thread (that takes up to seconds) and says on `results` when each is ready to schedule.
+GRAMMARS = Record(
+    "grammars",
+    ("handles", np.int64),  # [N]
+    ("offsets", np.int32),  # [N + 1] into requests
+    ("requests", np.uint8),  # msgpack RenderedRequest of each, concatenated
+)
+PLAN = Vocabulary("plan", [STEP, GRAMMARS])
 
 
 @dataclass(slots=True, frozen=True)
@@ -134,3 +143,18 @@ def unpack_step(views: Views) -> PlannedStep:
         ],
         free_handles=views["free_handles"].copy(),
     )
+
+
+def pack_grammars(requests: list[tuple[int, bytes]]) -> dict[str, np.ndarray]:
+    """(handle, msgpack RenderedRequest) of each request whose matcher execute is to build."""
+    offsets, data = blobs([rendered for _, rendered in requests])
+    handles = np.array([handle for handle, _ in requests], np.int64)
+    return {"handles": handles, "offsets": offsets, "requests": data}
+
+
+def unpack_grammars(views: Views) -> list[tuple[int, RenderedRequest]]:
+    requests = unblobs(views["offsets"], views["requests"])
+    return [
+        (handle, rendered_decoder.decode(r))
+        for handle, r in zip(views["handles"].tolist(), requests, strict=True)
+    ]

@@ -1,4 +1,5 @@
-"""The results ring (execute -> schedule): one step's sampled tokens and logprobs."""
+"""The results ring (execute -> schedule): one step's sampled tokens and logprobs, and the
+requests whose grammar matchers are built."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ RESULT = Record(
     ("top_logprobs", np.float32),  # [B * top_k]
     *PROMPT_LOGPROB_FIELDS,
 )
-RESULTS = Vocabulary("results", [RESULT])
+# Requests whose grammar matchers (plan.GRAMMARS) execute has built: schedule may plan them now.
+MATCHERS = Record("matchers", ("handles", np.int64))
+RESULTS = Vocabulary("results", [RESULT, MATCHERS])
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,3 +75,11 @@ def unpack_result(views: Views) -> StepResult:
         top_logprobs=views["top_logprobs"].reshape(count, top_k).copy(),
         prompt=PromptLogprobs.unpack(views, prompt_top_k),
     )
+
+
+def pack_matchers(handles: list[int]) -> dict[str, np.ndarray]:
+    return {"handles": np.array(handles, np.int64)}
+
+
+def unpack_matchers(views: Views) -> list[int]:
+    return views["handles"].tolist()

@@ -22,6 +22,10 @@ from typing import Any, Protocol
 
 from stages.api import ToolCall
 
+# What json raises for text that is not a JSON value, or one nested past Python's recursion limit
+# (a model can write a thousand "[" as readily as anything else): either way, not a tool call.
+NOT_JSON = (ValueError, RecursionError)
+
 
 @dataclass(slots=True)
 class Parsed:
@@ -118,7 +122,7 @@ def _call_from(value: Any) -> ToolCall | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except NOT_JSON:
             return None
     if not isinstance(arguments, dict):
         return None
@@ -134,7 +138,7 @@ def forced_tool_calls(text: str, forced: str) -> tuple[ToolCall, ...] | None:
         return (ToolCall(new_tool_call_id(), forced, text),)
     try:
         values = json.loads(text)
-    except ValueError:
+    except NOT_JSON:
         return None
     if not isinstance(values, list) or not values:
         return None
@@ -153,7 +157,7 @@ def _json_values(text: str, separators: str = "") -> list[Any] | None:
             return values
         try:
             value, index = decoder.raw_decode(text, index)
-        except ValueError:
+        except NOT_JSON:
             return None
         values.append(value)
 

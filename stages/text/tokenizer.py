@@ -65,15 +65,20 @@ class TokenizerBundle:
     bos_token: str | None
     eos_token: str | None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token text like `<|im_start|>` maps to its single id."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and self.bos_token_id is not None:
+    # The *_batch calls, of one item: tokenizers releases the GIL for those and holds it through
+    # `encode` and `decode`, so a long text tokenized in a worker thread would stop every other
+    # thread of the process (an event loop's among them) for as long as it takes.
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text` (BOS first when `add_bos` and the model wants one); special-token
+        text like `<|im_start|>` maps to its single id."""
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        if add_bos and self.add_bos_token and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
 
 
 def load_tokenizer(model_path: str) -> TokenizerBundle:

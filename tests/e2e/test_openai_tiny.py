@@ -4,9 +4,11 @@ the official openai client."""
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import signal
 import subprocess
+import threading
 import time
 
 import openai
@@ -244,6 +246,38 @@ def test_bad_requests_get_openai_errors_and_the_next_request_succeeds(client):
         chat(client, content="word " * 400, max_tokens=2)
 
 
+def test_health_is_answered_while_a_huge_tokenize_runs(server):
+    """3.5 MB of text takes the tokenizer seconds. It runs in a worker thread that lets go of
+    the GIL, so fifty /health calls made one after another once it is sent all come back first
+    (with the tokenizer on the event loop, none would while it runs)."""
+    port, _ = server
+    text = "The quick brown fox jumps over the lazy dog. " * (3_500_000 // 45)
+    finished = []
+    sent = threading.Event()
+
+    def tokenize():
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            body = json.dumps({"model": "tiny", "prompt": text})
+            connection.request("POST", "/tokenize", body, {"Content-Type": "application/json"})
+            sent.set()
+            response = connection.getresponse()
+            finished.append(("tokenize", response.status, json.loads(response.read())))
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    assert sent.wait(60)
+    for _ in range(50):
+        finished.append(("health", http_get(port, "/health")[0], None))
+    worker.join(120)
+    assert [(name, status) for name, status, _ in finished] == [("health", 200)] * 50 + [
+        ("tokenize", 200)
+    ]
+    assert finished[-1][2]["count"] > 500_000
+
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -357,6 +391,7 @@ def test_structured_output_errors(client):
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
         {"tools": [WEATHER], "tool_choice": {"type": "function"}},
         {"tool_choice": "required"},  # no tools
+        {"extra_body": {"structured_outputs": {"choice": [f"c{i}" for i in range(100_000)]}}},
     ]
     for kwargs in cases:
         with pytest.raises(openai.BadRequestError) as info:
@@ -364,6 +399,35 @@ def test_structured_output_errors(client):
         assert info.value.body["message"]
         ok = chat(client, max_tokens=2, extra_body={"ignore_eos": True})
         assert ok.usage.completion_tokens == 2
+
+
+def test_what_no_client_may_send_is_refused_and_the_server_keeps_serving(server, client):
+    port, process = server
+    deep = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+    deep += '"chat_template_kwargs": ' + "[" * 1000 + "]" * 1000 + "}"
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request(
+            "POST", "/v1/chat/completions", deep, {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        assert (
+            response.status == 400
+            and "at most 64" in json.loads(response.read())["error"]["message"]
+        )
+        # 5 MiB announced: answered from the Content-Length, before any of it is sent
+        connection.putrequest("POST", "/v1/chat/completions")
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(5 << 20))
+        connection.endheaders()
+        response = connection.getresponse()
+        assert response.status == 413
+        assert "--max-request-body-bytes" in json.loads(response.read())["error"]["message"]
+    finally:
+        connection.close()
+    assert process.poll() is None
+    ok = chat(client, max_tokens=2, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
 
 
 def test_allowed_token_ids_truncation_and_token_ids_as_names(client):

@@ -9,6 +9,7 @@ max_tokens, stop strings and logprobs, and records requests and aborts.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
+    # Set an Event here and /tokenize holds its thread until the event is set, as a long text
+    # does; `tokenizing` says one has started.
+    tokenize_gate: threading.Event | None = None
+    tokenizing: threading.Event = field(default_factory=threading.Event)
     _ids: dict[str, int] = field(default_factory=dict)
     _words: dict[int, str] = field(default_factory=dict)
 
@@ -62,6 +67,12 @@ class FakeEngine:
         return self._ids[word]
 
     def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
+        self.tokenizing.set()
+        if self.tokenize_gate is not None:
+            self.tokenize_gate.wait(10)
+        return self._token_ids(prompt)
+
+    def _token_ids(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
         return [self.word_id(word) for word in self._prompt_words(prompt)]
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -115,7 +126,7 @@ class FakeEngine:
         if isinstance(prompt, TokensPrompt):
             prompt_ids = list(prompt.token_ids)
         else:
-            prompt_ids = self.tokenize(prompt)
+            prompt_ids = self._token_ids(prompt)
         if len(prompt_ids) >= MAX_MODEL_LEN:
             raise EngineError(
                 f"This model's maximum context length is {MAX_MODEL_LEN} tokens; "

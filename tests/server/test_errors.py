@@ -221,6 +221,40 @@ async def test_api_key(make_app: Callable[..., Quart]) -> None:
     assert ok.status_code == 200
 
 
+async def test_api_key_guards_tokenize_detokenize_and_profile(
+    make_app: Callable[..., Quart],
+) -> None:
+    """As in vLLM: what reads the model needs the key; the probes (/health, /version, /metrics)
+    do not."""
+    client = make_app(api_key="sk-right").test_client()
+    calls = [
+        ("POST", "/tokenize", {"prompt": "hello there"}),
+        ("POST", "/detokenize", {"tokens": [10, 11]}),
+        ("GET", "/debug/profile", None),
+    ]
+    for method, path, body in calls:
+        refused = await client.open(path, method=method, json=body)
+        assert refused.status_code == 401, path
+        assert_error(await refused.get_json(), "AuthenticationError")
+        allowed = await client.open(
+            path, method=method, json=body, headers={"Authorization": "Bearer sk-right"}
+        )
+        assert allowed.status_code != 401, path
+    for path in ("/health", "/version", "/metrics"):
+        assert (await client.get(path)).status_code == 200, path
+
+
+@pytest.mark.parametrize("header", ["bearer sk-right", "BEARER sk-right", "Bearer  sk-right"])
+async def test_bearer_scheme_is_case_insensitive(
+    make_app: Callable[..., Quart], header: str
+) -> None:
+    client = make_app(api_key="sk-right").test_client()
+    response = await client.post(CHAT, json=chat(), headers={"Authorization": header})
+    assert response.status_code == 200
+    wrong = await client.post(CHAT, json=chat(), headers={"Authorization": "bearer sk-wrong"})
+    assert wrong.status_code == 401
+
+
 async def test_not_ready_engine(app: Quart, engine: FakeEngine) -> None:
     engine.ready = False
     client = app.test_client()
@@ -255,4 +289,102 @@ async def test_engine_failure_without_streaming_is_500(app: Quart) -> None:
     response = await app.test_client().post(CHAT, json=body)
     assert response.status_code == 500
     assert_error(await response.get_json(), "InternalServerError")
+    await assert_still_serving(app)
+
+
+def nested(depth: int) -> str:
+    """JSON text whose arrays and objects nest `depth` deep (too deep for json.dumps to write)."""
+    opening = "".join('{"k": ' if level % 2 == 0 else "[" for level in range(depth))
+    closing = "".join("}" if level % 2 == 0 else "]" for level in reversed(range(depth)))
+    return opening + '"bottom"' + closing
+
+
+DEEP = "__DEEP__"
+
+
+def with_deep(body: dict[str, Any], depth: int) -> bytes:
+    """The body as JSON text, with `depth`-deep JSON where it holds DEEP."""
+    return json.dumps(body).replace(json.dumps(DEEP), nested(depth)).encode()
+
+
+async def post_raw(app: Quart, route: str, raw: bytes) -> Any:
+    return await app.test_client().post(
+        route, data=raw, headers={"Content-Type": "application/json"}
+    )
+
+
+DEEP_BODIES = [
+    (CHAT, chat(chat_template_kwargs=DEEP), 1000),
+    (CHAT, chat(messages=[{"role": "user", "content": "x", "extra": DEEP}]), 100),
+    (COMPLETIONS, completion(structured_outputs={"json": DEEP}), 500),
+    ("/tokenize", {"prompt": "hello", "tools": [DEEP]}, 200),
+    ("/detokenize", {"tokens": [10], "model": DEEP}, 1000),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "depth"), DEEP_BODIES)
+async def test_json_nested_too_deep_is_a_400_on_every_route(
+    app: Quart, route: str, body: dict[str, Any], depth: int
+) -> None:
+    response = await post_raw(app, route, with_deep(body, depth))
+    assert response.status_code == 400
+    error = (await response.get_json())["error"]
+    assert_error({"error": error}, "BadRequestError")
+    assert "at most 64" in error["message"]
+    await assert_still_serving(app)
+
+
+@pytest.mark.parametrize(
+    ("field", "param"),
+    [
+        ({"guided_json": nested(2000)}, "guided_json"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": "[" * 5000}}},
+            "response_format.json_schema.schema",
+        ),
+    ],
+)
+async def test_json_text_nested_too_deep_is_a_400_naming_its_field(
+    app: Quart, field: dict[str, Any], param: str
+) -> None:
+    response = await app.test_client().post(CHAT, json=chat(**field))
+    assert response.status_code == 400
+    error = (await response.get_json())["error"]
+    assert error["param"] == param
+    assert "at most 64" in error["message"]
+    await assert_still_serving(app)
+
+
+async def test_deep_tool_call_arguments_are_a_400(app: Quart) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 3000}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "done", "tool_call_id": "c1"},
+    ]
+    response = await app.test_client().post(CHAT, json=chat(messages=messages))
+    assert response.status_code == 400
+    error = (await response.get_json())["error"]
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+async def test_json_at_the_depth_limit_is_served(app: Quart) -> None:
+    # the body, then `chat_template_kwargs` holding 63 levels: 64 in all
+    response = await post_raw(app, CHAT, with_deep(chat(chat_template_kwargs=DEEP), 63))
+    assert response.status_code == 200, await response.get_json()
+    too_deep = await post_raw(app, CHAT, with_deep(chat(chat_template_kwargs=DEEP), 64))
+    assert too_deep.status_code == 400
+
+
+async def test_body_over_the_limit_is_a_413(make_app: Callable[..., Quart]) -> None:
+    app = make_app(max_request_body_bytes=10_000)
+    client = app.test_client()
+    body = chat(messages=[{"role": "user", "content": "word " * 3000}])
+    response = await client.post(CHAT, json=body)
+    assert response.status_code == 413
+    error = (await response.get_json())["error"]
+    assert_error({"error": error}, "RequestEntityTooLargeError")
+    assert "10000 bytes" in error["message"] and "--max-request-body-bytes" in error["message"]
+    tokenize = await client.post("/tokenize", json={"prompt": "word " * 3000})
+    assert tokenize.status_code == 413
     await assert_still_serving(app)

@@ -410,3 +410,30 @@ def test_concurrent_streams_keep_their_own_text(client: openai.OpenAI, engine: F
 
     with ThreadPoolExecutor(max_workers=6) as pool:
         assert list(pool.map(run, prompts)) == prompts
+
+
+def test_chunked_body_over_the_limit_is_a_413(server: LiveServer) -> None:
+    """A body sent without a Content-Length is cut off at --max-request-body-bytes too."""
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    # Just over the limit: the server answers once it has read past it, and what is left of the
+    # body fits in the socket's buffers, so sending it does not race the answer.
+    content = "w" * ServerConfig().max_request_body_bytes
+    payload = json.dumps({"model": "fake-model", "prompt": content}).encode()
+    chunks = (payload[i : i + 65536] for i in range(0, len(payload), 65536))
+    try:
+        connection.request(
+            "POST",
+            "/v1/completions",
+            chunks,
+            {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+            encode_chunked=True,
+        )
+        response = connection.getresponse()
+        status, body = response.status, json.loads(response.read())
+    finally:
+        connection.close()
+    assert status == 413
+    assert body["error"]["type"] == "RequestEntityTooLargeError"
+    assert "--max-request-body-bytes" in body["error"]["message"]
+    assert raw_request(server, "GET", "/health")[0] == 200

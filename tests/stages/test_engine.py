@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from stages.api import (
     EngineError,
     GenerateRequest,
     SamplingParams,
+    StructuredOutput,
     TextPrompt,
     TokensPrompt,
 )
@@ -192,6 +194,11 @@ def test_many_concurrent_streams_all_complete(engine_loop):
 
     results = loop.run(many(), timeout=300)
     assert all(r[-1].finish_reason == "length" and r[-1].num_output_tokens == 20 for r in results)
+    # Schedule publishes its gauges once it has sent the last tokens on; on a loaded machine the
+    # client can have them first.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and engine.stats()["num_requests_running"] > 0:
+        time.sleep(0.05)
     stats = engine.stats()
     assert stats["num_requests_running"] == 0 and stats["kv_cache_usage_perc"] == 0
 
@@ -239,6 +246,10 @@ def test_dummy_execute_runs_the_pipeline_without_a_model(tiny_chat_model):
         again = runner.run(collect(engine, request(max_tokens=50)))
         tokens = [t for o in outs for t in o.token_ids]
         assert len(tokens) == 50 and [t for o in again for t in o.token_ids] == tokens
+        # a grammar is ready at once there (the null model writes what it writes)
+        spec = StructuredOutput("regex", "[a-z]+")
+        shaped = runner.run(collect(engine, request(max_tokens=5, structured=spec)))
+        assert shaped[-1].num_output_tokens == 5
     finally:
         runner.run(engine.stop())
         runner.close()
@@ -378,3 +389,154 @@ def test_shared_prefixes_under_preemption_and_aborts_free_every_block(engine_loo
     assert stats["num_preemptions_total"] > preemptions_before
     assert stats["kv_cache_usage_perc"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
+
+
+def many_choices(count: int) -> StructuredOutput:
+    """A choice grammar that takes a while to compile and to build a matcher for (both grow
+    faster than the number of choices)."""
+    import hashlib
+    import json
+
+    choices = [hashlib.blake2b(str(i).encode(), digest_size=6).hexdigest() for i in range(count)]
+    return StructuredOutput("choice", json.dumps(choices), "structured_outputs.choice")
+
+
+def stamped(engine, req, events):
+    """Runs the request, appending (request id, output, arrival ns) to events as outputs come."""
+
+    async def run():
+        async for out in engine.generate(req):
+            events.append((req.request_id, out, now_ns()))
+
+    return run()
+
+
+def test_a_large_grammar_does_not_hold_up_the_request_sent_after_it(engine_loop):
+    """Render compiles it in a worker thread (and execute builds its matcher in one): a plain
+    request sent right after it is answered in full before it gets its first token."""
+    engine, loop = engine_loop
+    big = request(rid="big", temperature=1.0, seed=1, max_tokens=4, structured=many_choices(9000))
+    plain = request(rid="plain", temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def race():
+        events = []
+        first = asyncio.create_task(stamped(engine, big, events))
+        await asyncio.sleep(0)  # big is on the requests ring (its send does not wait)
+        await asyncio.gather(first, stamped(engine, plain, events))
+        return events
+
+    events = loop.run(race())
+    order = [(rid, out.finish_reason) for rid, out, _ in events]
+    assert order.index(("plain", "length")) < order.index(next(e for e in order if e[0] == "big"))
+    assert "".join(out.text for rid, out, _ in events if rid == "big")  # a choice, in the end
+
+
+def test_streams_go_on_while_a_grammar_matcher_is_built(engine_loop):
+    """Execute builds a matcher in a worker thread and schedule plans its request once it is
+    ready: between the request's render and its first scheduling, a running stream gets tokens."""
+    engine, loop = engine_loop
+    stream = request(rid="stream", temperature=0, max_tokens=300, ignore_eos=True)
+    big = request(rid="big", temperature=1.0, seed=2, max_tokens=4, structured=many_choices(9000))
+
+    async def together():
+        events = []
+        running = asyncio.create_task(stamped(engine, stream, events))
+        while not events:  # the stream is decoding
+            await asyncio.sleep(0.005)
+        await stamped(engine, big, events)
+        await running
+        return events
+
+    events = loop.run(together())
+    metrics = next(out.metrics for rid, out, _ in events if rid == "big" and out.finish_reason)
+    during = [t for rid, _, t in events if rid == "stream" and metrics.rendered_ns < t]
+    during = [t for t in during if t < metrics.scheduled_ns]
+    assert len(during) >= 5, (metrics, len(during))
+
+
+def test_a_long_prompt_does_not_hold_up_the_request_sent_after_it(engine_loop):
+    """2 MB of text to tokenize (kept by truncation) renders in a worker thread."""
+    engine, loop = engine_loop
+    huge = request(
+        "The quick brown fox jumps over the lazy dog. " * 45_000,
+        rid="huge",
+        temperature=0,
+        max_tokens=2,
+        truncate_prompt_tokens=100,
+    )
+    plain = request(rid="plain", temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def race():
+        events = []
+        first = asyncio.create_task(stamped(engine, huge, events))
+        await asyncio.sleep(0)
+        await asyncio.gather(first, stamped(engine, plain, events))
+        return events
+
+    events = loop.run(race())
+    order = [(rid, out.finish_reason) for rid, out, _ in events]
+    assert order.index(("plain", "length")) < order.index(next(e for e in order if e[0] == "huge"))
+    assert events[-1][1].num_prompt_tokens == 100
+
+
+def test_grammars_and_prompts_over_the_limits_are_400s(engine_loop):
+    import json
+
+    engine, loop = engine_loop
+    with pytest.raises(EngineError) as info:  # 100,000 choices: 1.3 MB of JSON
+        loop.run(collect(engine, request(max_tokens=4, structured=many_choices(100_000))))
+    assert info.value.status == 400 and info.value.param == "structured_outputs.choice"
+    assert "at most" in info.value.message
+    short = StructuredOutput("choice", json.dumps([str(i) for i in range(10_001)]), "guided_choice")
+    with pytest.raises(EngineError, match="10001 choices") as info:
+        loop.run(collect(engine, request(max_tokens=4, structured=short)))
+    assert info.value.param == "guided_choice"
+    with pytest.raises(EngineError) as info:  # far more text than 512 tokens can hold
+        loop.run(collect(engine, request("x" * 2_000_000, max_tokens=4)))
+    assert info.value.code == "context_length_exceeded" and "characters" in info.value.message
+    outs = loop.run(collect(engine, request(temperature=0, max_tokens=3, ignore_eos=True)))
+    assert outs[-1].num_output_tokens == 3
+
+
+def test_requests_left_while_their_grammar_compiles_or_builds_free_everything(engine_loop):
+    engine, loop = engine_loop
+
+    async def leave(delay_s):
+        stream = engine.generate(request(rid=f"gone{delay_s}", structured=many_choices(6000)))
+        waiting = asyncio.create_task(anext(stream))
+        await asyncio.sleep(delay_s)  # in render, waiting for its matcher, or running
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await waiting
+        await stream.aclose()
+
+    async def all_leave():
+        await asyncio.gather(*(leave(d) for d in (0.0, 0.02, 0.1, 0.2, 0.4)))
+
+    loop.run(all_leave())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+        engine.stats()["num_requests_waiting"] or engine.stats()["kv_cache_usage_perc"]
+    ):
+        time.sleep(0.05)
+    stats = engine.stats()
+    assert stats["num_requests_waiting"] == 0 and stats["num_requests_running"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    import json
+
+    spec = many_choices(50)
+    outs = loop.run(collect(engine, request(max_tokens=40, structured=spec)))
+    assert "".join(o.text for o in outs) in json.loads(spec.value)
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_the_deepest_grammars_within_the_limits_kill_no_stage(engine_loop):
+    """Render compiles and execute builds on threads with stacks deep enough for llguidance's
+    recursion (a chain of 1,000 $refs overflowed the default stack: a segfault, a restart)."""
+    from tests.stages.text.test_structured import deep_specs
+
+    engine, loop = engine_loop
+    for spec in deep_specs():
+        outs = loop.run(collect(engine, request(temperature=0, max_tokens=6, structured=spec)))
+        assert outs[-1].finish_reason in ("length", "stop")
+    assert engine.ready

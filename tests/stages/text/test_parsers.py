@@ -12,6 +12,7 @@ from stages.text.parsers import (
     TOOL_CALL_PARSERS,
     OutputParser,
     Parsed,
+    forced_tool_calls,
     prompt_opens_reasoning,
 )
 
@@ -166,3 +167,19 @@ def test_parser_names_are_checked():
     assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral"}
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         OutputParser(tool_call_parser_name="nope")
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_json_nested_past_the_recursion_limit_stays_text(parser):
+    """A model can write a thousand "[" as readily as anything: that is not a tool call, and it
+    must not raise out of the detokenize stage (or the server, for a forced tool_choice)."""
+    deep = "[" * 5000 + "]" * 5000
+    text = {
+        "hermes": f"<tool_call>{deep}</tool_call>",
+        "llama3_json": '{"name": "f", "parameters": ' + deep + "}",
+        "mistral": f"[TOOL_CALLS]{deep}",
+    }[parser]
+    out = OutputParser(tool_call_parser_name=parser).feed(text, True)
+    assert out.tool_calls == [] and out.content
+    assert forced_tool_calls(deep, "required") is None
+    assert forced_tool_calls('[{"name": "f", "parameters": "' + deep + '"}]', "required") is None

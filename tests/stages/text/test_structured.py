@@ -4,6 +4,7 @@ the sampler held to them."""
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -11,7 +12,13 @@ import torch
 
 from gpu.sampler import SamplingArrays, TokenHistory, sample
 from stages.api import EngineError, StructuredOutput
-from stages.text.structured import GrammarMatchers, compile_grammar
+from stages.text.structured import (
+    GRAMMAR_STACK_BYTES,
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    GrammarMatchers,
+    compile_grammar,
+)
 from stages.text.tokenizer import load_tokenizer
 
 
@@ -80,7 +87,7 @@ def follow(matchers, bundle, handle: int, pick) -> str:
 def test_any_path_through_the_masks_writes_a_valid_output(spec, check, matchers, bundle):
     grammar = compile_grammar(spec)
     for handle, pick in enumerate((min, max, lambda ids: ids[len(ids) // 2])):
-        matchers.add(handle, grammar)
+        matchers.add(handle, matchers.build(grammar))
         text = follow(matchers, bundle, handle, pick)
         assert check(text), text
         matchers.drop(handle)
@@ -88,7 +95,7 @@ def test_any_path_through_the_masks_writes_a_valid_output(spec, check, matchers,
 
 
 def test_json_object_allows_only_an_object(matchers, bundle):
-    matchers.add(1, compile_grammar(StructuredOutput("json_object")))
+    matchers.add(1, matchers.build(compile_grammar(StructuredOutput("json_object"))))
     first = allowed(matchers.masks([1], [True])[0], bundle.vocab_size)
     assert first and all(bundle.decode([t]).startswith("{") for t in first)
 
@@ -111,9 +118,75 @@ def test_what_cannot_be_compiled_is_a_400_naming_its_field(spec):
     assert info.value.status == 400 and info.value.param == spec.param
 
 
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (
+            StructuredOutput("choice", json.dumps([f"{i:06d}" for i in range(100_000)]), "c"),
+            f"at most {MAX_GRAMMAR_CHARS} are allowed",
+        ),
+        (
+            StructuredOutput("choice", json.dumps([str(i) for i in range(MAX_CHOICES + 1)]), "c"),
+            f"{MAX_CHOICES + 1} choices; at most {MAX_CHOICES}",
+        ),
+        (StructuredOutput("regex", "a" * (MAX_GRAMMAR_CHARS + 1), "r"), "characters"),
+    ],
+)
+def test_grammars_over_the_limits_are_400s(spec, says):
+    with pytest.raises(EngineError) as info:
+        compile_grammar(spec)
+    assert info.value.status == 400 and info.value.param == spec.param
+    assert says in info.value.message
+
+
+def deep_specs() -> list[StructuredOutput]:
+    """Grammars just within MAX_GRAMMAR_CHARS that nest as deeply as that allows: a chain of
+    $refs, a chain of Lark rules."""
+    count = MAX_GRAMMAR_CHARS // 80
+    defs = {
+        f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+        for i in range(count)
+    }
+    defs[f"d{count}"] = {"type": "string"}
+    schema = json.dumps({"$ref": "#/$defs/d0", "$defs": defs})
+    rules = MAX_GRAMMAR_CHARS // 24
+    lark = "\n".join(
+        ["start: a0", *(f'a{i}: "x" a{i + 1} | "y"' for i in range(rules)), f'a{rules}: "z"']
+    )
+    specs = [StructuredOutput("json", schema), StructuredOutput("grammar", lark)]
+    assert all(len(spec.value) <= MAX_GRAMMAR_CHARS for spec in specs)
+    return specs
+
+
+def test_the_deepest_grammars_within_the_limits_compile_on_a_grammar_thread(matchers):
+    """llguidance recurses a native frame or more per level: on a default 8 MiB stack a chain of
+    1,000 $refs kills the process. Render and execute compile on threads of GRAMMAR_STACK_BYTES."""
+    built = []
+
+    def compile_and_build() -> None:
+        for spec in deep_specs():
+            built.append(matchers.build(compile_grammar(spec)))
+
+    previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+    try:
+        worker = threading.Thread(target=compile_and_build)
+        worker.start()
+    finally:
+        threading.stack_size(previous)
+    worker.join()
+    assert len(built) == 2 and not any(m.is_error() for m in built)
+
+
+def test_a_matcher_built_for_a_resumed_request_continues_its_output(matchers, bundle):
+    grammar = compile_grammar(StructuredOutput("regex", "quick brown"))
+    written = bundle.encode("quick", add_bos=False)
+    matchers.add(1, matchers.build(grammar, written))
+    assert follow(matchers, bundle, 1, min) == " brown"
+
+
 def test_rows_without_a_grammar_or_not_sampling_allow_everything(matchers, bundle):
     assert matchers.masks([1, 2], [True, True]).shape == (2, 0)  # nobody constrained: no masks
-    matchers.add(2, compile_grammar(StructuredOutput("regex", "a")))
+    matchers.add(2, matchers.build(compile_grammar(StructuredOutput("regex", "a"))))
     masks = matchers.masks([1, 2, 2], [True, True, False])
     assert masks.shape == (3, (bundle.vocab_size + 31) // 32)
     assert (masks[0] == -1).all() and (masks[2] == -1).all()

@@ -1,0 +1,60 @@
+"""What a request body may be: how many bytes, and how deeply its JSON nests. Both are checked
+before the body is parsed, so that neither a huge body nor a deep one costs more than a look."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.errors import APIError
+
+# Arrays and objects inside one another. OpenAI bodies nest about 4 deep and tool or response
+# JSON schemas a few levels more; 64 leaves room for any real schema and keeps every recursive
+# walk of the value (msgspec, json, the chat template, llguidance) far from Python's 1,000-frame
+# limit, whose RecursionError would otherwise be a 500.
+MAX_JSON_DEPTH = 64
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+
+# What nesting depends on: brackets and (unescaped) quotes; the rest of the text is dropped.
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+# Each kept byte's change of nesting: +1 for [ and {, -1 for ] and }, 0 for a quote.
+_STEP = np.zeros(256, np.int8)
+_STEP[[ord("["), ord("{")]] = 1
+_STEP[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply arrays and objects nest in JSON text (0 for a scalar), brackets inside strings
+    not counted; for text that is not JSON the number means nothing (the parser refuses it anyway).
+    Byte-string passes in C and numpy on what is left, so a body of megabytes costs milliseconds."""
+    if b"\\" in raw:
+        # Escapes read left to right: drop the escaped backslashes, then the escaped quotes.
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    structure = np.frombuffer(raw.translate(None, _NOT_STRUCTURE), np.uint8)  # [K] [ ] { } "
+    if not len(structure):
+        return 0
+    # A bracket after an odd number of quotes is inside a string.
+    outside = np.cumsum(structure == ord('"'), dtype=np.int32) % 2 == 0
+    return int(np.cumsum(_STEP[structure[outside]], dtype=np.int32).max(initial=0))
+
+
+def check_json_depth(raw: bytes | str, param: str | None = None) -> None:
+    """APIError (400) for JSON nested deeper than MAX_JSON_DEPTH: a body, or JSON text in a field
+    (`param`)."""
+    depth = json_depth(raw.encode() if isinstance(raw, str) else raw)
+    if depth > MAX_JSON_DEPTH:
+        where = "the request body" if param is None else param
+        raise APIError(
+            f"{where} nests arrays and objects {depth} deep; at most {MAX_JSON_DEPTH} are allowed",
+            param=param,
+            code="invalid_json",
+        )
+
+
+def body_too_large(limit: int, size: int | None = None) -> APIError:
+    """The 413 of a body over --max-request-body-bytes (`size` unknown for a chunked body)."""
+    given = "" if size is None else f" ({size} bytes)"
+    return APIError(
+        f"The request body{given} is larger than {limit} bytes, the most this server takes "
+        "(--max-request-body-bytes)",
+        status=413,
+    )
