@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import setproctitle
 import structlog
 import uvloop
 
@@ -268,6 +269,9 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config, engine_config = parse_args(argv)
+    # The stages are titled "pipeline-serve: <stage>" by their supervisor (stages/engine.py).
+    setproctitle.setproctitle("pipeline-serve: server")
+    setproctitle.setthreadtitle("pipeline-serve")
     configure_server_logging(config.log_format, config.log_level)
     uvloop.run(serve(config, engine_config))
     return 0

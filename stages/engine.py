@@ -149,6 +149,7 @@ class Engine:
                 log_format=config.log_format,
                 log_level=config.log_level,
                 spin_s=0.0,  # the server's event loop serves HTTP: it must not spin either
+                process_title_prefix="pipeline-serve",  # ps shows "pipeline-serve: render"
             ),
             owner_inboxes=("errors", "deltas"),
             owner_outboxes=("requests",),
