@@ -57,6 +57,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
@@ -147,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="split <think>...</think> out of chat output into reasoning_content: deepseek_r1 "
         "(reasoning from the first token), qwen3 (only inside the tags)",
     )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=ServerConfig().shutdown_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT, how long requests in flight get to finish while new ones are "
+        "answered 503; then the rest end with an error (default %(default)g)",
+    )
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -182,6 +200,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_format=args.log_format,
         log_level=args.log_level,
+        shutdown_timeout_s=args.shutdown_timeout,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

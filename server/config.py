@@ -15,7 +15,9 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     log_format: str = "auto"  # auto (JSON unless stderr is a terminal) | json | console
     log_level: str = "info"
-    shutdown_timeout_s: float = 10.0  # how long Hypercorn lets open requests finish on SIGTERM
+    # --shutdown-timeout: on SIGTERM, how long requests in flight get to finish before they are
+    # ended with a 503 (an SSE error event when streaming); new ones get 503 meanwhile.
+    shutdown_timeout_s: float = 30.0
     # Output parsing for chat (stages.text.parsers), named and switched on as in `vllm serve`.
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content split out
     tool_call_parser: str | None = None  # --tool-call-parser

@@ -15,6 +15,7 @@ import msgspec
 from quart import Response, current_app, g, request
 
 from server.config import ServerConfig
+from server.drain import Drain
 from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest
@@ -56,11 +57,20 @@ def openai_serving() -> OpenAIServing:
 class OpenAIServing:
     """One app's engine, config and what follows from them, and the steps of a generation."""
 
-    __slots__ = ("bearer", "config", "engine", "fingerprint", "metrics", "served_model_name")
+    __slots__ = (
+        "bearer",
+        "config",
+        "drain",
+        "engine",
+        "fingerprint",
+        "metrics",
+        "served_model_name",
+    )
 
-    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, drain: Drain) -> None:
         self.engine = engine
         self.config = config
+        self.drain = drain
         self.served_model_name = config.served_model_name or engine.model_info.served_model_name
         self.metrics = ServerMetrics(engine.stats, self.served_model_name)
         self.fingerprint = f"pipeline-serve-{server_version()}"
@@ -171,7 +181,7 @@ class OpenAIServing:
             requests.append(msgspec.structs.replace(generate_request, sampling=sampling))
         trackers = [Tracker(self.metrics, r.request_id, r.arrival_ns) for r in requests]
         started = await asyncio.gather(
-            *(start(self.engine, r) for r in requests), return_exceptions=True
+            *(start(self.engine, r, self.drain) for r in requests), return_exceptions=True
         )
         choices = [
             Choice(i, result[0], result[1], trackers[i])
