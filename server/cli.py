@@ -3,7 +3,8 @@
 `parse_args` yields the front end's `ServerConfig` and the engine's `stages.config.EngineConfig`
 (flags left out keep EngineConfig's defaults). `serve` awaits `stages.engine.build_engine(config)`,
 imported only when serving so that parsing stays free of the stage processes, then serves the app
-on Hypercorn until SIGTERM or SIGINT, and stops the engine after Hypercorn has drained.
+on Hypercorn until SIGTERM or SIGINT, drains it (server/drain.py) and stops the engine. Under
+systemd it says where it stands on $NOTIFY_SOCKET (server/systemd.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import os
 import re
 import signal
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +27,10 @@ import uvloop
 
 from server.app import create_app
 from server.config import ServerConfig
+from server.drain import app_drain
 from server.logs import configure_server_logging
 from server.serve import serve_app
+from server.systemd import Notifier, PipelineState, monitor, status_line
 from stages.config import EngineConfig, default_model_path
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
@@ -255,34 +260,62 @@ def _url(config: ServerConfig) -> str:
     return f"http://{host}:{config.port}"
 
 
-async def serve(config: ServerConfig, engine_config: EngineConfig) -> None:
+async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Notifier) -> None:
     from stages.engine import build_engine  # the stage processes; only when serving
 
     shutdown = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, shutdown.set)
+    notifier.status(f"loading {config.served_model_name} and starting stages")
     # A signal while the model loads cancels the start instead of waiting for it.
     starting = asyncio.create_task(build_engine(engine_config))
     stopping = asyncio.create_task(shutdown.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
+        notifier.stopping("stopping before the start finished")
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await starting
         return
     engine = starting.result()
     app = create_app(engine, config)
+    drain = app_drain(app)
     # What start-up built lives as long as the server: out of the collector's sight, so that the
     # collections the per-token garbage triggers do not walk it (as the stages do after warm-up).
     gc.collect()
     gc.freeze()
-    try:
+
+    def state() -> PipelineState:
+        failure = engine.failure
+        return PipelineState(
+            ready=engine.ready,
+            in_flight=drain.in_flight,
+            last_output_ns=engine.last_output_ns,
+            waiting_since_ns=drain.oldest_wait_ns(),
+            draining=drain.draining,
+            failed_stage=None if failure is None else failure.actor,
+        )
+
+    watching: list[asyncio.Task[None]] = []
+
+    def on_listening() -> None:
         log.info("ready", url=_url(config), model=config.served_model_name)
-        await serve_app(app, config, shutdown.wait)
+        notifier.ready()
+        watching.append(loop.create_task(monitor(notifier, state)))
+
+    async def stop_requested() -> None:
+        await shutdown.wait()
+        notifier.stopping(status_line(replace(state(), draining=True)))
+
+    try:
+        await serve_app(app, config, stop_requested, on_listening)
     finally:
+        for task in watching:
+            task.cancel()
         stopping.cancel()
         log.info("shutting down")
+        notifier.status("stopping stages")
         await engine.stop()
 
 
@@ -292,7 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     setproctitle.setproctitle("pipeline-serve: server")
     setproctitle.setthreadtitle("pipeline-serve")
     configure_server_logging(config.log_format, config.log_level)
-    uvloop.run(serve(config, engine_config))
+    notifier = Notifier.from_environ(os.environ, os.getpid())  # systemd's, when it started us
+    try:
+        uvloop.run(serve(config, engine_config, notifier))
+    finally:
+        notifier.close()
     return 0
 
 

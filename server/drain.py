@@ -45,7 +45,6 @@ class Drain:
         self._in_flight: weakref.WeakSet[InFlight] = weakref.WeakSet()
         self._deadline: float | None = None  # time.monotonic() when the drain ends what is left
         self._ending = False
-        self.busy_since_ns = 0  # time.monotonic_ns() when the last idle spell ended
 
     @property
     def draining(self) -> bool:
@@ -55,12 +54,18 @@ class Drain:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def oldest_wait_ns(self) -> int | None:
+        """time.monotonic_ns() since which the longest-waiting request has waited for the engine's
+        next output; None when none waits (a request whose client reads slowly does not)."""
+        return min(
+            (f.waiting_since_ns for f in self._in_flight if f.waiting_since_ns is not None),
+            default=None,
+        )
+
     def track(self, outputs: AsyncIterator[RequestOutput]) -> InFlight:
         """`outputs` as an iterator the drain can end; raises ShuttingDown once it ends requests."""
         if self._ending:
             raise self.ended()
-        if not self._in_flight:
-            self.busy_since_ns = time.monotonic_ns()
         flight = InFlight(self, outputs)
         self._in_flight.add(flight)
         return flight
@@ -108,12 +113,13 @@ class InFlight:
     """One engine request's outputs as the drain sees them. `end` makes the iteration raise
     ShuttingDown: at once if the request is waiting for the engine, else at its next output."""
 
-    __slots__ = ("__weakref__", "_drain", "_ended", "_outputs", "_waiting")
+    __slots__ = ("__weakref__", "_drain", "_ended", "_outputs", "_waiting", "waiting_since_ns")
 
     def __init__(self, drain: Drain, outputs: AsyncIterator[RequestOutput]) -> None:
         self._drain = drain
         self._outputs = outputs
         self._waiting: asyncio.Task[object] | None = None  # the task inside `await`, if any
+        self.waiting_since_ns: int | None = None  # time.monotonic_ns() it began to, if it is
         self._ended = False
 
     def __aiter__(self) -> InFlight:
@@ -124,6 +130,7 @@ class InFlight:
             await self.aclose()
             raise self._drain.ended()
         task = self._waiting = asyncio.current_task()
+        self.waiting_since_ns = time.monotonic_ns()
         try:
             output = await anext(self._outputs)
         except asyncio.CancelledError:
@@ -136,7 +143,7 @@ class InFlight:
             self._drain._in_flight.discard(self)
             raise
         finally:
-            self._waiting = None
+            self._waiting = self.waiting_since_ns = None
         if output.finish_reason is not None:
             self._drain._in_flight.discard(self)
         return output

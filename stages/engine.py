@@ -133,6 +133,9 @@ class Engine:
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = False
         self._failure: ActorFailed | None = None
+        self.last_output_ns = 0
+        """time.monotonic_ns() when deltas last came from detokenize: the sign a watchdog reads
+        that the pipeline makes progress (server/systemd.py)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -231,6 +234,11 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def failure(self) -> ActorFailed | None:
+        """The stage failure the pipeline is down for (restarting, or given up); None while up."""
+        return self._failure
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not self._ready:
@@ -341,6 +349,7 @@ class Engine:
             while True:
                 with await consumer.recv_async() as message:
                     batch = deltas.unpack_deltas(message)
+                self.last_output_ns = time.monotonic_ns()
                 for row, handle in enumerate(batch.handles):
                     queue = streams.get(handle)
                     if queue is not None:
