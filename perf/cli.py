@@ -79,11 +79,32 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--no-baseline", action="store_true")
     model.add_argument("--json", dest="json_path")
 
+    chaos = sub.add_parser(
+        "chaos", help="streams under random SIGKILLs of stages: lost requests, recovery times"
+    )
+    chaos.add_argument("model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)")
+    chaos.add_argument("--dummy", action="store_true", help="null model: recovery without weights")
+    chaos.add_argument("--streams", type=int, default=16)
+    chaos.add_argument("--kills", type=int, default=12)
+    chaos.add_argument(
+        "--kill-interval",
+        type=float,
+        default=3.0,
+        help="mean seconds from a recovery to the next kill",
+    )
+    chaos.add_argument("--stages", default="render,schedule,execute,detokenize")
+    chaos.add_argument("--max-tokens", type=int, default=48)
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--threads", type=int, default=0)
+    chaos.add_argument("--json", dest="json_path")
+
     args = parser.parse_args(argv)
     if args.mode == "model":
         return run_model_cli(args)
     if args.mode == "offline":
         return run_offline_cli(args)
+    if args.mode == "chaos":
+        return run_chaos_cli(args, parser)
     if args.mode == "serve":
         return run_serve_cli(args, parser)
     if args.mode == "ring":
@@ -157,6 +178,38 @@ def run_serve_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             )
             print(f"wrote {path}", file=sys.stderr)
     return 1 if any(run["completed"] == 0 for run in report["runs"]) else 0
+
+
+def run_chaos_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import asyncio
+    import json
+
+    from perf import chaos
+    from pipeline.logs import configure_logging
+    from stages.config import default_model_path
+
+    stages = tuple(s for s in args.stages.split(",") if s)
+    if unknown := set(stages) - set(chaos.STAGES):
+        parser.error(f"unknown stages {sorted(unknown)}; choose from {chaos.STAGES}")
+    configure_logging("console", "error")
+    bench_args = chaos.ChaosArgs(
+        model_path=args.model or default_model_path(),
+        dummy=args.dummy,
+        streams=args.streams,
+        kills=args.kills,
+        kill_interval_s=args.kill_interval,
+        stages=stages,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        threads=args.threads,
+    )
+    print(f"chaos: {args.kills} kills under {args.streams} streams ...", file=sys.stderr)
+    report = asyncio.run(chaos.run_chaos(bench_args))
+    print(chaos.format_table(report))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["lost"] == report["wrong_text"] == 0 and report["kills"] else 1
 
 
 def run_model_cli(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import structlog
 import uvloop
 
 from pipeline.control import ActorState, ControlBlock, ControlHandle
-from pipeline.errors import RingClosed
+from pipeline.errors import PeerDied, RingClosed
 from pipeline.logs import configure_logging
 from pipeline.names import process_start_ticks
 from pipeline.ring import Consumer, Producer, RingHandle
@@ -204,9 +204,21 @@ def run_actor(launch: ActorLaunch) -> None:
 
         control.set_error(index, "".join(traceback.format_exception_only(exc)).strip())
         control.set_state(index, ActorState.FAILED)
+        if _only_peer_died(exc):  # the consequence of another's failure, not a cause
+            log.warning("actor stopped: a peer died", error=str(exc))
+            return _exit(ctx, control, PEER_DIED_EXIT_CODE)
         log.error("actor failed", exc_info=True)
         return _exit(ctx, control, 1)
     _exit(ctx, control, 0)
+
+
+PEER_DIED_EXIT_CODE = 3  # the actor ended because the process at the other end of a ring died
+
+
+def _only_peer_died(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_peer_died(e) for e in exc.exceptions)
+    return isinstance(exc, PeerDied)
 
 
 def _exit(ctx: ActorContext | None, control: ControlBlock, code: int) -> None:

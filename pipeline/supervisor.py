@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from pipeline.actor import ActorLaunch, ActorSpec, run_actor
+from pipeline.actor import PEER_DIED_EXIT_CODE, ActorLaunch, ActorSpec, run_actor
 from pipeline.clock import now_ns
 from pipeline.control import ActorState, ControlBlock, ControlHandle
 from pipeline.errors import ActorFailed
@@ -238,15 +238,24 @@ class Supervisor:
         }
 
     def check(self) -> ActorFailed | None:
-        """The first failure seen (a dead child, a failed start, a stale heartbeat), else None."""
+        """The first failure seen (a dead child, a failed start, a stale heartbeat), else None.
+
+        An actor that ended only because a peer died names the failure only when no other is
+        dead: the one that died first is the cause the owner reports and acts on.
+        """
         if self._failure is not None or self._control is None:
             return self._failure
+        consequence: ActorFailed | None = None
         for i, (spec, proc) in enumerate(zip(self.actor_specs, self._procs, strict=False)):
             state = self._control.state(i)
             if proc.exitcode is not None and not self._stopped:
                 if state == ActorState.EXITED and proc.exitcode == 0:
                     continue
-                self._failure = ActorFailed(spec.name, self._death_reason(i, proc))
+                failure = ActorFailed(spec.name, self._death_reason(i, proc))
+                if proc.exitcode == PEER_DIED_EXIT_CODE:
+                    consequence = consequence or failure
+                    continue
+                self._failure = failure
                 break
             if state == ActorState.READY and self.config.heartbeat_timeout_s > 0:
                 age_s = (now_ns() - self._control.heartbeat_ns(i)) / 1e9
@@ -255,6 +264,8 @@ class Supervisor:
                         spec.name, f"no heartbeat for {age_s:.1f} s (pid {proc.pid})"
                     )
                     break
+        if self._failure is None:
+            self._failure = consequence
         if self._failure is not None:
             log.error("actor failed", actor=self._failure.actor, reason=self._failure.reason)
         return self._failure

@@ -14,7 +14,7 @@ from server.chat import collect_chat, stream_chat
 from server.completions import collect_completion, stream_completion
 from server.config import ServerConfig
 from server.drain import Drain, install_drain
-from server.errors import APIError, error_body, error_type_for
+from server.errors import APIError, error_body, error_type_for, retry_after_header
 from server.openai_serving import (
     EXTENSION,
     OpenAIServing,
@@ -68,7 +68,10 @@ async def echo_request_id(response: Response) -> Response:
 
 @routes.app_errorhandler(APIError)
 async def api_error(error: APIError) -> Response:
-    return json_response(error.body(), error.status)
+    response = json_response(error.body(), error.status)
+    if error.retry_after_s is not None:
+        response.headers["Retry-After"] = retry_after_header(error.retry_after_s)
+    return response
 
 
 @routes.app_errorhandler(HTTPException)
@@ -132,9 +135,10 @@ async def models() -> Response:
 
 @routes.get("/health")
 async def health() -> Response:
-    if openai_serving().engine.ready:
+    engine = openai_serving().engine
+    if engine.ready:
         return Response(b"", status=200)
-    return json_response(error_body("the engine is not ready yet", error_type_for(503)), status=503)
+    raise APIError.from_engine(engine.not_ready_error)
 
 
 @routes.get("/version")

@@ -72,6 +72,26 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
@@ -130,6 +150,24 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16"],
         help="KV cache element type; auto: bfloat16 with quantized weights, else the model dtype "
         "(attention math is float32 either way)",
+    )
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=_non_negative_int,
+        help="requests that may wait beyond --max-num-seqs running ones; more are answered 429 "
+        "with Retry-After (default 128: a newcomer waits about one request's time)",
+    )
+    parser.add_argument(
+        "--max-stage-restarts",
+        type=_non_negative_int,
+        help="stage failures survived within --stage-restart-window (each restarts the pipeline "
+        "and resumes every request in flight); one more and the server exits non-zero "
+        "(default 3)",
+    )
+    parser.add_argument(
+        "--stage-restart-window",
+        type=_positive_float,
+        help="seconds over which --max-stage-restarts counts failures (default 300)",
     )
     parser.add_argument("--threads", type=_positive_int, help="CPU threads for the model")
     parser.add_argument("--seed", type=int, help="seed of the engine's default generator")
@@ -225,6 +263,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "kv_cache_dtype": args.kv_cache_dtype,
         "threads": args.threads,
         "seed": args.seed,
+        "max_waiting_requests": args.max_waiting_requests,
+        "max_stage_restarts": args.max_stage_restarts,
+        "stage_restart_window_s": args.stage_restart_window,
     }
     engine_config = EngineConfig(
         model_path=args.model,
@@ -260,7 +301,8 @@ def _url(config: ServerConfig) -> str:
     return f"http://{host}:{config.port}"
 
 
-async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Notifier) -> None:
+async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Notifier) -> int:
+    """Serves until a signal (exit status 0) or until the engine gives up (1)."""
     from stages.engine import build_engine  # the stage processes; only when serving
 
     shutdown = asyncio.Event()
@@ -277,8 +319,11 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Not
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await starting
-        return
+        return 0
     engine = starting.result()
+    # An engine past its restart budget ends the server, so that systemd restarts the service.
+    engine_down = asyncio.create_task(engine.down.wait())
+    engine_down.add_done_callback(lambda _: shutdown.set())
     app = create_app(engine, config)
     drain = app_drain(app)
     # What start-up built lives as long as the server: out of the collector's sight, so that the
@@ -317,6 +362,11 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Not
         log.info("shutting down")
         notifier.status("stopping stages")
         await engine.stop()
+    if engine.down.is_set():
+        log.error("exiting: the engine is down", reason=engine.down_reason)
+        return 1
+    engine_down.cancel()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -327,10 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_server_logging(config.log_format, config.log_level)
     notifier = Notifier.from_environ(os.environ, os.getpid())  # systemd's, when it started us
     try:
-        uvloop.run(serve(config, engine_config, notifier))
+        return uvloop.run(serve(config, engine_config, notifier))
     finally:
         notifier.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ between the shutdown signal and Hypercorn's stop (docs/ARCHITECTURE.md, "Shutdow
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -17,7 +16,7 @@ import msgspec
 import structlog
 from quart import Blueprint, Quart, Response, current_app, request
 
-from server.errors import APIError
+from server.errors import APIError, retry_after_header
 from stages.api import RequestOutput
 
 log = structlog.get_logger("server")
@@ -31,9 +30,8 @@ class ShuttingDown(APIError):
     """A 503 because the server is stopping: for a new request, or one the shutdown timeout ended.
     Its response says when to come back (Retry-After) and closes the connection."""
 
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message, status=503)
-        self.retry_after_s = retry_after_s
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, status=503, retry_after_s=retry_after_s)
 
 
 class Drain:
@@ -70,10 +68,9 @@ class Drain:
         self._in_flight.add(flight)
         return flight
 
-    def _retry_after_s(self) -> int:
+    def _retry_after_s(self) -> float:
         """Until the drain is over: the earliest this address can serve again (restarted)."""
-        left_s = 0.0 if self._deadline is None else self._deadline - time.monotonic()
-        return max(1, math.ceil(left_s))
+        return 0.0 if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def refused(self) -> ShuttingDown:
         return ShuttingDown(
@@ -189,5 +186,8 @@ async def shutting_down(error: ShuttingDown) -> Response:
         msgspec.json.encode(error.body()),
         status=error.status,
         content_type="application/json",
-        headers={"Retry-After": str(error.retry_after_s), "Connection": "close"},
+        headers={
+            "Retry-After": retry_after_header(error.retry_after_s or 0.0),  # at least 1
+            "Connection": "close",
+        },
     )

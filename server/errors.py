@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -41,6 +42,7 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -48,13 +50,16 @@ class APIError(Exception):
         self.type = type or error_type_for(status)
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # sent as Retry-After (whole seconds, at least 1)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
     @classmethod
     def from_engine(cls, error: EngineError) -> APIError:
-        return cls(error.message, error.status, error.type, error.param, error.code)
+        return cls(
+            error.message, error.status, error.type, error.param, error.code, error.retry_after_s
+        )
 
     @classmethod
     def from_decode(cls, error: msgspec.MsgspecError) -> APIError:
@@ -66,6 +71,10 @@ class APIError(Exception):
             param = (match.group(1).replace("[...]", "") or None) if match else None
             return cls(f"Invalid request: {message}", param=param, code="invalid_value")
         return cls(f"Invalid JSON body: {error}", code="invalid_json")
+
+
+def retry_after_header(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
 
 
 def error_body(

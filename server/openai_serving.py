@@ -144,7 +144,7 @@ class OpenAIServing:
         collector: Collector,
     ) -> Response:
         if not self.engine.ready:
-            raise APIError("the engine is not ready yet", status=503)
+            raise APIError.from_engine(self.engine.not_ready_error)
         config = self.config
         ctx = ResponseContext(
             request_id=generate_request.request_id,

@@ -29,6 +29,7 @@ TopK = Annotated[int, Meta(ge=-1)]
 LogprobCount = Annotated[int, Meta(ge=0, le=20)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 TokenId = Annotated[int, Meta(ge=0)]
+Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # the stages carry it as int32
 
 MAX_CHOICES = 16  # n: each choice is an engine request of its own
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -65,7 +66,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     request_id: str | None = None
-    priority: int = 0
+    priority: Priority = 0
     prompt_logprobs: LogprobCount | None = None  # vLLM: top-k logprobs of every prompt token
     allowed_token_ids: list[TokenId] | None = None  # vLLM: sample only among these
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last k; -1: fit

@@ -184,6 +184,7 @@ class EngineError(Exception):
         type: str = "BadRequestError",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -191,6 +192,7 @@ class EngineError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s  # a 429 or 503 the client may retry: when
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +213,11 @@ class EngineClient(Protocol):
     @property
     def ready(self) -> bool:
         """True once every stage has reported ready and none has failed."""
+        ...
+
+    @property
+    def not_ready_error(self) -> EngineError:
+        """While not ready: why, as the 503 to answer with (Retry-After when it will pass)."""
         ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:

@@ -6,7 +6,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from stages.text.checkpoint import kv_block_bytes_for, load_model_config, resolve_kv_cache_dtype
+from stages.text.checkpoint import kv_block_bytes_for, resolve_kv_cache_dtype
+from stages.text.snapshot import model_config_of
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -45,6 +46,16 @@ class EngineConfig:
     log_level: str = "info"
     dummy: bool = False  # execute returns deterministic tokens without a model (pipeline ceiling)
     startup_timeout_s: float = 600.0
+    # Where the engine wrote the model's tokenizer and config for its stages (stages.text.snapshot),
+    # read in a fraction of the time the model file takes; empty: read from model_path.
+    snapshot_dir: str = ""
+    # Requests in flight beyond max_num_seqs that may wait for a place; more are answered 429.
+    # One batch's worth bounds a newcomer's TTFT to about one request's time in the batch.
+    max_waiting_requests: int = 128
+    # Stage failures survived (each: a fresh pipeline, requests resumed) within the window;
+    # one more and the engine gives up, so that the service manager restarts the server.
+    max_stage_restarts: int = 3
+    stage_restart_window_s: float = 300.0
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -52,13 +63,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 def resolve_max_model_len(config: EngineConfig) -> int:
     """--max-model-len, capped at the checkpoint's context length (which 0 means)."""
-    model_len = load_model_config(config.model_path).max_position_embeddings
+    model_len = model_config_of(config).max_position_embeddings
     return min(config.max_model_len, model_len) if config.max_model_len > 0 else model_len
 
 
 def num_kv_blocks(config: EngineConfig) -> int:
     """KV blocks that fit the budget; execute allocates exactly these and schedule hands them out."""
-    model = load_model_config(config.model_path)
+    model = model_config_of(config)
     element = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
     block_bytes = kv_block_bytes_for(model, config.block_size, DTYPE_BYTES[element])
     blocks = config.kv_cache_bytes // block_bytes

@@ -3,24 +3,32 @@ rings. It implements `stages.api.EngineClient`.
 
 The server process owns three ring ends: it writes requests and aborts to render, and reads render's
 errors and detokenize's deltas. One reader task per ring fans what arrives out to per-request
-queues; a watcher turns a dead stage into an error for every request in flight.
+queues. A watcher turns a dead or hung stage into a recovery: a fresh pipeline, and every request
+in flight submitted again with the tokens its client already has (`common.Resume`), so streams
+go on with nothing lost or repeated. Past the restart budget the engine gives up: in-flight
+requests fail with the reason and `down` is set, so that the server exits non-zero.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import structlog
 
 from pipeline.actor import ActorSpec
-from pipeline.clock import process_cpu_s
+from pipeline.clock import now_ns, process_cpu_s
 from pipeline.errors import ActorFailed, RuntimeFault
-from pipeline.ring import RingSpec
+from pipeline.ring import Producer, RingSpec
 from pipeline.supervisor import Supervisor, SupervisorConfig
 from stages.api import (
     ChatPrompt,
@@ -34,14 +42,25 @@ from stages.api import (
 from stages.config import EngineConfig, num_kv_blocks, resolve_max_model_len
 from stages.rings import common, deltas, plan, prompts, requests, results, tokens
 from stages.scheduler import GAUGES
+from stages.text.checkpoint import load_model_config
 from stages.text.prompts import prompt_token_ids
+from stages.text.snapshot import write_snapshot
 from stages.text.tokenizer import load_tokenizer
 
 log = structlog.get_logger("stages.engine")
 
 STOP_ORDER = ("render", "schedule", "execute", "detokenize")
-MAX_RESTARTS = 3
-RESTART_WINDOW_S = 300.0
+# Retry-After of a 503 while the pipeline restarts, until a restart has been timed.
+FIRST_RESTART_ESTIMATE_S = 10.0
+# A request in flight at two failures of one stage in a row with no token between them is a
+# suspect: it is resubmitted alone, one suspect at a time, each once the one before has made
+# progress. A suspect whose resubmission alone is followed within PROBE_BLAME_WINDOW_S by a third
+# failure of that stage caused them (a request that crashes a stage does so at once), and fails by
+# itself instead of taking the engine down with it.
+SUSPECT_AFTER_FAILURES = 2
+BLAMED_AFTER_FAILURES = 3
+PROBE_BLAME_WINDOW_S = 2.0
+OVERLOAD_RETRY_AFTER_S = 1.0
 
 
 def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpec]]:
@@ -101,11 +120,39 @@ def _round(n: int) -> int:
     return (n + 4095) // 4096 * 4096
 
 
+@dataclass(slots=True)
+class _Flight:
+    """A request in flight, as much as it takes to submit it again after a stage failure."""
+
+    request: GenerateRequest
+    queue: asyncio.Queue[RequestOutput | EngineError]
+    output_ids: list[int] = field(default_factory=list)  # the output tokens read so far
+    first_token_ns: int = 0  # when the first of them was read
+    num_recoveries: int = 0
+    failures_without_progress: int = 0  # failures of one stage it was in since its last token
+    failed_stage: str = ""  # the stage those failures were of
+    probe_sent_s: float = 0.0  # monotonic time it was last resubmitted alone, as a suspect
+    submitted: bool = False  # sent to the current pipeline (or to be sent by a recovery)
+    suspect: bool = False  # held back until the suspects before it have made progress
+
+    def resubmission(self) -> tuple[GenerateRequest, common.Resume | None]:
+        """What to submit to a fresh pipeline: the request again if its client has nothing yet,
+        else the request without what its first output carried (prompt logprobs) and a Resume."""
+        if not self.output_ids:
+            return self.request, None
+        request = self.request
+        if request.sampling.prompt_logprobs is not None:
+            sampling = msgspec.structs.replace(request.sampling, prompt_logprobs=None)
+            request = msgspec.structs.replace(request, sampling=sampling)
+        return request, common.Resume(
+            tuple(self.output_ids), self.first_token_ns, self.num_recoveries
+        )
+
+
 class Engine:
     """Supervises the pipeline and serves requests through it."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.bundle = load_tokenizer(config.model_path)
         self.max_model_len = resolve_max_model_len(config)
         self.num_blocks = num_kv_blocks(config)
@@ -115,6 +162,11 @@ class Engine:
                 f"request of max_model_len={self.max_model_len}: raise --kv-cache-memory or lower "
                 f"--max-model-len"
             )
+        # The stages read the tokenizer and model config from this snapshot (removed at stop).
+        self._snapshot_dir = tempfile.mkdtemp(prefix="pipeline-serve-")
+        write_snapshot(self._snapshot_dir, self.bundle, load_model_config(config.model_path))
+        config = dataclasses.replace(config, snapshot_dir=self._snapshot_dir)
+        self.config = config
         self._info = ModelInfo(
             served_model_name=config.served_model_name or config.model_path,
             model_path=config.model_path,
@@ -122,13 +174,14 @@ class Engine:
             vocab_size=self.bundle.vocab_size,
             created=int(time.time()),
         )
+        self.max_in_flight = config.max_num_seqs + config.max_waiting_requests
         self.supervisor = self._new_supervisor()
-        self._restarts: list[float] = []  # monotonic times of recent restarts
+        self._failures: list[float] = []  # monotonic times of recent stage failures
         self._restarting: asyncio.Task[None] | None = None
         self._handles = itertools.count(1)
-        self._streams: dict[int, asyncio.Queue[RequestOutput | EngineError]] = {}
-        self._ids: dict[int, str] = {}
+        self._flights: dict[int, _Flight] = {}
         self._send_lock = asyncio.Lock()
+        self._probe_wake = asyncio.Event()  # a suspect made progress or left
         self._aborts: asyncio.Queue[int] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = False
@@ -136,6 +189,13 @@ class Engine:
         self.last_output_ns = 0
         """time.monotonic_ns() when deltas last came from detokenize: the sign a watchdog reads
         that the pipeline makes progress (server/systemd.py)."""
+        self._failed_at_s = 0.0  # monotonic time of the last stage failure
+        self._restart_s: float | None = None  # how long the last recovery took
+        self.num_recoveries = 0  # pipelines brought back, each with its requests resumed
+        self.num_rejected = 0  # requests refused with 429 because too many were waiting
+        self.recovery_s: dict[str, list[float]] = {}  # by the stage that failed
+        self.down = asyncio.Event()  # set when the engine gave up: the server should exit
+        self.down_reason = ""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -160,14 +220,7 @@ class Engine:
 
     async def start(self) -> None:
         """Start every stage (the loop keeps serving while models load), then the reader tasks."""
-        await self.supervisor.start_async()
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._read_deltas()),
-            loop.create_task(self._read_errors()),
-            loop.create_task(self._send_aborts()),
-            loop.create_task(self.supervisor.watch(self._on_failure)),
-        ]
+        await self._start_pipeline()
         self._ready = True
         log.info(
             "engine ready",
@@ -176,6 +229,17 @@ class Engine:
             kv_blocks=self.num_blocks,
         )
 
+    async def _start_pipeline(self) -> None:
+        await self.supervisor.start_async()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._read_deltas()),
+            loop.create_task(self._read_errors()),
+            loop.create_task(self._send_aborts()),
+            loop.create_task(self._probe_suspects()),
+            loop.create_task(self.supervisor.watch(self._on_failure)),
+        ]
+
     async def stop(self) -> None:
         self._ready = False
         if self._restarting is not None:
@@ -183,6 +247,7 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._restarting
         await self._stop_pipeline()
+        shutil.rmtree(self._snapshot_dir, ignore_errors=True)
 
     async def _stop_pipeline(self) -> None:
         current = asyncio.current_task()
@@ -197,33 +262,141 @@ class Engine:
         await asyncio.to_thread(self.supervisor.stop, STOP_ORDER)
 
     def _on_failure(self, failure: ActorFailed) -> None:
-        """A stage died or hung: fail the requests in flight, then bring up a fresh pipeline.
+        """A stage died or hung: bring up a fresh pipeline and resume every request in flight.
 
-        The server stays up throughout (/health says 503 until the new stages are ready). More than
-        MAX_RESTARTS failures within RESTART_WINDOW_S leave the engine down, with the last reason.
+        The server stays up throughout (503 with Retry-After until the new stages are ready).
+        More than config.max_stage_restarts failures within config.stage_restart_window_s, a
+        failed restart included, and the engine gives up.
         """
         self._ready = False
         self._failure = failure
-        error = EngineError(f"the engine failed: {failure}", status=500, type="InternalServerError")
-        for queue in self._streams.values():
-            queue.put_nowait(error)
-        now = time.monotonic()
-        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S] + [now]
-        if len(self._restarts) > MAX_RESTARTS:
-            log.error("engine failed too often; not restarting", reason=str(failure))
+        self._failed_at_s = time.monotonic()
+        if self._over_budget():
+            self._give_up(failure)
             return
-        self._restarting = asyncio.get_running_loop().create_task(self._restart())
+        self._restarting = asyncio.get_running_loop().create_task(self._recover(failure))
 
-    async def _restart(self) -> None:
-        log.warning("restarting the pipeline", reason=str(self._failure))
-        await self._stop_pipeline()
-        self.supervisor = self._new_supervisor()
-        try:
-            await self.start()
-        except Exception as exc:
-            log.error("the pipeline did not come back", error=str(exc))
-            return
+    def _over_budget(self) -> bool:
+        now = time.monotonic()
+        window = self.config.stage_restart_window_s
+        self._failures = [t for t in self._failures if now - t < window] + [now]
+        return len(self._failures) > self.config.max_stage_restarts
+
+    async def _recover(self, failure: ActorFailed) -> None:
+        started = time.monotonic()
+        while True:
+            log.warning(
+                "restarting the pipeline",
+                failed=failure.actor,
+                reason=failure.reason,
+                in_flight=len(self._flights),
+            )
+            await self._stop_pipeline()
+            self.supervisor = self._new_supervisor()
+            try:
+                await self._start_pipeline()
+                await self._resubmit()
+                break
+            except Exception as exc:
+                log.error("the pipeline did not come back", error=str(exc))
+                failure = exc if isinstance(exc, ActorFailed) else ActorFailed("engine", str(exc))
+                self._failure, self._failed_at_s = failure, time.monotonic()
+                if self._over_budget():
+                    await self._stop_pipeline()
+                    self._give_up(failure)
+                    return
+        elapsed = time.monotonic() - started
+        self._restart_s = elapsed
+        self.num_recoveries += 1
+        self.recovery_s.setdefault(failure.actor, []).append(elapsed)
         self._failure = None
+        self._ready = True
+        log.info(
+            "pipeline recovered",
+            failed=failure.actor,
+            recovery_s=round(elapsed, 3),
+            resumed=len(self._flights),
+        )
+
+    async def _resubmit(self) -> None:
+        """Every request in flight, to the fresh pipeline, in the order they arrived; suspects
+        (see SUSPECT_AFTER_FAILURES) are left to _probe_suspects."""
+        producer = self.supervisor.producers["requests"]
+        async with self._send_lock:
+            stage = self._failure.actor if self._failure is not None else ""
+            for handle, flight in sorted(self._flights.items()):
+                if flight.submitted:  # held-back suspects were in flight at none of the failures
+                    same = flight.failed_stage in ("", stage)
+                    flight.failures_without_progress = (
+                        flight.failures_without_progress + 1 if same else 1
+                    )
+                    flight.failed_stage = stage
+                if flight.failures_without_progress >= BLAMED_AFTER_FAILURES:
+                    if self._failed_at_s - flight.probe_sent_s < PROBE_BLAME_WINDOW_S:
+                        self._blame(flight)
+                        continue
+                    flight.failures_without_progress = SUSPECT_AFTER_FAILURES  # not at once
+                if flight.failures_without_progress >= SUSPECT_AFTER_FAILURES:
+                    flight.suspect, flight.submitted = True, False
+                    continue
+                await self._send(producer, handle, flight)
+        self._probe_wake.set()
+
+    async def _send(self, producer: Producer, handle: int, flight: _Flight) -> None:
+        if flight.output_ids:
+            flight.num_recoveries += 1
+        request, resume = flight.resubmission()
+        await producer.send_async(requests.SUBMIT, requests.pack_submit(handle, request, resume))
+        flight.submitted = True
+
+    def _blame(self, flight: _Flight) -> None:
+        log.error(
+            "a request failed the stages alone; not resubmitting it",
+            request_id=flight.request.request_id,
+            failures=flight.failures_without_progress,
+        )
+        flight.queue.put_nowait(
+            EngineError(
+                f"the request was in flight at {flight.failures_without_progress} stage failures "
+                f"in a row with no output between them, the last alone: {self._failure}",
+                500,
+                "InternalServerError",
+            )
+        )
+
+    async def _probe_suspects(self) -> None:
+        """Sends the held-back suspects one at a time, the next once the last has a token or is
+        gone: if one of them brings a stage down again, it is the only one in question."""
+        producer = self.supervisor.producers["requests"]
+        probe_handle = 0
+        while True:
+            await self._probe_wake.wait()
+            self._probe_wake.clear()
+            probe = self._flights.get(probe_handle)
+            if probe is not None and probe.failures_without_progress:
+                continue  # the last one sent has not shown it is harmless yet
+            suspects = [h for h, f in sorted(self._flights.items()) if f.suspect]
+            if suspects:
+                probe_handle = suspects[0]
+                probe = self._flights[probe_handle]
+                probe.suspect = False
+                async with self._send_lock:
+                    await self._send(producer, probe_handle, probe)
+                probe.probe_sent_s = time.monotonic()
+
+    def _give_up(self, failure: ActorFailed) -> None:
+        window = self.config.stage_restart_window_s
+        self.down_reason = (
+            f"the engine gave up after {_plural(len(self._failures), 'stage failure')} within "
+            f"{window:g} s; the last: {failure}"
+        )
+        log.error("engine down", reason=self.down_reason, failed_requests=len(self._flights))
+        error = EngineError(self.down_reason, status=500, type="InternalServerError")
+        for flight in self._flights.values():
+            flight.queue.put_nowait(error)
+        self.down.set()
+        # No stage outlives the decision: stop what is left of the pipeline now.
+        self._restarting = asyncio.get_running_loop().create_task(self._stop_pipeline())
 
     # -- EngineClient ----------------------------------------------------------------------------
 
@@ -240,21 +413,57 @@ class Engine:
         """The stage failure the pipeline is down for (restarting, or given up); None while up."""
         return self._failure
 
+    @property
+    def not_ready_error(self) -> EngineError:
+        """Why the engine takes no requests now, as the 503 to answer with."""
+        if self.down.is_set():
+            return EngineError(self.down_reason, 503, "ServiceUnavailableError")
+        if self._failure is not None:
+            return EngineError(
+                f"the engine is restarting after a stage failure: {self._failure}",
+                503,
+                "ServiceUnavailableError",
+                retry_after_s=self._restart_s or FIRST_RESTART_ESTIMATE_S,
+            )
+        return EngineError(
+            "the engine is not ready yet",
+            503,
+            "ServiceUnavailableError",
+            retry_after_s=FIRST_RESTART_ESTIMATE_S,
+        )
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in flight beyond what the scheduler can run at once."""
+        return max(0, len(self._flights) - self.config.max_num_seqs)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not self._ready:
-            reason = f": {self._failure}" if self._failure else " yet"
+            raise self.not_ready_error
+        if len(self._flights) >= self.max_in_flight:
+            self.num_rejected += 1
             raise EngineError(
-                f"the engine is not ready{reason}", status=503, type="ServiceUnavailableError"
+                f"the server is overloaded: {self.num_waiting} requests are already waiting "
+                f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later",
+                429,
+                "RateLimitError",
+                retry_after_s=OVERLOAD_RETRY_AFTER_S,
             )
         handle = next(self._handles)
         queue: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
-        self._streams[handle] = queue
-        self._ids[handle] = request.request_id
+        flight = _Flight(request, queue)
+        self._flights[handle] = flight
         finished = False
         try:
             arrays = requests.pack_submit(handle, request)
             async with self._send_lock:
-                await self.supervisor.producers["requests"].send_async(requests.SUBMIT, arrays)
+                if not flight.submitted:  # a recovery may have sent it already
+                    flight.submitted = True
+                    # A pipeline that fails now leaves the request to the recovery's resubmission.
+                    with contextlib.suppress(RuntimeFault):
+                        await self.supervisor.producers["requests"].send_async(
+                            requests.SUBMIT, arrays
+                        )
             while True:
                 item = await queue.get()
                 # A reader slower than the engine gets what piled up as one output (as vLLM does).
@@ -276,18 +485,18 @@ class Engine:
                 if finished:
                     return
         finally:
-            self._streams.pop(handle, None)
-            self._ids.pop(handle, None)
+            if self._flights.pop(handle, None) is flight and flight.failures_without_progress:
+                self._probe_wake.set()
             if not finished:
                 self._aborts.put_nowait(handle)
 
     async def abort(self, request_id: str) -> None:
-        for handle, rid in list(self._ids.items()):
-            if rid == request_id:
-                queue = self._streams.pop(handle, None)
+        for handle, flight in list(self._flights.items()):
+            if flight.request.request_id == request_id:
+                del self._flights[handle]
                 self._aborts.put_nowait(handle)
-                if queue is not None:
-                    queue.put_nowait(EngineError("aborted", status=499, type="Aborted"))
+                self._probe_wake.set()
+                flight.queue.put_nowait(EngineError("aborted", status=499, type="Aborted"))
 
     def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
         return prompt_token_ids(self.bundle, prompt)
@@ -301,7 +510,9 @@ class Engine:
     def stats(self) -> Mapping[str, float]:
         values = self.supervisor.gauges("schedule")
         stats = dict(zip(GAUGES, values, strict=False))
-        stats["num_streams"] = len(self._streams)
+        stats["num_streams"] = len(self._flights)
+        stats["num_requests_rejected_total"] = self.num_rejected  # 429: too many waiting
+        stats["num_stage_recoveries_total"] = self.num_recoveries
         return stats
 
     # -- profiling -------------------------------------------------------------------------------
@@ -338,22 +549,35 @@ class Engine:
             while True:
                 with await consumer.recv_async() as message:
                     handle, error = requests.unpack_error(message)
-                queue = self._streams.get(handle)
-                if queue is not None:
-                    queue.put_nowait(error)
+                flight = self._flights.get(handle)
+                if flight is not None:
+                    flight.queue.put_nowait(error)
 
     async def _read_deltas(self) -> None:
         consumer = self.supervisor.consumers["deltas"]
-        streams, ids = self._streams, self._ids
+        flights = self._flights
         with contextlib.suppress(RuntimeFault):
             while True:
                 with await consumer.recv_async() as message:
                     batch = deltas.unpack_deltas(message)
                 self.last_output_ns = time.monotonic_ns()
                 for row, handle in enumerate(batch.handles):
-                    queue = streams.get(handle)
-                    if queue is not None:
-                        queue.put_nowait(_output(ids.get(handle, ""), batch, row))
+                    flight = flights.get(handle)
+                    if flight is None:
+                        continue
+                    token = batch.token_ids[row]
+                    if token >= 0:  # what a resubmission after a failure starts from
+                        if flight.failures_without_progress:
+                            flight.failures_without_progress, flight.failed_stage = 0, ""
+                            self._probe_wake.set()
+                        if not flight.output_ids:
+                            flight.first_token_ns = now_ns()
+                        flight.output_ids.append(token)
+                    flight.queue.put_nowait(_output(flight.request.request_id, batch, row))
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _output(request_id: str, batch: deltas.DeltaBatch, row: int) -> RequestOutput:

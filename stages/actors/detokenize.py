@@ -18,13 +18,13 @@ from stages.rings.common import FINISH_NONE, FINISH_STOP, PromptLogprobs
 from stages.rings.deltas import DeltaExtra
 from stages.rings.tokens import TokenBatch
 from stages.text.detokenizer import Detokenizer
-from stages.text.tokenizer import load_tokenizer
+from stages.text.snapshot import tokenizer_of
 
 
 class DetokenizeActor(AsyncActor):
     def warm_up(self) -> None:
         config: EngineConfig = self.ctx.config
-        bundle = load_tokenizer(config.model_path)
+        bundle = tokenizer_of(config)
         self.token_bytes = bundle.token_bytes
         self.detok = Detokenizer(
             bundle.token_bytes, bundle.special_token_ids, frozenset(bundle.eos_token_ids)
@@ -75,9 +75,22 @@ class DetokenizeActor(AsyncActor):
                 entry.token_id, entry.logprob, entry.rank, top
             )
 
+    def replay(self, handle: int, token_ids: tuple[int, ...]) -> None:
+        """Brings a request resumed after a stage failure to the text state it had: its client
+        already has these tokens' text, so nothing is emitted, but held-back text (a possible stop
+        string, a partial UTF-8 character) and the parsers' state come back as they were."""
+        for token in token_ids:
+            state = self.detok.states.get(handle)
+            if state is None:
+                return
+            text = (self.detok.feed(handle, token, FINISH_NONE) or ("",))[0]
+            if state.parser is not None:
+                state.parser.feed(text, False)
+
     def process(self, batch: TokenBatch) -> tuple[dict[str, np.ndarray] | None, list[int]]:
         for handle, params in batch.new:
             self.detok.add(handle, params)
+            self.replay(handle, params.replay_ids)
         if len(batch.prompt.rows):
             self.gather_prompt_logprobs(batch.prompt)
         out_rows, texts, extras, stopped = [], [], [], []

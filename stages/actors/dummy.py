@@ -14,13 +14,13 @@ from stages import spans
 from stages.config import EngineConfig
 from stages.rings import plan, results
 from stages.rings.common import PromptLogprobs
-from stages.text.tokenizer import load_tokenizer
+from stages.text.snapshot import tokenizer_of
 
 
 class DummyExecuteActor(SyncActor):
     def warm_up(self) -> None:
         config: EngineConfig = self.ctx.config
-        bundle = load_tokenizer(config.model_path)
+        bundle = tokenizer_of(config)
         # Plain (non-special) tokens only, so a dummy stream ends by length, never by EOS.
         self.choices = np.array(
             [t for t in range(bundle.vocab_size) if t not in bundle.special_token_ids], np.int64

@@ -111,7 +111,7 @@ class ExecuteActor(SyncActor):
                 self.with_bad_words.add(handle)
             if request.grammar:
                 if self.grammars is None:
-                    self.grammars = _grammar_matchers(self.ctx.config.model_path)
+                    self.grammars = _grammar_matchers(self.ctx.config)
                 self.grammars.add(handle, request.grammar)
                 if request.resume is not None:  # the outputs already sent, as decoding fed them
                     for token in request.resume.output_ids:
@@ -159,14 +159,13 @@ class ExecuteActor(SyncActor):
                     grammars.consume(handle, token)
 
 
-def _grammar_matchers(model_path: str) -> GrammarMatchers:
+def _grammar_matchers(config: EngineConfig) -> GrammarMatchers:
     """The matchers of structured-output requests, over the model's vocabulary."""
-    from stages.text.checkpoint import load_model_config
+    from stages.text.snapshot import model_config_of, tokenizer_of
     from stages.text.structured import GrammarMatchers
-    from stages.text.tokenizer import load_tokenizer
 
-    bundle = load_tokenizer(model_path)
-    vocab_size = max(load_model_config(model_path).vocab_size, bundle.vocab_size)
+    bundle = tokenizer_of(config)
+    vocab_size = max(model_config_of(config).vocab_size, bundle.vocab_size)
     return GrammarMatchers(bundle.tokenizer.to_str(), vocab_size, bundle.eos_token_ids)
 
 

@@ -19,14 +19,14 @@ from stages.rings.prompts import RenderedPrompt, RenderedRequest
 from stages.rings.tokens import DetokParams
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS, prompt_opens_reasoning
 from stages.text.prompts import bad_word_ids, check_lengths, prompt_token_ids
+from stages.text.snapshot import tokenizer_of
 from stages.text.structured import compile_grammar
-from stages.text.tokenizer import load_tokenizer
 
 
 class RenderActor(AsyncActor):
     def warm_up(self) -> None:
         config: EngineConfig = self.ctx.config
-        self.bundle = load_tokenizer(config.model_path)
+        self.bundle = tokenizer_of(config)
         self.max_model_len = resolve_max_model_len(config)
         self.eos_ids = tuple(self.bundle.eos_token_ids)
 

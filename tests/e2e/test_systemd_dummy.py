@@ -1,6 +1,7 @@
 """`pipeline-serve dummy` as systemd runs it (Type=notify, WatchdogSec=1): what arrives on
 $NOTIFY_SOCKET from start to stop, the process titles, the watchdog going quiet while a stage is
-stopped mid-stream, and the drain on SIGTERM letting the stream finish."""
+stopped mid-stream, the status while a killed stage is replaced, and the drain on SIGTERM letting
+the stream finish."""
 
 from __future__ import annotations
 
@@ -102,6 +103,10 @@ def test_serve_under_systemd(tmp_path: Path) -> None:
             os.kill(stages["execute"], signal.SIGCONT)
         assert manager.collect(2 * WATCHDOG_S).count("WATCHDOG=1") >= 2
         assert "STATUS=serving 1 streams" in manager.messages
+
+        os.kill(stages["execute"], signal.SIGKILL)  # the engine brings up fresh stages
+        manager.wait_for("STATUS=restarting execute", 30, process)
+        manager.wait_for("STATUS=serving 1 streams", 60, process)
 
         process.send_signal(signal.SIGTERM)
         events = [line.strip() for line in stream if line.strip()]

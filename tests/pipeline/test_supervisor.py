@@ -102,6 +102,28 @@ def test_killed_actor_is_reported_within_a_bounded_time():
     assert "SIGKILL" in failures[0].reason
 
 
+def test_the_killed_actor_is_the_failure_not_the_peer_that_ended_because_of_it():
+    """Killing the doubler ends the incrementer downstream (its ring's producer died): the
+    failure names the doubler, though the incrementer comes first in the supervisor's list."""
+    from pipeline.actor import PEER_DIED_EXIT_CODE
+
+    rings = [RingSpec(n, VOCAB, 8, 4096) for n in ("in", "mid", "out")]
+    actors = [
+        ActorSpec(
+            "incrementer", "tests.pipeline.peers:Incrementer", inboxes=("mid",), outboxes=("out",)
+        ),
+        ActorSpec("doubler", "tests.pipeline.peers:Doubler", inboxes=("in",), outboxes=("mid",)),
+    ]
+    config = SupervisorConfig(log_format="json")
+    with Supervisor(rings, actors, config, owner_inboxes=("out",), owner_outboxes=("in",)) as sup:
+        os.kill(sup.pids()["doubler"], signal.SIGKILL)
+        incrementer = sup._procs[0]
+        incrementer.join(10)
+        assert incrementer.exitcode == PEER_DIED_EXIT_CODE
+        failure = sup.check()
+    assert failure is not None and failure.actor == "doubler" and "SIGKILL" in failure.reason
+
+
 def test_hung_actor_is_reported_by_its_heartbeat():
     rings = [RingSpec("x", VOCAB, 2, 256)]
     actors = [ActorSpec("stuck", "tests.pipeline.peers:StopsHeartbeating", inboxes=("x",))]

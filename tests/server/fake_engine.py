@@ -45,6 +45,12 @@ class FakeEngine:
     _words: dict[int, str] = field(default_factory=dict)
 
     @property
+    def not_ready_error(self) -> EngineError:
+        return EngineError(
+            "the engine is not ready yet", 503, "ServiceUnavailableError", None, None, 5
+        )
+
+    @property
     def model_info(self) -> ModelInfo:
         return ModelInfo("fake-model", "/models/fake", MAX_MODEL_LEN, VOCAB_SIZE, 1_700_000_000)
 

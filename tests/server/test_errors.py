@@ -101,6 +101,7 @@ BAD_REQUESTS = [
     (CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids[0]"),
     (CHAT, chat(stream=True, messages=[{"role": "user", "content": "w " * 80}]), 400, "messages"),
     (CHAT, chat(seed="x"), 400, "seed"),
+    (CHAT, chat(priority=2**40), 400, "priority"),  # past int32 it would crash render
     (CHAT, chat(continue_final_message=True), 400, "continue_final_message"),
     (CHAT, {"model": "fake-model"}, 400, None),
     (CHAT, chat(messages=[]), 400, "messages"),
@@ -223,10 +224,13 @@ async def test_api_key(make_app: Callable[..., Quart]) -> None:
 async def test_not_ready_engine(app: Quart, engine: FakeEngine) -> None:
     engine.ready = False
     client = app.test_client()
-    assert (await client.get("/health")).status_code == 503
+    health = await client.get("/health")
+    assert health.status_code == 503 and health.headers["Retry-After"] == "5"
+    assert_error(await health.get_json(), "ServiceUnavailableError")
     response = await client.post(CHAT, json=chat())
-    assert response.status_code == 503
+    assert response.status_code == 503 and response.headers["Retry-After"] == "5"
     assert_error(await response.get_json(), "ServiceUnavailableError")
+    assert "not ready" in (await response.get_json())["error"]["message"]
     assert engine.requests == []
     engine.ready = True
     assert (await client.get("/health")).status_code == 200

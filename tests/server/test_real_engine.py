@@ -114,3 +114,44 @@ def test_disconnect_frees_the_request(port: int) -> None:
                 return
         assert time.monotonic() < deadline, "the aborted request is still running"
         time.sleep(0.2)
+
+
+def test_the_server_exits_non_zero_once_the_engine_gives_up(tmp_path) -> None:
+    """Past --max-stage-restarts the process ends (status 1, no stage left behind), so that
+    systemd's Restart=on-failure brings the service back, instead of a live process that only
+    answers 503."""
+    import psutil
+
+    port = free_port()
+    argv = [sys.executable, "-m", "server.cli", "dummy", "--port", str(port)]
+    log_path = tmp_path / "stderr.log"
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            [*argv, "--max-stage-restarts", "0"], stdout=subprocess.DEVNULL, stderr=log_file
+        )
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:
+                assert process.poll() is None, log_path.read_text()[-4000:]
+                try:
+                    if _get(port, "/health")[0] == 200:
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, "pipeline-serve did not become ready"
+                time.sleep(0.25)
+            stages = [
+                child
+                for child in psutil.Process(process.pid).children()
+                if "resource_tracker" not in " ".join(child.cmdline())
+            ]
+            assert len(stages) == 4
+            stages[-1].kill()
+            assert process.wait(60) == 1
+            assert "the engine gave up after 1 stage failure within" in log_path.read_text()
+            _, alive = psutil.wait_procs(stages, timeout=10)
+            assert not alive
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)

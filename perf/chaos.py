@@ -1,0 +1,175 @@
+"""`pipeline-bench chaos`: streams under random stage kills, checked against a run without any.
+
+The bench process owns the pipeline (as the server would). A reference pass runs every prompt
+once, greedy, with no failure; then `--streams` closed-loop workers cycle through the prompts
+while a killer SIGKILLs a random stage every so often. Each completed request's text must equal
+its prompt's reference; the report counts requests, kills, lost requests (an error instead of a
+completion) and wrong texts, and the recovery time per stage that died, from the kill to the
+engine taking requests again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from perf.stats import percentiles_ms
+
+STAGES = ("render", "schedule", "execute", "detokenize")
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosArgs:
+    model_path: str
+    dummy: bool = False
+    streams: int = 16
+    kills: int = 12
+    kill_interval_s: float = 3.0  # mean time between a recovery and the next kill
+    stages: tuple[str, ...] = STAGES
+    max_tokens: int = 48
+    num_prompts: int = 16
+    seed: int = 0
+    threads: int = 0
+
+
+def _prompts(count: int) -> list[str]:
+    topics = ("rivers", "bread", "the moon", "chess", "bees", "glass", "trains", "clouds")
+    return [
+        f"Write two sentences about {topics[i % len(topics)]} (note {i})." for i in range(count)
+    ]
+
+
+async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
+    from pipeline.clock import now_ns
+    from pipeline.names import names_in_shm
+    from stages.api import ChatPrompt, EngineError, GenerateRequest, SamplingParams
+    from stages.config import EngineConfig
+    from stages.engine import Engine
+
+    engine = Engine(
+        EngineConfig(
+            model_path=args.model_path,
+            dummy=args.dummy,
+            threads=args.threads,
+            max_num_seqs=max(args.streams, 1),
+            log_format="json",
+            log_level="error",
+            # Every kill is a failure the engine must survive: the budget is not under test here.
+            max_stage_restarts=args.kills + 1,
+        )
+    )
+    await engine.start()
+    prompts = _prompts(args.num_prompts)
+
+    def request(i: int, serial: str) -> GenerateRequest:
+        return GenerateRequest(
+            f"chaos-{serial}",
+            ChatPrompt([{"role": "user", "content": prompts[i]}]),
+            SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
+            arrival_ns=now_ns(),
+        )
+
+    async def text_of(req: GenerateRequest) -> str:
+        return "".join([out.text async for out in engine.generate(req)])
+
+    namespaces = {engine.supervisor.namespace}
+    kills: list[dict[str, Any]] = []
+    completed = lost = wrong = 0
+    errors: list[str] = []
+    try:
+        reference = [await text_of(request(i, f"ref-{i}")) for i in range(len(prompts))]
+        done = asyncio.Event()
+        serials = iter(range(1 << 62))
+
+        async def worker(w: int) -> None:
+            nonlocal completed, lost, wrong
+            i = w % len(prompts)
+            while not done.is_set():
+                while not engine.ready:  # a closed-loop client backs off while it restarts
+                    await asyncio.sleep(0.05)
+                try:
+                    text = await text_of(request(i, str(next(serials))))
+                except EngineError as error:
+                    if error.status == 503 and not done.is_set():
+                        continue  # refused at the door during a restart: nothing was admitted
+                    lost += 1
+                    errors.append(error.message)
+                else:
+                    completed += 1
+                    wrong += text != reference[i]
+                i = (i + 1) % len(prompts)
+
+        async def killer() -> None:
+            rng = random.Random(args.seed)
+            for _ in range(args.kills):
+                await asyncio.sleep(rng.uniform(0.5, 1.5) * args.kill_interval_s)
+                stage = rng.choice(args.stages)
+                namespaces.add(engine.supervisor.namespace)
+                in_flight = int(engine.stats()["num_streams"])
+                started = time.monotonic()
+                os.kill(engine.supervisor.pids()[stage], signal.SIGKILL)
+                while engine.ready:
+                    await asyncio.sleep(0.005)
+                while not engine.ready:
+                    await asyncio.sleep(0.005)
+                kills.append(
+                    {
+                        "stage": stage,
+                        "recovery_s": time.monotonic() - started,
+                        "in_flight": in_flight,
+                    }
+                )
+            done.set()
+
+        started = time.monotonic()
+        await asyncio.gather(killer(), *(worker(w) for w in range(args.streams)))
+        duration = time.monotonic() - started
+        stats = engine.stats()
+        blocks_held = int(stats["num_blocks"] - stats["num_free_blocks"])
+        still = {k: stats[k] for k in ("num_requests_running", "num_requests_waiting")}
+    finally:
+        await engine.stop()
+    left = [n for n in names_in_shm() if any(ns in n for ns in namespaces)]
+    recovery = {
+        stage: percentiles_ms([k["recovery_s"] for k in kills if k["stage"] == stage])
+        | {"kills": sum(k["stage"] == stage for k in kills)}
+        for stage in args.stages
+    }
+    return {
+        "model": "dummy" if args.dummy else args.model_path,
+        "streams": args.streams,
+        "duration_s": duration,
+        "requests": completed + lost,
+        "completed": completed,
+        "lost": lost,
+        "wrong_text": wrong,
+        "kills": len(kills),
+        "in_flight_at_kill": [k["in_flight"] for k in kills],
+        "recovery_ms": recovery,
+        "kv_blocks_held_after": blocks_held,
+        "scheduler_after": still,
+        "shm_names_left": left,
+        "errors": errors[:10],
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [
+        f"{report['requests']} requests over {report['duration_s']:.0f} s with "
+        f"{report['streams']} streams; {report['kills']} kills "
+        f"(in flight at each: {report['in_flight_at_kill']})",
+        f"completed {report['completed']}, lost {report['lost']}, "
+        f"text differing from the uninterrupted run {report['wrong_text']}, "
+        f"KV blocks held after {report['kv_blocks_held_after']}, "
+        f"shared-memory names left {len(report['shm_names_left'])}",
+        "",
+        f"{'stage':<12}{'kills':>6}{'recovery p50 ms':>17}{'p99 ms':>10}",
+    ]
+    for stage, row in report["recovery_ms"].items():
+        lines.append(f"{stage:<12}{row['kills']:>6}{row['p50']:>17.0f}{row['p99']:>10.0f}")
+    return "\n".join(lines)

@@ -1,0 +1,246 @@
+"""Nothing lost: a stage killed under load costs the streams latency, never a token, and an engine
+past its restart budget fails loudly. Real pipelines on the tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import msgspec
+import pytest
+
+from pipeline.clock import now_ns
+from pipeline.names import names_in_shm
+from stages.api import EngineError, GenerateRequest, SamplingParams, TextPrompt
+from stages.config import EngineConfig
+from stages.engine import Engine
+from tests.stages.conftest import LoopThread
+
+STAGES = ("render", "schedule", "execute", "detokenize")
+PROMPTS = [f"Tell me about the number {i} and why it matters." for i in range(6)]
+
+
+def config(model: str, **overrides) -> EngineConfig:
+    values = {
+        "model_path": model,
+        "served_model_name": "tiny",
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "kv_cache_bytes": 2 * 1024 * 1024,
+        "threads": 1,
+        "log_format": "json",
+        "log_level": "error",
+        "max_stage_restarts": 100,
+    }
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def request(i: int, **sampling) -> GenerateRequest:
+    sampling = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True, **sampling}
+    return GenerateRequest(
+        f"r{i}",
+        TextPrompt(PROMPTS[i % len(PROMPTS)]),
+        SamplingParams(**sampling),
+        arrival_ns=now_ns(),
+    )
+
+
+async def run_all(engine: Engine, requests: list[GenerateRequest], on_token=None):
+    """Each request's (token ids, text, final output)."""
+
+    async def one(req):
+        ids, text, last = [], "", None
+        async for out in engine.generate(req):
+            ids += out.token_ids
+            text += out.text
+            last = out
+            if on_token is not None:
+                await on_token(len(out.token_ids))
+        return ids, text, last
+
+    return await asyncio.gather(*(one(r) for r in requests))
+
+
+@pytest.fixture
+def pipeline(tiny_chat_model):
+    """Starts an engine of the given config on a loop thread; stops it after the test."""
+    started: list[tuple[Engine, LoopThread]] = []
+
+    def start(**overrides) -> tuple[Engine, LoopThread]:
+        runner = LoopThread()
+        engine = Engine(config(tiny_chat_model, **overrides))
+        runner.run(engine.start())
+        started.append((engine, runner))
+        return engine, runner
+
+    yield start
+    for engine, runner in started:
+        runner.run(engine.stop())
+        runner.close()
+
+
+def wait_ready(engine: Engine, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not engine.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.ready
+
+
+def test_chaos_streams_outlive_random_stage_kills_with_the_text_of_an_uninterrupted_run(pipeline):
+    """Greedy and seeded streams, with a stop string and a character-level parser state in
+    play; SIGKILL of random stages at random moments: every stream completes with exactly the
+    tokens and text of a run with no failure, the KV cache ends empty, no old name is left."""
+    engine, runner = pipeline()
+    reqs = [request(i) for i in range(4)] + [
+        request(4, temperature=1.0, seed=7),
+        request(5, temperature=0.8, top_p=0.9, seed=11, stop=("zz",), ignore_eos=False),
+    ]
+    expected = runner.run(run_all(engine, reqs))
+    rng = random.Random(0)
+    kills: list[str] = []
+    namespaces = {engine.supervisor.namespace}
+    tokens_seen = 0
+    next_kill_at = rng.randint(5, 40)
+
+    async def maybe_kill(num_tokens: int):
+        nonlocal tokens_seen, next_kill_at
+        tokens_seen += num_tokens
+        if tokens_seen >= next_kill_at and len(kills) < 3 and engine.ready:
+            stage = rng.choice(STAGES)
+            namespaces.add(engine.supervisor.namespace)
+            os.kill(engine.supervisor.pids()[stage], signal.SIGKILL)
+            kills.append(stage)
+            next_kill_at = tokens_seen + rng.randint(20, 80)
+
+    again = runner.run(run_all(engine, [r for r in reqs], maybe_kill), timeout=240)
+    wait_ready(engine)
+    assert len(kills) == 3, kills
+    assert engine.num_recoveries == 3
+    for (ids, text, _), (ids_again, text_again, last) in zip(expected, again, strict=True):
+        assert ids_again == ids
+        assert text_again == text
+        assert last.finish_reason is not None
+    assert max(out[2].metrics.num_recoveries for out in again) >= 1
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]  # no KV block held by a lost request
+    namespaces.discard(engine.supervisor.namespace)
+    left = [n for n in names_in_shm() if any(ns in n for ns in namespaces)]
+    assert left == []
+
+
+@pytest.mark.parametrize("stage", ["render", "detokenize"])
+def test_a_kill_before_any_output_resubmits_the_request_whole(pipeline, stage):
+    engine, runner = pipeline()
+    reference = runner.run(run_all(engine, [request(0, max_tokens=8)]))
+
+    async def killed_at_once():
+        os.kill(engine.supervisor.pids()[stage], signal.SIGKILL)
+        return await run_all(engine, [request(0, max_tokens=8)])
+
+    assert runner.run(killed_at_once(), timeout=120)[0][:2] == reference[0][:2]
+
+
+def test_requests_arriving_during_a_restart_get_a_503_with_the_reason_and_retry_after(pipeline):
+    engine, runner = pipeline(dummy=True)
+
+    async def during_restart():
+        os.kill(engine.supervisor.pids()["schedule"], signal.SIGKILL)
+        while engine.ready:
+            await asyncio.sleep(0.01)
+        return await run_all(engine, [request(0)])
+
+    with pytest.raises(EngineError) as info:
+        runner.run(during_restart())
+    assert info.value.status == 503
+    assert "restarting after a stage failure" in info.value.message
+    assert "schedule" in info.value.message
+    assert info.value.retry_after_s is not None and info.value.retry_after_s > 0
+    wait_ready(engine)
+    assert runner.run(run_all(engine, [request(1, max_tokens=3)]))[0][2].num_output_tokens == 3
+
+
+def test_past_the_restart_budget_the_engine_fails_in_flight_requests_and_goes_down(pipeline):
+    engine, runner = pipeline(dummy=True, max_stage_restarts=1)
+    namespace = engine.supervisor.namespace
+
+    async def kill_twice():
+        os.kill(engine.supervisor.pids()["execute"], signal.SIGKILL)
+        while engine.ready:
+            await asyncio.sleep(0.01)
+        while not engine.ready:
+            await asyncio.sleep(0.02)
+
+        async def kill_detokenize(
+            num_tokens: int,
+        ):  # mid-stream: the second failure is past the budget
+            if engine.ready:
+                os.kill(engine.supervisor.pids()["detokenize"], signal.SIGKILL)
+
+        try:
+            await run_all(engine, [request(0, max_tokens=200)], kill_detokenize)
+        except EngineError as error:
+            await asyncio.wait_for(engine.down.wait(), 30)
+            return error
+        return None
+
+    error = runner.run(kill_twice(), timeout=120)
+    assert isinstance(error, EngineError) and error.status == 500
+    assert "gave up after 2 stage failures" in error.message and "detokenize" in error.message
+    assert engine.down.is_set() and not engine.ready
+    assert "gave up" in engine.not_ready_error.message
+    deadline = time.monotonic() + 30
+    while any(pid_alive(p) for p in engine.supervisor.pids().values()):
+        assert time.monotonic() < deadline, "stages outlived the engine's decision to give up"
+        time.sleep(0.05)
+    assert not [n for n in names_in_shm() if namespace in n]
+
+
+def pid_alive(pid: int) -> bool:
+    from pipeline.names import pid_alive as alive
+
+    return alive(pid)
+
+
+def test_beyond_max_waiting_requests_a_429_with_retry_after_and_nothing_admitted_is_lost(pipeline):
+    engine, runner = pipeline(dummy=True, max_num_seqs=2, max_waiting_requests=2)
+
+    async def flood():
+        outcomes = await asyncio.gather(
+            *(run_all(engine, [request(i, max_tokens=200)]) for i in range(7)),
+            return_exceptions=True,
+        )
+        return outcomes
+
+    outcomes = runner.run(flood(), timeout=120)
+    refused = [o for o in outcomes if isinstance(o, EngineError)]
+    served = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert len(served) == 4 and len(refused) == 3
+    for error in refused:
+        assert error.status == 429 and error.type == "RateLimitError" and error.retry_after_s
+    assert all(o[0][2].num_output_tokens == 200 for o in served)
+    assert engine.stats()["num_requests_rejected_total"] == 3
+
+
+def test_a_request_that_crashes_a_stage_each_time_fails_alone(pipeline):
+    """A priority past int32 (the server's schema refuses it) crashes render whenever it is
+    rendered: after three failures in a row with no token between (the last with it in flight alone), it is failed and the others go
+    on; the engine stays up."""
+    engine, runner = pipeline(dummy=True)
+    poison = msgspec.structs.replace(request(0, max_tokens=5), priority=2**40)
+
+    async def together():
+        return await asyncio.gather(
+            run_all(engine, [request(1, max_tokens=300)]),
+            run_all(engine, [poison]),
+            return_exceptions=True,
+        )
+
+    normal, failed = runner.run(together(), timeout=120)
+    assert isinstance(failed, EngineError) and failed.status == 500
+    assert "3 stage failures in a row" in failed.message and "render" in failed.message
+    assert normal[0][2].num_output_tokens == 300
+    assert engine.ready and not engine.down.is_set()
