@@ -46,10 +46,10 @@ class ServiceManager:
         return got
 
     def wait_for(self, message: str, timeout_s: float, process: subprocess.Popen) -> list[str]:
-        """The datagrams up to and with `message`."""
+        """The datagrams up to and with the first that starts with `message`."""
         got: list[str] = []
         deadline = time.monotonic() + timeout_s
-        while message not in got:
+        while not any(m.startswith(message) for m in got):
             assert process.poll() is None, "pipeline-serve exited"
             assert time.monotonic() < deadline, f"no {message!r}; got {got}"
             got += self.collect(0.5)
@@ -106,7 +106,8 @@ def test_serve_under_systemd(tmp_path: Path) -> None:
 
         os.kill(stages["execute"], signal.SIGKILL)  # the engine brings up fresh stages
         manager.wait_for("STATUS=restarting execute", 30, process)
-        manager.wait_for("STATUS=serving 1 streams", 60, process)
+        # The resumed stream may have ended by the next look (the client's socket buffers hold it).
+        manager.wait_for("STATUS=serving ", 60, process)
 
         process.send_signal(signal.SIGTERM)
         events = [line.strip() for line in stream if line.strip()]
@@ -115,7 +116,7 @@ def test_serve_under_systemd(tmp_path: Path) -> None:
         assert last["choices"][0]["finish_reason"] == "length"  # it fit in the timeout
         assert process.wait(60) == 0
         stopping = manager.collect(0.5)
-        assert "STOPPING=1\nSTATUS=draining 1 streams" in manager.messages
+        assert any(m.startswith("STOPPING=1\nSTATUS=draining ") for m in manager.messages)
         assert stopping[-1] == "STATUS=stopping stages"
     finally:
         if process.poll() is None:
