@@ -129,6 +129,10 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
         started = time.monotonic()
         await asyncio.gather(killer(), *(worker(w) for w in range(args.streams)))
         duration = time.monotonic() - started
+        # Schedule publishes its gauges after it has sent the last tokens on: let them settle.
+        deadline = time.monotonic() + 10
+        while engine.stats()["num_requests_running"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         stats = engine.stats()
         blocks_held = int(stats["num_blocks"] - stats["num_free_blocks"])
         still = {k: stats[k] for k in ("num_requests_running", "num_requests_waiting")}

@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting-requests",
         type=_non_negative_int,
         help="requests that may wait beyond --max-num-seqs running ones; more are answered 429 "
-        "with Retry-After (default 128: a newcomer waits about one request's time)",
+        "with Retry-After (default: --max-num-seqs, so a newcomer waits about one request's time)",
     )
     parser.add_argument(
         "--max-stage-restarts",

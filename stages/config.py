@@ -50,8 +50,9 @@ class EngineConfig:
     # read in a fraction of the time the model file takes; empty: read from model_path.
     snapshot_dir: str = ""
     # Requests in flight beyond max_num_seqs that may wait for a place; more are answered 429.
-    # One batch's worth bounds a newcomer's TTFT to about one request's time in the batch.
-    max_waiting_requests: int = 128
+    # None: max_num_seqs, one batch's worth, which bounds a newcomer's TTFT to about one
+    # request's time in the batch.
+    max_waiting_requests: int | None = None
     # Stage failures survived (each: a fresh pipeline, requests resumed) within the window;
     # one more and the engine gives up, so that the service manager restarts the server.
     max_stage_restarts: int = 3

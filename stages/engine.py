@@ -174,7 +174,9 @@ class Engine:
             vocab_size=self.bundle.vocab_size,
             created=int(time.time()),
         )
-        self.max_in_flight = config.max_num_seqs + config.max_waiting_requests
+        waiting = config.max_waiting_requests
+        self.max_waiting = config.max_num_seqs if waiting is None else waiting
+        self.max_in_flight = config.max_num_seqs + self.max_waiting
         self.supervisor = self._new_supervisor()
         self._failures: list[float] = []  # monotonic times of recent stage failures
         self._restarting: asyncio.Task[None] | None = None
@@ -444,7 +446,7 @@ class Engine:
             self.num_rejected += 1
             raise EngineError(
                 f"the server is overloaded: {self.num_waiting} requests are already waiting "
-                f"(--max-waiting-requests {self.config.max_waiting_requests}); retry later",
+                f"(--max-waiting-requests {self.max_waiting}); retry later",
                 429,
                 "RateLimitError",
                 retry_after_s=OVERLOAD_RETRY_AFTER_S,

@@ -43,6 +43,7 @@ def engine_loop(tiny_chat_model):
         model_path=tiny_chat_model,
         served_model_name="tiny",
         max_num_seqs=16,
+        max_waiting_requests=64,  # the many-streams test queues 64 behind 16 running
         max_num_batched_tokens=64,
         kv_cache_bytes=64
         * 2

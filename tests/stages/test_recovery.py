@@ -125,6 +125,9 @@ def test_chaos_streams_outlive_random_stage_kills_with_the_text_of_an_uninterrup
         assert text_again == text
         assert last.finish_reason is not None
     assert max(out[2].metrics.num_recoveries for out in again) >= 1
+    deadline = time.monotonic() + 10  # schedule publishes its gauges after the last tokens
+    while engine.stats()["num_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]  # no KV block held by a lost request
     namespaces.discard(engine.supervisor.namespace)
