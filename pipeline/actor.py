@@ -1,10 +1,11 @@
 """Actors: a stage is one OS process that reads its inbox rings and writes its outbox rings.
 
 `AsyncActor.run` runs on a uvloop event loop; `SyncActor.run` is a plain loop for stages where a
-blocking loop is faster. `run_actor` is the process entry: it arms parent-death signalling, sets up
-logging bound with the stage name, attaches the rings, reports attached, warms up, freezes the GC
-generations that warm-up created, reports ready, and runs the actor until it returns or is told to stop
-(SIGTERM). An exception becomes the actor's error text in the control block and exit code 1.
+blocking loop is faster. `run_actor` is the process entry: it titles the process (when the owner
+gave a title), arms parent-death signalling, sets up logging bound with the stage name, attaches
+the rings, reports attached, warms up, freezes the GC generations that warm-up created, reports
+ready, and runs the actor until it returns or is told to stop (SIGTERM). An exception becomes the
+actor's error text in the control block and exit code 1.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import setproctitle
 import structlog
 import uvloop
 
@@ -60,6 +62,7 @@ class ActorLaunch:
     parent_pid: int
     log_format: str
     log_level: str
+    process_title: str | None = None  # what ps shows for the process (None: leave it)
 
 
 class StopRequested(BaseException):
@@ -156,8 +159,17 @@ def arm_parent_death_signal(parent_pid: int) -> None:
         os._exit(0)
 
 
+def set_process_title(title: str, name: str) -> None:
+    """`title` as the command line ps and `top -c` show, `name` as the command name (at most 15
+    bytes) that plain top and pgrep show, so that each stage can be told apart there too."""
+    setproctitle.setproctitle(title)
+    setproctitle.setthreadtitle(name)
+
+
 def run_actor(launch: ActorLaunch) -> None:
     """Process entry of every actor."""
+    if launch.process_title is not None:
+        set_process_title(launch.process_title, launch.spec.name)
     # The supervisor owns the shutdown order; a terminal's Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     arm_parent_death_signal(launch.parent_pid)

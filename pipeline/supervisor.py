@@ -50,6 +50,8 @@ class SupervisorConfig:
     log_level: str = "info"
     spin_s: float = 50e-6
     liveness_interval_s: float = 0.1
+    # Set: each actor's process is titled "<prefix>: <actor name>" in ps and top.
+    process_title_prefix: str | None = None
 
 
 class Supervisor:
@@ -163,6 +165,7 @@ class Supervisor:
     def _spawn_all(self) -> None:
         assert self._control_handle is not None
         ctx = multiprocessing.get_context("spawn")
+        prefix = self.config.process_title_prefix
         for index, spec in enumerate(self.actor_specs):
             launch = ActorLaunch(
                 spec=spec,
@@ -173,6 +176,7 @@ class Supervisor:
                 parent_pid=os.getpid(),
                 log_format=self.config.log_format,
                 log_level=self.config.log_level,
+                process_title=None if prefix is None else f"{prefix}: {spec.name}",
             )
             proc = ctx.Process(target=run_actor, args=(launch,), name=f"pserve-{spec.name}")
             proc.start()

@@ -13,6 +13,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from server.chat import collect_chat, stream_chat
 from server.completions import collect_completion, stream_completion
 from server.config import ServerConfig
+from server.drain import Drain, install_drain
 from server.errors import APIError, error_body, error_type_for, retry_after_header
 from server.openai_serving import (
     EXTENSION,
@@ -41,8 +42,10 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
     # Generation streams for as long as it takes; Quart's default cuts responses at 60 s.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
-    app.extensions[EXTENSION] = OpenAIServing(engine, config)
+    drain = Drain(config.shutdown_timeout_s)
+    app.extensions[EXTENSION] = OpenAIServing(engine, config, drain)
     app.register_blueprint(routes)
+    install_drain(app, drain)  # 503 with Retry-After while the server drains
     return app
 
 

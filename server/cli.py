@@ -3,7 +3,8 @@
 `parse_args` yields the front end's `ServerConfig` and the engine's `stages.config.EngineConfig`
 (flags left out keep EngineConfig's defaults). `serve` awaits `stages.engine.build_engine(config)`,
 imported only when serving so that parsing stays free of the stage processes, then serves the app
-on Hypercorn until SIGTERM or SIGINT, and stops the engine after Hypercorn has drained.
+on Hypercorn until SIGTERM or SIGINT, drains it (server/drain.py) and stops the engine. Under
+systemd it says where it stands on $NOTIFY_SOCKET (server/systemd.py).
 """
 
 from __future__ import annotations
@@ -12,20 +13,25 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import os
 import re
 import signal
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import setproctitle
 import structlog
 import uvloop
 
 from server.app import create_app
 from server.config import ServerConfig
+from server.drain import app_drain
 from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.logs import configure_server_logging
 from server.serve import serve_app
+from server.systemd import Notifier, PipelineState, monitor, status_line
 from stages.config import EngineConfig, default_model_path
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
@@ -54,6 +60,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
     return value
 
 
@@ -194,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="split <think>...</think> out of chat output into reasoning_content: deepseek_r1 "
         "(reasoning from the first token), qwen3 (only inside the tags)",
     )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=ServerConfig().shutdown_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT, how long requests in flight get to finish while new ones are "
+        "answered 503; then the rest end with an error (default %(default)g)",
+    )
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -230,6 +254,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_format=args.log_format,
         log_level=args.log_level,
+        shutdown_timeout_s=args.shutdown_timeout,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -287,7 +312,7 @@ def _url(config: ServerConfig) -> str:
     return f"http://{host}:{config.port}"
 
 
-async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
+async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Notifier) -> int:
     """Serves until a signal (exit status 0) or until the engine gives up (1)."""
     from stages.engine import build_engine  # the stage processes; only when serving
 
@@ -295,11 +320,13 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, shutdown.set)
+    notifier.status(f"loading {config.served_model_name} and starting stages")
     # A signal while the model loads cancels the start instead of waiting for it.
     starting = asyncio.create_task(build_engine(engine_config))
     stopping = asyncio.create_task(shutdown.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
+        notifier.stopping("stopping before the start finished")
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await starting
@@ -309,16 +336,42 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
     engine_down = asyncio.create_task(engine.down.wait())
     engine_down.add_done_callback(lambda _: shutdown.set())
     app = create_app(engine, config)
+    drain = app_drain(app)
     # What start-up built lives as long as the server: out of the collector's sight, so that the
     # collections the per-token garbage triggers do not walk it (as the stages do after warm-up).
     gc.collect()
     gc.freeze()
-    try:
+
+    def state() -> PipelineState:
+        failure = engine.failure
+        return PipelineState(
+            ready=engine.ready,
+            in_flight=drain.in_flight,
+            last_output_ns=engine.last_output_ns,
+            waiting_since_ns=drain.oldest_wait_ns(),
+            draining=drain.draining,
+            failed_stage=None if failure is None else failure.actor,
+        )
+
+    watching: list[asyncio.Task[None]] = []
+
+    def on_listening() -> None:
         log.info("ready", url=_url(config), model=config.served_model_name)
-        await serve_app(app, config, shutdown.wait)
+        notifier.ready()
+        watching.append(loop.create_task(monitor(notifier, state)))
+
+    async def stop_requested() -> None:
+        await shutdown.wait()
+        notifier.stopping(status_line(replace(state(), draining=True)))
+
+    try:
+        await serve_app(app, config, stop_requested, on_listening)
     finally:
+        for task in watching:
+            task.cancel()
         stopping.cancel()
         log.info("shutting down")
+        notifier.status("stopping stages")
         await engine.stop()
     if engine.down.is_set():
         log.error("exiting: the engine is down", reason=engine.down_reason)
@@ -329,8 +382,15 @@ async def serve(config: ServerConfig, engine_config: EngineConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config, engine_config = parse_args(argv)
+    # The stages are titled "pipeline-serve: <stage>" by their supervisor (stages/engine.py).
+    setproctitle.setproctitle("pipeline-serve: server")
+    setproctitle.setthreadtitle("pipeline-serve")
     configure_server_logging(config.log_format, config.log_level)
-    return uvloop.run(serve(config, engine_config))
+    notifier = Notifier.from_environ(os.environ, os.getpid())  # systemd's, when it started us
+    try:
+        return uvloop.run(serve(config, engine_config, notifier))
+    finally:
+        notifier.close()
 
 
 if __name__ == "__main__":

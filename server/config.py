@@ -18,7 +18,9 @@ class ServerConfig:
     log_format: str = "auto"  # auto (JSON unless stderr is a terminal) | json | console
     log_level: str = "info"
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies are a 413
-    shutdown_timeout_s: float = 10.0  # how long Hypercorn lets open requests finish on SIGTERM
+    # --shutdown-timeout: on SIGTERM, how long requests in flight get to finish before they are
+    # ended with a 503 (an SSE error event when streaming); new ones get 503 meanwhile.
+    shutdown_timeout_s: float = 30.0
     # Output parsing for chat (stages.text.parsers), named and switched on as in `vllm serve`.
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content split out
     tool_call_parser: str | None = None  # --tool-call-parser

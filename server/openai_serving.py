@@ -18,6 +18,7 @@ from quart import Response, current_app, g, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from server.config import ServerConfig
+from server.drain import Drain
 from server.errors import APIError
 from server.limits import body_too_large, check_json_depth
 from server.metrics import ServerMetrics
@@ -82,15 +83,17 @@ class OpenAIServing:
         "_workers",
         "api_key",
         "config",
+        "drain",
         "engine",
         "fingerprint",
         "metrics",
         "served_model_name",
     )
 
-    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, drain: Drain) -> None:
         self.engine = engine
         self.config = config
+        self.drain = drain
         self.served_model_name = config.served_model_name or engine.model_info.served_model_name
         self.metrics = ServerMetrics(engine.stats, self.served_model_name)
         self.fingerprint = f"pipeline-serve-{server_version()}"
@@ -218,7 +221,7 @@ class OpenAIServing:
             requests.append(msgspec.structs.replace(generate_request, sampling=sampling))
         trackers = [Tracker(self.metrics, r.request_id, r.arrival_ns) for r in requests]
         started = await asyncio.gather(
-            *(start(self.engine, r) for r in requests), return_exceptions=True
+            *(start(self.engine, r, self.drain) for r in requests), return_exceptions=True
         )
         choices = [
             Choice(i, result[0], result[1], trackers[i])

@@ -1,8 +1,9 @@
-"""Runs the app on Hypercorn until a shutdown trigger fires."""
+"""Runs the app on Hypercorn until a shutdown trigger fires, then drains it (server.drain)."""
 
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 
 from hypercorn.asyncio import serve
@@ -10,24 +11,58 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart
 
 from server.config import ServerConfig
+from server.drain import app_drain
+
+# After the drain, how long the responses it ended get to write their error and [DONE], and
+# idle keep-alive connections to close, before Hypercorn cancels what is left.
+FINAL_WRITE_GRACE_S = 5.0
+BACKLOG = 100  # Hypercorn's default
 
 
-def bind_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket, as Hypercorn would make it for `host:port`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
-def hypercorn_config(config: ServerConfig) -> HypercornConfig:
+def hypercorn_config(listening_fd: int) -> HypercornConfig:
     hypercorn = HypercornConfig()
-    hypercorn.bind = [bind_address(config.host, config.port)]
+    hypercorn.bind = [f"fd://{listening_fd}"]
+    hypercorn.backlog = BACKLOG
     hypercorn.accesslog = None  # the app logs each request it finishes, with its request id
     # A Logger (not a path) makes Hypercorn log through the process's handlers, once.
     hypercorn.errorlog = logging.getLogger("hypercorn.error")
-    hypercorn.graceful_timeout = config.shutdown_timeout_s
+    hypercorn.graceful_timeout = FINAL_WRITE_GRACE_S
     return hypercorn
 
 
 async def serve_app(
-    app: Quart, config: ServerConfig, shutdown_trigger: Callable[[], Awaitable[object]]
+    app: Quart,
+    config: ServerConfig,
+    shutdown_trigger: Callable[[], Awaitable[object]],
+    on_listening: Callable[[], None] = lambda: None,
 ) -> None:
-    """Serves until `shutdown_trigger` returns, then lets open requests finish (graceful_timeout)."""
-    await serve(app, hypercorn_config(config), shutdown_trigger=shutdown_trigger)
+    """Serves until `shutdown_trigger` returns, then drains: the port stays open and answers 503
+    while the requests in flight get `config.shutdown_timeout_s` to finish; then Hypercorn stops.
+
+    The socket listens before `on_listening` is called, so a client told then can connect at once.
+    """
+    drain = app_drain(app)
+    sock = listen_socket(config.host, config.port)
+    on_listening()
+
+    async def drained() -> None:
+        await shutdown_trigger()
+        await drain.run(FINAL_WRITE_GRACE_S)
+
+    # Hypercorn takes the descriptor over (it wraps it in a socket of its own and closes that).
+    await serve(app, hypercorn_config(sock.detach()), shutdown_trigger=drained)

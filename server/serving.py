@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from server.drain import Drain
 from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.request_metrics import request_metrics_body
@@ -118,11 +119,12 @@ async def close_outputs(outputs: AsyncIterator[Any]) -> None:
 
 
 async def start(
-    engine: EngineClient, request: GenerateRequest
+    engine: EngineClient, request: GenerateRequest, drain: Drain
 ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
     """Waits for the first output, so that errors the engine finds in the prompt (too long, bad
-    template) are answered with their own status instead of a 200 stream that carries an error."""
-    outputs = aiter(engine.generate(request))
+    template) are answered with their own status instead of a 200 stream that carries an error.
+    The outputs pass through `drain`, which can end them when the server stops."""
+    outputs = drain.track(aiter(engine.generate(request)))
     try:
         first = await anext(outputs)
     except EngineError as error:

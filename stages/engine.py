@@ -188,6 +188,9 @@ class Engine:
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = False
         self._failure: ActorFailed | None = None
+        self.last_output_ns = 0
+        """time.monotonic_ns() when deltas last came from detokenize: the sign a watchdog reads
+        that the pipeline makes progress (server/systemd.py)."""
         self._failed_at_s = 0.0  # monotonic time of the last stage failure
         self._restart_s: float | None = None  # how long the last recovery took
         self.num_recoveries = 0  # pipelines brought back, each with its requests resumed
@@ -211,6 +214,7 @@ class Engine:
                 log_format=config.log_format,
                 log_level=config.log_level,
                 spin_s=0.0,  # the server's event loop serves HTTP: it must not spin either
+                process_title_prefix="pipeline-serve",  # ps shows "pipeline-serve: render"
             ),
             owner_inboxes=("errors", "deltas"),
             owner_outboxes=("requests",),
@@ -407,6 +411,11 @@ class Engine:
         return self._ready
 
     @property
+    def failure(self) -> ActorFailed | None:
+        """The stage failure the pipeline is down for (restarting, or given up); None while up."""
+        return self._failure
+
+    @property
     def not_ready_error(self) -> EngineError:
         """Why the engine takes no requests now, as the 503 to answer with."""
         if self.down.is_set():
@@ -553,6 +562,7 @@ class Engine:
             while True:
                 with await consumer.recv_async() as message:
                     batch = deltas.unpack_deltas(message)
+                self.last_output_ns = time.monotonic_ns()
                 for row, handle in enumerate(batch.handles):
                     flight = flights.get(handle)
                     if flight is None:

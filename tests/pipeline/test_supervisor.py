@@ -187,3 +187,34 @@ def test_topology_is_checked():
     rings = [RingSpec("x", VOCAB, 2, 256)]
     with pytest.raises(ValueError, match="exactly one producer and one consumer"):
         Supervisor(rings, [ActorSpec("a", "tests.pipeline.peers:Idle", inboxes=("x",))])
+
+
+def _proc_text(pid: int, name: str) -> str:
+    with open(f"/proc/{pid}/{name}", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode().strip()
+
+
+def test_actor_processes_carry_the_owners_title():
+    """ps shows "<prefix>: <actor>" for each actor, top its name, instead of multiprocessing's
+    `python -c from multiprocessing.spawn import spawn_main ...`."""
+    rings = [RingSpec(n, VOCAB, 8, 4096) for n in ("in", "mid", "out")]
+    actors = [
+        ActorSpec("doubler", "tests.pipeline.peers:Doubler", inboxes=("in",), outboxes=("mid",)),
+        ActorSpec(
+            "incrementer", "tests.pipeline.peers:Incrementer", inboxes=("mid",), outboxes=("out",)
+        ),
+    ]
+    config = SupervisorConfig(log_format="json", process_title_prefix="ptest")
+    with Supervisor(rings, actors, config, owner_inboxes=("out",), owner_outboxes=("in",)) as sup:
+        pids = sup.pids()
+        assert {name: _proc_text(pid, "cmdline") for name, pid in pids.items()} == {
+            "doubler": "ptest: doubler",
+            "incrementer": "ptest: incrementer",
+        }
+        assert {name: _proc_text(pid, "comm") for name, pid in pids.items()} == {
+            "doubler": "doubler",
+            "incrementer": "incrementer",
+        }
+    with chain() as untitled:  # no prefix: the process keeps its command line
+        pid = untitled.pids()["doubler"]
+        assert "multiprocessing" in _proc_text(pid, "cmdline")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -51,12 +52,21 @@ class LiveServer:
                 time.sleep(0.02)
         raise RuntimeError(f"the test server did not start on {self.url}")
 
+    def begin_shutdown(self) -> None:
+        """What SIGTERM does to pipeline-serve: the drain starts (server.drain)."""
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # it stopped meanwhile: its loop is closed
+                self._loop.call_soon_threadsafe(self._stop.set)
+
+    def wait_stopped(self, timeout_s: float = START_TIMEOUT_S) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(START_TIMEOUT_S)
+        self.begin_shutdown()
+        self.wait_stopped()

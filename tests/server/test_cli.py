@@ -48,6 +48,7 @@ def test_every_flag(tmp_path: Path) -> None:
             "--enable-prompt-tokens-details",
             "--log-format", "json",
             "--log-level", "debug",
+            "--shutdown-timeout", "2.5",
             "--enable-auto-tool-choice",
             "--tool-call-parser", "hermes",
             "--reasoning-parser", "deepseek_r1",
@@ -64,6 +65,7 @@ def test_every_flag(tmp_path: Path) -> None:
         enable_prompt_tokens_details=True,
         log_format="json",
         log_level="debug",
+        shutdown_timeout_s=2.5,
         reasoning_parser="deepseek_r1",
         tool_call_parser="hermes",
         enable_auto_tool_choice=True,
@@ -121,6 +123,8 @@ def test_parse_bytes(text: str, expected: int) -> None:
         ["m", "--enable-auto-tool-choice"],  # needs --tool-call-parser
         ["m", "--tool-call-parser", "json"],
         ["m", "--reasoning-parser", "o1"],
+        ["m", "--shutdown-timeout", "-1"],
+        ["m", "--shutdown-timeout", "soon"],
     ],
 )
 def test_bad_flags_exit(argv: list[str]) -> None:

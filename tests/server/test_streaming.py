@@ -10,6 +10,7 @@ import pytest
 from quart import Quart
 
 from server.chat import stream_chat
+from server.drain import Drain
 from server.metrics import ServerMetrics
 from server.schemas import ChatCompletionRequest
 from server.serving import Choice, ResponseContext, Tracker, start
@@ -64,13 +65,16 @@ async def test_closing_the_stream_aborts_the_request(engine: FakeEngine) -> None
     body = ChatCompletionRequest(messages=MESSAGES, stream=True)
     request = GenerateRequest("r-1", ChatPrompt(MESSAGES), SamplingParams(), 0, time.monotonic_ns())
     tracker = Tracker(metrics, "r-1", request.arrival_ns)
-    first, outputs = await start(engine, request)
+    drain = Drain(timeout_s=30.0)
+    first, outputs = await start(engine, request, drain)
+    assert drain.in_flight == 1
     ctx = ResponseContext("r-1", "fake-model", 0, "fp", False)
     stream = stream_chat(ctx, body, [Choice(0, first, outputs, tracker)])
     pieces = [await anext(stream), await anext(stream), await anext(stream)]
     assert b'"content":" two"' in pieces[-1]
     await stream.aclose()  # what Quart does when the client goes away
     assert engine.aborted == ["r-1"]
+    assert drain.in_flight == 0
     assert tracker.finish_reason == "abort"
     assert b'vllm:request_success_total{finished_reason="abort",model_name="fake-model"} 1.0' in (
         metrics.render()
