@@ -32,6 +32,19 @@ def _get(port: int, path: str) -> tuple[int, bytes]:
         connection.close()
 
 
+def _wait_healthy(process: subprocess.Popen, port: int, log_path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert process.poll() is None, log_path.read_text()[-4000:]
+        try:
+            if _get(port, "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "pipeline-serve did not become ready"
+        time.sleep(0.25)
+
+
 @pytest.fixture(scope="module")
 def port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     try:
@@ -44,16 +57,7 @@ def port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     log_file = log_path.open("wb")  # a file, not a pipe: a full pipe would stall the server
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log_file)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, log_path.read_text()[-4000:]
-            try:
-                if _get(port, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "pipeline-serve did not become ready"
-            time.sleep(0.25)
+        _wait_healthy(process, port, log_path)
         yield port
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
@@ -130,16 +134,7 @@ def test_the_server_exits_non_zero_once_the_engine_gives_up(tmp_path) -> None:
             [*argv, "--max-stage-restarts", "0"], stdout=subprocess.DEVNULL, stderr=log_file
         )
         try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while True:
-                assert process.poll() is None, log_path.read_text()[-4000:]
-                try:
-                    if _get(port, "/health")[0] == 200:
-                        break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, "pipeline-serve did not become ready"
-                time.sleep(0.25)
+            _wait_healthy(process, port, log_path)
             stages = [
                 child
                 for child in psutil.Process(process.pid).children()
