@@ -195,7 +195,6 @@ class Engine:
         self._restart_s: float | None = None  # how long the last recovery took
         self.num_recoveries = 0  # pipelines brought back, each with its requests resumed
         self.num_rejected = 0  # requests refused with 429 because too many were waiting
-        self.recovery_s: dict[str, list[float]] = {}  # by the stage that failed
         self.down = asyncio.Event()  # set when the engine gave up: the server should exit
         self.down_reason = ""
 
@@ -310,7 +309,6 @@ class Engine:
         elapsed = time.monotonic() - started
         self._restart_s = elapsed
         self.num_recoveries += 1
-        self.recovery_s.setdefault(failure.actor, []).append(elapsed)
         self._failure = None
         self._ready = True
         log.info(
