@@ -25,6 +25,7 @@ from gpu.sampler import (
     logprob_summary,
     rows_needing_token_ids,
     sample,
+    verify,
 )
 from stages.text.checkpoint import ModelConfig, load_model_config, resolve_kv_cache_dtype
 
@@ -69,22 +70,28 @@ class StepBatch:
     sample: np.ndarray  # [B] bool, False for a prefill chunk that is not the prompt's last
     sampling: SamplingArrays  # B rows; rows that do not sample are ignored
     prompt_logprobs: np.ndarray  # [B] int32, top-k of prompt logprobs wanted; < 0 = none
+    # [B] int32: a sampling row's last num_draft input tokens are drafts to verify (speculative
+    # decoding); None: no row has any
+    num_draft: np.ndarray | None = None
 
 
 @dataclass(slots=True, frozen=True)
 class StepOutput:
     """Per-sequence results in batch order, and the prompt logprobs of prefill chunks.
 
+    Each sequence has `num_tokens[b]` entries in the token arrays, in order: one (-1 where it did
+    not sample), or 1 + the drafts it accepted where it verified drafts. Without drafts N == B.
     Top-k rows are padded with id -1 and logprob -inf past what each request asked for. Prompt
     logprob entries of sequence b are rows prompt_logprob_start_loc[b]:[b + 1]; each scores the
     prompt token at `prompt_positions` (position 0 has none).
     """
 
-    token_ids: np.ndarray  # [B] int64, -1 where not sampled
-    logprobs: np.ndarray  # [B] float32, nan where not sampled
-    ranks: np.ndarray  # [B] int64, 0 where not sampled
-    top_ids: np.ndarray  # [B, K] int64
-    top_logprobs: np.ndarray  # [B, K] float32
+    num_tokens: np.ndarray  # [B] int32
+    token_ids: np.ndarray  # [N] int64, -1 where not sampled
+    logprobs: np.ndarray  # [N] float32, nan where not sampled
+    ranks: np.ndarray  # [N] int64, 0 where not sampled
+    top_ids: np.ndarray  # [N, K] int64
+    top_logprobs: np.ndarray  # [N, K] float32
     prompt_logprob_start_loc: np.ndarray  # [B + 1] int32
     prompt_positions: np.ndarray  # [P] int64
     prompt_token_ids: np.ndarray  # [P] int64
@@ -205,6 +212,11 @@ class ModelRunner:
             _store(state.token_ids, positions, batch.input_ids[starts[b] : starts[b + 1]])
 
         samples = np.asarray(batch.sample, dtype=bool)
+        num_draft = (
+            np.zeros(len(states), np.int64)
+            if batch.num_draft is None
+            else np.where(samples, batch.num_draft, 0).astype(np.int64)
+        )
         wants_prompt = (batch.prompt_logprobs >= 0) & (
             batch.positions[starts[:-1]] < batch.prompt_lens
         )
@@ -212,12 +224,12 @@ class ModelRunner:
         for b in range(len(states)):
             if wants_prompt[b]:
                 rows.append(np.arange(starts[b], starts[b + 1]))
-            elif samples[b]:
-                rows.append(np.array([starts[b + 1] - 1]))
+            elif samples[b]:  # the input token's position, and each draft's
+                rows.append(np.arange(starts[b + 1] - 1 - num_draft[b], starts[b + 1]))
         logits_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
         logits = self._forward(batch, logits_rows)  # [R, V] float32
 
-        # Where each sequence's last-token logits sit among the rows computed.
+        # Where each sequence's logits end among the rows computed (its last row is row_end - 1).
         row_ends = np.cumsum([len(r) for r in rows]) if rows else np.zeros(0, dtype=np.int64)
         last_row = {}
         cursor = 0
@@ -226,7 +238,7 @@ class ModelRunner:
                 last_row[b] = int(row_ends[cursor]) - 1
                 cursor += 1
 
-        out = self._sample(batch, states, logits, last_row)
+        out = self._sample(batch, states, logits, last_row, num_draft)
         prompt = self._prompt_logprobs(batch, states, logits, wants_prompt, row_ends)
         return StepOutput(*out, *prompt)
 
@@ -253,44 +265,84 @@ class ModelRunner:
         states: list[_RequestState],
         logits: torch.Tensor,
         last_row: dict[int, int],
+        num_draft: np.ndarray,  # [B] int64, drafts each sampling row verifies
     ) -> tuple[np.ndarray, ...]:
+        """Each sampling row's token, or with drafts its verified run (gpu.sampler.verify): every
+        position is sampled as plain decoding would sample it there (same knobs, same seeded
+        noise), and the drafts are accepted while they equal what was sampled."""
         num_seqs = len(states)
         sampled = np.nonzero(np.asarray(batch.sample, dtype=bool))[0]
         num_top = max(0, int(batch.sampling.num_logprobs[sampled].max(initial=-1)))
-        token_ids = np.full(num_seqs, -1, dtype=np.int64)
-        logprobs = np.full(num_seqs, np.nan, dtype=np.float32)
-        ranks = np.zeros(num_seqs, dtype=np.int64)
-        top_ids = np.full((num_seqs, num_top), -1, dtype=np.int64)
-        top_logprobs = np.full((num_seqs, num_top), -np.inf, dtype=np.float32)
+        counts = np.ones(num_seqs, dtype=np.int32)
         if len(sampled) == 0:
-            return token_ids, logprobs, ranks, top_ids, top_logprobs
+            return (
+                counts,
+                np.full(num_seqs, -1, dtype=np.int64),
+                np.full(num_seqs, np.nan, dtype=np.float32),
+                np.zeros(num_seqs, dtype=np.int64),
+                np.full((num_seqs, num_top), -1, dtype=np.int64),
+                np.full((num_seqs, num_top), -np.inf, dtype=np.float32),
+            )
 
-        params = batch.sampling.select(sampled)
+        # One virtual row per position sampled: j = 0 is the input token's, j >= 1 draft j's.
+        per_row = num_draft[sampled] + 1
+        owner = np.repeat(sampled, per_row)  # [S'] the batch row of each virtual row
+        offset = np.arange(len(owner)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+        params = batch.sampling.select(owner)
         needs_ids = rows_needing_token_ids(params)
         history = []
-        for row, b in enumerate(sampled):
+        for row, (b, j) in enumerate(zip(owner.tolist(), offset.tolist(), strict=True)):
             tokens = states[b].token_ids
-            context_len = int(batch.context_lens[b])
-            prompt_len = min(int(batch.prompt_lens[b]), context_len)
+            seen = int(batch.context_lens[b]) - int(num_draft[b]) + j  # tokens before this one
+            prompt_len = min(int(batch.prompt_lens[b]), seen)
             if needs_ids[row]:
-                history.append(TokenHistory.of(tokens[:prompt_len], tokens[prompt_len:context_len]))
+                history.append(TokenHistory.of(tokens[:prompt_len], tokens[prompt_len:seen]))
             else:
-                history.append(TokenHistory(context_len - prompt_len, _NO_IDS, _NO_IDS))
-        rows = torch.tensor([last_row[int(b)] for b in sampled], dtype=torch.long)
+                history.append(TokenHistory(seen - prompt_len, _NO_IDS, _NO_IDS))
+        first_row = np.array([last_row[int(b)] for b in sampled]) - num_draft[sampled]
+        rows = torch.from_numpy(np.repeat(first_row, per_row) + offset)
         result = sample(logits[rows], params, history, self.generator)
 
-        token_ids[sampled] = result.token_ids.numpy()
-        logprobs[sampled] = result.logprobs.numpy()
-        ranks[sampled] = result.ranks.numpy()
-        asked = batch.sampling.num_logprobs[sampled]
-        keep = np.arange(num_top)[None, :] < asked[:, None]
-        top_ids[sampled] = np.where(keep, result.top_ids.numpy(), -1)
-        top_logprobs[sampled] = np.where(keep, result.top_logprobs.numpy(), -np.inf)
-        for b, token in zip(sampled, token_ids[sampled], strict=True):
-            tokens = states[b].token_ids
-            del tokens[int(batch.context_lens[b]) :]
-            tokens.append(int(token))
-        return token_ids, logprobs, ranks, top_ids, top_logprobs
+        drafted = np.zeros(len(owner), dtype=np.int64)  # the draft each virtual row verifies
+        for b, start in zip(sampled.tolist(), (np.cumsum(per_row) - per_row).tolist(), strict=True):
+            d = int(num_draft[b])
+            if d:
+                end = int(batch.context_lens[b])
+                drafted[start : start + d] = states[b].token_ids[end - d : end]
+        accepted = verify(result.token_ids.numpy(), drafted, per_row)  # [S] drafts accepted
+        counts[sampled] = accepted + 1
+        # Flat entries: each batch row's, in order (a non-sampling row keeps one -1 entry).
+        starts_of = np.cumsum(per_row) - per_row
+        take = []  # virtual rows emitted, in batch order; -1 stands for a non-sampling row
+        position_of = dict(zip(sampled.tolist(), range(len(sampled)), strict=True))
+        for b in range(num_seqs):
+            i = position_of.get(b)
+            if i is None:
+                take.append(-1)
+            else:
+                take.extend(range(int(starts_of[i]), int(starts_of[i]) + int(counts[b])))
+        take_np = np.asarray(take, dtype=np.int64)
+        emitted = take_np >= 0
+        source = np.where(emitted, take_np, 0)
+        asked = params.num_logprobs[source]
+        keep_top = emitted[:, None] & (np.arange(num_top)[None, :] < asked[:, None])
+        token_ids = np.where(emitted, result.token_ids.numpy()[source], -1)
+        logprobs = np.where(emitted, result.logprobs.numpy()[source], np.nan).astype(np.float32)
+        ranks = np.where(emitted, result.ranks.numpy()[source], 0)
+        top_ids = np.where(keep_top, result.top_ids.numpy()[source], -1)
+        top_logprobs = np.where(keep_top, result.top_logprobs.numpy()[source], -np.inf).astype(
+            np.float32
+        )
+        at = 0
+        for b in range(num_seqs):
+            n = int(counts[b])
+            if b in position_of:
+                tokens = states[b].token_ids
+                kept = int(batch.context_lens[b]) - int(num_draft[b]) + n - 1
+                del tokens[kept:]
+                tokens.append(int(token_ids[at + n - 1]))
+            at += n
+        return counts, token_ids, logprobs, ranks, top_ids, top_logprobs
 
     def _prompt_logprobs(
         self,

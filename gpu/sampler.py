@@ -383,3 +383,28 @@ def sample(
             raw_logprobs, token_ids[index], num_top
         )
     return SampleOutput(token_ids, chosen, ranks, top_ids, top_logprobs)
+
+
+def verify(
+    sampled: np.ndarray,  # sampled: [S'] int64, the token sampled at each verified position
+    drafts: np.ndarray,  # drafts: [S'] int64, the draft that followed it (unused at a row's last)
+    per_row: np.ndarray,  # per_row: [S] positions of each row (1 + its drafts), in order
+) -> np.ndarray:  # -> [S] int64, drafts accepted per row
+    """Speculative verification for drafts proposed without a model (q one-hot on the draft).
+
+    Each position was sampled from exactly the distribution plain decoding would use there (p,
+    with every knob applied and the noise of its (seed, output index)), given the drafts before it.
+    Draft x is accepted when it equals that sample: that happens with probability p(x) =
+    min(1, p(x) / q(x)), Leviathan et al.'s acceptance for q one-hot at x, and on rejection the
+    sample emitted is p conditioned on not being x, which is their residual norm(max(p - q, 0)).
+    When every draft is accepted the last position's sample is the bonus token. So every emitted
+    token has plain decoding's distribution, and a greedy or seeded row emits plain decoding's
+    very tokens.
+    """
+    accepted = np.zeros(len(per_row), dtype=np.int64)
+    start = 0
+    for row, count in enumerate(per_row.tolist()):
+        matches = sampled[start : start + count - 1] == drafts[start : start + count - 1]
+        accepted[row] = count - 1 if matches.all() else int(np.argmin(matches))
+        start += count
+    return accepted

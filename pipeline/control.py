@@ -17,7 +17,7 @@ import posix_ipc
 from pipeline.clock import now_ns
 
 ROW_BYTES = 1024
-NUM_GAUGES = 16
+NUM_GAUGES = 32
 GAUGES_AT = 64  # float64 gauges an actor publishes for the owner (what each means is the actor's)
 ERROR_AT = GAUGES_AT + 8 * NUM_GAUGES
 ERROR_BYTES = ROW_BYTES - ERROR_AT

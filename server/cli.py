@@ -33,6 +33,7 @@ from server.logs import configure_server_logging
 from server.serve import serve_app
 from server.systemd import Notifier, PipelineState, monitor, status_line
 from stages.config import EngineConfig, default_model_path
+from stages.speculation import SpeculativeConfig
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 log = structlog.get_logger("server")
@@ -145,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16"],
         help="KV cache element type; auto: bfloat16 with quantized weights, else the model dtype "
         "(attention math is float32 either way)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
+        "(prompt lookup; drafts are verified exactly, and drafted only where they pay)",
     )
     parser.add_argument(
         "--max-waiting-requests",
@@ -269,6 +277,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "threads": args.threads,
         "seed": args.seed,
         "max_waiting_requests": args.max_waiting_requests,
+        "speculative": args.speculative_config,
         "max_stage_restarts": args.max_stage_restarts,
         "stage_restart_window_s": args.stage_restart_window,
     }
@@ -281,6 +290,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         **{name: value for name, value in engine_overrides.items() if value is not None},
     )
     return config, engine_config
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _quantization(choice: str, model_path: str) -> str | None:

@@ -30,6 +30,7 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 # Gauges a dashboard expects even before the engine reports them.
 _ENGINE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_:]")
+_LABELLED = re.compile(r"(?P<name>[^{]+)\{(?P<label>[a-zA-Z_]\w*)=(?P<value>[^}]*)\}")
 
 
 class _EngineStatsCollector(Collector):
@@ -43,20 +44,33 @@ class _EngineStatsCollector(Collector):
         self._owned = owned  # names the server itself exports; the engine's copies are skipped
 
     def collect(self) -> Iterator[Metric]:
-        values = {name: 0.0 for name in _ENGINE_GAUGES}
+        # name -> {label value or None: value}; a key `name{label=value}` is one labelled sample
+        values: dict[str, dict[tuple[str, str] | None, float]] = {
+            name: {None: 0.0} for name in _ENGINE_GAUGES
+        }
         for key, value in self._stats().items():
-            values[_NAME_UNSAFE.sub("_", key.removeprefix("vllm:"))] = float(value)
-        for name, value in sorted(values.items()):
+            labelled = _LABELLED.fullmatch(key)
+            name, label = (
+                (labelled["name"], (labelled["label"], labelled["value"]))
+                if labelled
+                else (key, None)
+            )
+            name = _NAME_UNSAFE.sub("_", name.removeprefix("vllm:"))
+            values.setdefault(name, {})[label] = float(value)
+        for name, samples in sorted(values.items()):
             full = f"vllm:{name}"
             if full in self._owned:
                 continue
+            extra = sorted({label[0] for label in samples if label is not None})
+            labels = ["model_name", *extra]
             if name.endswith("_total"):
                 family: CounterMetricFamily | GaugeMetricFamily = CounterMetricFamily(
-                    full.removesuffix("_total"), f"engine counter {name}", labels=["model_name"]
+                    full.removesuffix("_total"), f"engine counter {name}", labels=labels
                 )
             else:
-                family = GaugeMetricFamily(full, f"engine gauge {name}", labels=["model_name"])
-            family.add_metric([self._model_name], value)
+                family = GaugeMetricFamily(full, f"engine gauge {name}", labels=labels)
+            for label, value in samples.items():
+                family.add_metric([self._model_name, *([label[1]] if label else [])], value)
             yield family
 
 

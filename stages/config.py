@@ -6,6 +6,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from stages.speculation import SpeculativeConfig
 from stages.text.checkpoint import kv_block_bytes_for, resolve_kv_cache_dtype
 from stages.text.snapshot import model_config_of
 
@@ -55,6 +56,8 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     # Stage failures survived (each: a fresh pipeline, requests resumed) within the window;
     # one more and the engine gives up, so that the service manager restarts the server.
+    # Speculative decoding (--speculative-config); None: off.
+    speculative: SpeculativeConfig | None = None
     max_stage_restarts: int = 3
     stage_restart_window_s: float = 300.0
 

@@ -510,6 +510,13 @@ class Engine:
     def stats(self) -> Mapping[str, float]:
         values = self.supervisor.gauges("schedule")
         stats = dict(zip(GAUGES, values, strict=False))
+        spec = self.config.speculative
+        if spec is not None:  # schedule publishes them after GAUGES, one per draft position
+            per_pos = values[len(GAUGES) : len(GAUGES) + spec.num_speculative_tokens]
+            for position, value in enumerate(per_pos):
+                stats[f"spec_decode_num_accepted_tokens_per_pos_total{{position={position}}}"] = (
+                    value
+                )
         stats["num_streams"] = len(self._flights)
         stats["num_requests_rejected_total"] = self.num_rejected  # 429: too many waiting
         stats["num_stage_recoveries_total"] = self.num_recoveries

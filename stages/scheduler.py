@@ -11,6 +11,12 @@ Steps are planned one ahead of the results (the scheduler plans step N+1 while e
 N), so a decode's input token may not be known yet: it is sent as -1 and execute uses the token it
 sampled for that request last step. A request that stops on a token id is found one step late; the
 extra token is dropped.
+
+With speculative decoding a decode whose tokens are all known may carry draft tokens after its input
+(prompt lookup over its own tokens, stages/speculation.py), as many as stages/draft_policy.py says
+pay: the step verifies them and emits 1 + the accepted ones. Such a plan needs the previous step's
+tokens, so while drafting pays the scheduler keeps one step in flight instead of two
+(`max_in_flight`); the KV slots of rejected drafts go back at once.
 """
 
 from __future__ import annotations
@@ -21,8 +27,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.clock import now_ns
+from stages import draft_policy
+from stages.draft_policy import StepCost
 from stages.kv_blocks import BlockManager, prompt_block_hashes
 from stages.rings import common as m
+from stages.speculation import SpeculativeConfig, propose_ngram
 
 # What `Scheduler.stats` reports, in the order schedule publishes it to the server as gauges.
 GAUGES = (
@@ -34,7 +44,13 @@ GAUGES = (
     "num_blocks",
     "prefix_cache_queries_total",
     "prefix_cache_hits_total",
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
 )
+# Steps apart from a result, a plan made without waiting counts as overlapped (no gap observed).
+_SYNC_PLAN_WITHIN_NS = 5_000_000
+_MAX_GAP_S = 0.02
 
 
 class Status(enum.IntEnum):
@@ -79,6 +95,15 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the cache when last admitted
     num_registered: int = 0  # prompt blocks registered in the cache
     block_hashes: list[bytes] | None = None  # the prompt's, computed at first admission
+    # Speculative decoding: whether drafts may be proposed for it (not with a grammar: drafts
+    # would have to be checked against it), its acceptance so far (stages.draft_policy), and what
+    # its steps verified: steps with drafts, drafts, accepted, and steps by drafts accepted.
+    can_draft: bool = True
+    acceptance: float = draft_policy.PRIOR_ACCEPTANCE
+    spec_steps: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_histogram: list[int] = field(default_factory=list)  # [i]: steps that accepted i drafts
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.prompt_ids)
@@ -116,8 +141,13 @@ class Sequence:
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position fed
-    num_tokens: int
+    num_tokens: int  # including the drafts
     sample: bool
+    draft: np.ndarray | None = None  # [D] int32, fed after the input token and verified
+
+    @property
+    def num_draft(self) -> int:
+        return 0 if self.draft is None else len(self.draft)
 
 
 @dataclass(slots=True)
@@ -126,6 +156,7 @@ class Step:
     seqs: list[ScheduledSeq]
     new_for_execute: list[Sequence]
     free_handles: list[int]
+    planned_after_result: bool = False  # planned at once on the previous step's results
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +169,7 @@ class SchedulerConfig:
     # Prefill tokens a step may carry beside decodes (the whole budget when none run).
     max_prefill_tokens_while_decoding: int = 64
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None
 
 
 class Scheduler:
@@ -153,6 +185,18 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found there
+        self.cost = StepCost()
+        # Whether the next step should carry drafts: then a plan waits for the step in flight.
+        self.wants_drafts = False
+        self.num_spec_drafts = 0  # steps of a request that verified drafts, over all requests
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted = 0
+        self.accepted_per_pos = [0] * (
+            config.speculative.num_speculative_tokens if config.speculative else 0
+        )
+        self._completed_at_ns = 0  # when the last result was applied (monotonic)
+        self._last_end_ns = 0  # when the last completed step ended in execute
+        self._last_step_id = -1
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -206,6 +250,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    @property
+    def max_in_flight(self) -> int:
+        """Steps to keep in flight: two overlap planning with execution; one lets every plan know
+        the tokens it drafts from."""
+        return 1 if self.wants_drafts else 2
+
     # -- planning --------------------------------------------------------------------------------
 
     def schedule(self) -> Step | None:
@@ -222,6 +272,7 @@ class Scheduler:
                 continue  # its last token is in flight
             left = seq.num_prompt + num_outputs - seq.num_computed  # num_tokens - num_computed
             (decodes if left == 1 else prefills).append((seq, left))
+        drafts = self._drafts(decodes, prefills, budget)
         capacity = self.blocks.block_size
         for group in (decodes, prefills):
             if group is prefills and planned:
@@ -231,12 +282,15 @@ class Scheduler:
                     break
                 if seq.status != Status.RUNNING:
                     continue  # preempted while making room for an earlier one
-                count = min(left, budget)
+                draft = drafts.get(seq.handle)
+                if draft is not None and len(draft) >= budget:
+                    draft = draft[: budget - 1] if budget > 1 else None
+                count = min(left, budget) + (0 if draft is None else len(draft))
                 need = seq.num_computed + count
                 # Most steps stay inside the last block: only a crossing asks for room.
                 if need > len(seq.blocks) * capacity and not self._make_room(seq, need, taken):
                     continue
-                planned.append(self._plan(seq, count, count == left))
+                planned.append(self._plan(seq, count, count >= left, draft))
                 if left > 1 or seq.num_computed == seq.num_prompt:  # a prefill chunk
                     self._register_prefix(seq)
                 taken.add(seq.handle)
@@ -265,20 +319,97 @@ class Scheduler:
         new = [p.seq for p in planned if not p.seq.sent_to_execute]
         for seq in new:
             seq.sent_to_execute = True
-        step = Step(self._next_step, planned, new, self._to_free)
+        after_result = (
+            not self.in_flight and now_ns() - self._completed_at_ns < _SYNC_PLAN_WITHIN_NS
+        )
+        step = Step(self._next_step, planned, new, self._to_free, after_result)
         self._to_free = []
         self._next_step += 1
         self.in_flight.append(step)
         return step
 
-    def _plan(self, seq: Sequence, count: int, sample: bool) -> ScheduledSeq:
-        """`sample`: the chunk reaches the sequence's last token, so the step samples its next."""
+    def _plan(
+        self, seq: Sequence, count: int, sample: bool, draft: np.ndarray | None = None
+    ) -> ScheduledSeq:
+        """`sample`: the chunk reaches the sequence's last token, so the step samples its next
+        (and verifies the drafts fed after it)."""
         start = seq.num_computed
         seq.num_computed += count
         if sample:
             seq.pending_outputs += 1
         seq.steps_in_flight += 1
-        return ScheduledSeq(seq, start, count, sample)
+        return ScheduledSeq(seq, start, count, sample, draft)
+
+    # -- speculative decoding --------------------------------------------------------------------
+
+    def _proposal(self, seq: Sequence) -> np.ndarray:  # -> [<= k] int32
+        """Prompt lookup over the tokens known so far, capped so that every draft could be emitted
+        (max_tokens, max_model_len)."""
+        spec = self.config.speculative
+        if spec is None or not seq.can_draft:
+            return np.zeros(0, np.int32)
+        num_outputs = len(seq.output_ids) + seq.pending_outputs
+        room = min(
+            spec.num_speculative_tokens,
+            seq.max_tokens - num_outputs - 1,
+            self.config.max_model_len - seq.num_tokens - 1,
+        )
+        if room <= 0:
+            return np.zeros(0, np.int32)
+        tokens = np.concatenate([seq.prompt_ids, np.asarray(seq.output_ids, np.int32)])
+        return propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+
+    def _drafts(
+        self,
+        decodes: list[tuple[Sequence, int]],
+        prefills: list[tuple[Sequence, int]],
+        budget: int,
+    ) -> dict[int, np.ndarray]:
+        """The drafts each decode of this step carries, by handle: proposals for those whose
+        tokens are all known, cut to what the policy says pays."""
+        if self.config.speculative is None or not decodes:
+            return {}
+        known = [seq for seq, _ in decodes if seq.steps_in_flight == 0]
+        proposals = [(seq, self._proposal(seq)) for seq in known]
+        proposals = [(seq, p) for seq, p in proposals if len(p)]
+        if not proposals:
+            return {}
+        if not self.config.speculative.adaptive_draft_length:
+            return {seq.handle: p for seq, p in proposals}
+        allowance = min(budget, self.config.max_prefill_tokens_while_decoding)
+        prefill_tokens = min(sum(left for _, left in prefills), allowance)
+        counts = draft_policy.plan_drafts(
+            self.cost,
+            base_tokens=len(decodes) + prefill_tokens,
+            base_outputs=len(decodes),
+            candidates=[(seq.acceptance, len(p)) for seq, p in proposals],
+            pipelined=True,
+        )
+        return {seq.handle: p[:n] for (seq, p), n in zip(proposals, counts, strict=True) if n}
+
+    def _update_wants_drafts(self) -> None:
+        """Whether the next step should wait for the one in flight so as to carry drafts: the
+        policy's answer for the running decodes on the tokens known now (one step stale for those
+        with a step in flight, which is a fair guess of what they will propose)."""
+        if self.config.speculative is None:
+            return
+        candidates = []
+        num_decodes = 0
+        adaptive = self.config.speculative.adaptive_draft_length
+        for seq in self.running:
+            if seq.num_prompt + len(seq.output_ids) + seq.pending_outputs - seq.num_computed > 1:
+                continue  # still in prefill
+            num_decodes += 1
+            proposal = self._proposal(seq)
+            if len(proposal):
+                if not adaptive:
+                    self.wants_drafts = True
+                    return
+                candidates.append((seq.acceptance, len(proposal)))
+        counts = draft_policy.plan_drafts(
+            self.cost, num_decodes, num_decodes, candidates, pipelined=True
+        )
+        self.wants_drafts = any(counts)
 
     # -- prefix caching --------------------------------------------------------------------------
 
@@ -341,18 +472,32 @@ class Scheduler:
     # -- results ---------------------------------------------------------------------------------
 
     def complete(
-        self, step_id: int, handles: np.ndarray, token_ids: np.ndarray
+        self,
+        step_id: int,
+        handles: np.ndarray,  # [B] int64, the step's rows in plan order
+        token_ids: np.ndarray,  # [N] int64: each row's tokens in order, -1 for a row not sampled
+        num_tokens: np.ndarray | None = None,  # [B] int32 entries per row; None: one each
+        t_start_ns: int = 0,  # when execute began and ended the step (0: not known)
+        t_end_ns: int = 0,
     ) -> tuple[list[tuple[Sequence, int]], list[int]]:
         """Apply one step's sampled tokens: the (sequence, token) pairs to pass on, in order, and
-        the step row each came from."""
+        the entry of token_ids each came from. A row that verified drafts emits up to 1 + drafts
+        tokens; none after a stop token or the length limit."""
         step = self.in_flight.popleft()
         if step.step_id != step_id:
             raise RuntimeError(f"result for step {step_id} while step {step.step_id} was oldest")
+        if len(handles) != len(step.seqs):
+            raise RuntimeError(
+                f"step {step_id}: {len(handles)} result rows, {len(step.seqs)} planned"
+            )
+        self._observe_step(step, t_start_ns, t_end_ns)
+        counts = [1] * len(handles) if num_tokens is None else num_tokens.tolist()
+        tokens = token_ids.tolist()
         out: list[tuple[Sequence, int]] = []
         rows: list[int] = []
-        for row, (scheduled, handle, token) in enumerate(
-            zip(step.seqs, handles.tolist(), token_ids.tolist(), strict=True)
-        ):
+        at = 0
+        for scheduled, handle, count in zip(step.seqs, handles.tolist(), counts, strict=True):
+            first, at = at, at + count
             seq = scheduled.seq
             if seq.handle != handle:
                 raise RuntimeError(f"step {step_id}: result row for {handle}, planned {seq.handle}")
@@ -365,17 +510,60 @@ class Scheduler:
                 continue
             if not scheduled.sample:
                 continue
-            seq.output_ids.append(token)
-            out.append((seq, token))
-            rows.append(row)
-            if token in seq.stop_ids:
-                self.finish(seq, m.FINISH_STOP)
-            elif (
-                len(seq.output_ids) >= seq.max_tokens
-                or seq.num_prompt + len(seq.output_ids) >= self.config.max_model_len
-            ):
-                self.finish(seq, m.FINISH_LENGTH)
+            if scheduled.draft is not None:
+                self._verified(seq, scheduled.num_draft, count - 1)
+            for entry in range(first, first + count):
+                token = tokens[entry]
+                seq.output_ids.append(token)
+                out.append((seq, token))
+                rows.append(entry)
+                if token in seq.stop_ids:
+                    self.finish(seq, m.FINISH_STOP)
+                elif (
+                    len(seq.output_ids) >= seq.max_tokens
+                    or seq.num_prompt + len(seq.output_ids) >= self.config.max_model_len
+                ):
+                    self.finish(seq, m.FINISH_LENGTH)
+                if seq.status == Status.FINISHED:
+                    break
+        self._completed_at_ns = now_ns()
+        self._update_wants_drafts()
         return out, rows
+
+    def _verified(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        """Count a verification and give back the KV slots of the rejected drafts."""
+        seq.spec_steps += 1
+        seq.spec_drafted += num_drafted
+        seq.spec_accepted += num_accepted
+        if len(seq.spec_histogram) <= num_accepted:
+            seq.spec_histogram.extend([0] * (num_accepted + 1 - len(seq.spec_histogram)))
+        seq.spec_histogram[num_accepted] += 1
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_drafted
+        self.num_spec_accepted += num_accepted
+        seq.acceptance = draft_policy.update_acceptance(seq.acceptance, num_drafted, num_accepted)
+        if seq.status != Status.RUNNING:
+            return  # preempted meanwhile: it holds no blocks and recomputes from its tokens
+        seq.num_computed -= num_drafted - num_accepted
+        keep = self.blocks.blocks_for(seq.num_computed + 1)  # room for the next input token
+        if len(seq.blocks) > keep:
+            tail = seq.blocks[keep:]
+            del seq.blocks[keep:]
+            self.blocks.free(tail)
+
+    def _observe_step(self, step: Step, t_start_ns: int, t_end_ns: int) -> None:
+        """Feed the draft policy's cost model: the step's time against its tokens, and the gap
+        before it when it was planned on its predecessor's results."""
+        if not t_end_ns or t_end_ns <= t_start_ns:
+            return
+        self.cost.observe(sum(s.num_tokens for s in step.seqs), (t_end_ns - t_start_ns) / 1e9)
+        if self._last_end_ns and step.step_id == self._last_step_id + 1:
+            gap_s = (t_start_ns - self._last_end_ns) / 1e9
+            if 0 <= gap_s < _MAX_GAP_S:
+                self.cost.observe_gap(gap_s, synced=step.planned_after_result)
+        self._last_end_ns, self._last_step_id = t_end_ns, step.step_id
 
     def stats(self) -> dict[str, float]:
         return {
@@ -387,4 +575,7 @@ class Scheduler:
             "num_blocks": self.blocks.num_blocks,
             "prefix_cache_queries_total": self.prefix_cache_queries,
             "prefix_cache_hits_total": self.prefix_cache_hits,
+            "spec_decode_num_drafts_total": self.num_spec_drafts,
+            "spec_decode_num_draft_tokens_total": self.num_spec_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": self.num_spec_accepted,
         }

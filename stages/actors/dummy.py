@@ -43,18 +43,19 @@ class DummyExecuteActor(SyncActor):
             seqs = step.seqs
             handles = seqs["handle"].astype(np.int64)
             count = len(handles)
-            # A fixed function of the position, so equal requests get equal outputs as with a model.
-            picks = (seqs["context_len"].astype(np.int64) * 104729) % len(self.choices)
+            num_tokens, token_ids = self.tokens(step)
+            entries = len(token_ids)
             result = results.StepResult(
                 step_id=step.step_id,
                 t_start_ns=started,
                 t_end_ns=now_ns(),
                 handles=handles,
-                token_ids=np.where(seqs["sample"], self.choices[picks], -1),
-                logprobs=np.zeros(count, np.float32),
-                ranks=np.ones(count, np.int64),
-                top_ids=np.zeros((count, 0), np.int64),
-                top_logprobs=np.zeros((count, 0), np.float32),
+                num_tokens=num_tokens,
+                token_ids=token_ids,
+                logprobs=np.zeros(entries, np.float32),
+                ranks=np.ones(entries, np.int64),
+                top_ids=np.zeros((entries, 0), np.int64),
+                top_logprobs=np.zeros((entries, 0), np.float32),
                 prompt=PromptLogprobs.empty(),
             )
             outbox.send(results.RESULT, results.pack_result(result))
@@ -67,3 +68,35 @@ class DummyExecuteActor(SyncActor):
                 wait_ns=started - waited,
                 depth=depth,
             )
+
+    def tokens(self, step: plan.PlannedStep) -> tuple[np.ndarray, np.ndarray]:
+        """([B] entries per row, [N] tokens): the token at a position is a fixed function of it, so
+        equal requests get equal outputs as with a model; drafts are verified against it."""
+        seqs = step.seqs
+        if not seqs["num_draft"].any():
+            picks = (seqs["context_len"].astype(np.int64) * 104729) % len(self.choices)
+            return np.ones(len(seqs), np.int32), np.where(seqs["sample"], self.choices[picks], -1)
+        counts, out = [], []
+        ends = (seqs["query_start"] + seqs["query_len"]).tolist()
+        for row, (context, drafts, sample) in enumerate(
+            zip(
+                seqs["context_len"].tolist(),
+                seqs["num_draft"].tolist(),
+                seqs["sample"].tolist(),
+                strict=True,
+            )
+        ):
+            if not sample:
+                counts.append(1)
+                out.append(-1)
+                continue
+            proposed = step.input_ids[ends[row] - drafts : ends[row]].tolist()
+            emitted = 0
+            for j in range(drafts + 1):
+                token = int(self.choices[((context - drafts + j) * 104729) % len(self.choices)])
+                out.append(token)
+                emitted += 1
+                if j == drafts or token != proposed[j]:
+                    break
+            counts.append(emitted)
+        return np.array(counts, np.int32), np.array(out, np.int64)

@@ -105,7 +105,7 @@ class ExecuteActor(SyncActor):
                 depth=depth,
                 cpu_ns=time.process_time_ns() - cpu,
             )
-            self.advance(batch.request_ids, output.token_ids)
+            self.advance(batch.request_ids, output.num_tokens, output.token_ids)
             result = _result(step.step_id, batch.request_ids, output, started, finished)
             outbox.send(results.RESULT, results.pack_result(result))
             self.ctx.heartbeat()
@@ -193,16 +193,22 @@ class ExecuteActor(SyncActor):
             sample=seqs["sample"].astype(bool),
             sampling=gather(requests, bitmask, bool(self.with_bad_words)),
             prompt_logprobs=np.array([r.prompt_logprobs for r in requests], np.int32),
+            num_draft=seqs["num_draft"] if seqs["num_draft"].any() else None,
         )
 
-    def advance(self, handles: np.ndarray, sampled: np.ndarray) -> None:
-        """Remember each row's sampled token (the next plan may name it -1); feed the grammars."""
+    def advance(self, handles: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray) -> None:
+        """Remember each row's last sampled token (the next plan may name it -1); feed the
+        grammars every token a row emitted."""
         grammars = self.grammars if len(self.grammars) else None
-        for handle, token in zip(handles.tolist(), sampled.tolist(), strict=True):
-            if token >= 0:
-                self.last_token[handle] = token
-                if grammars is not None:
-                    grammars.consume(handle, token)
+        tokens = sampled.tolist()
+        at = 0
+        for handle, count in zip(handles.tolist(), num_tokens.tolist(), strict=True):
+            for token in tokens[at : at + count]:
+                if token >= 0:
+                    self.last_token[handle] = token
+                    if grammars is not None:
+                        grammars.consume(handle, token)
+            at += count
 
 
 def _grammar_matchers(config: EngineConfig) -> GrammarMatchers:
@@ -232,6 +238,7 @@ def _result(
         t_start_ns=started_ns,
         t_end_ns=finished_ns,
         handles=handles,
+        num_tokens=output.num_tokens,
         token_ids=output.token_ids,
         logprobs=output.logprobs,
         ranks=output.ranks,

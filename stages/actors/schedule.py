@@ -36,6 +36,7 @@ class ScheduleActor(AsyncActor):
                 num_blocks=num_kv_blocks(config),
                 block_size=config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
+                speculative=config.speculative,
             )
         )
         self.wake = asyncio.Event()
@@ -105,10 +106,17 @@ class ScheduleActor(AsyncActor):
                 continue
             with message:
                 result = results.unpack_result(message)
-            self.wake.set()  # a step slot is free: plan the next before talking to detokenize
             emitted, rows = self.scheduler.complete(
-                result.step_id, result.handles, result.token_ids
+                result.step_id,
+                result.handles,
+                result.token_ids,
+                result.num_tokens,
+                result.t_start_ns,
+                result.t_end_ns,
             )
+            self.wake.set()  # a step slot is free: plan the next before talking to detokenize
+            if self.scheduler.max_in_flight == 1:
+                await asyncio.sleep(0)  # execute waits for that plan: let it go first
             for seq, _ in emitted:
                 if seq.first_token_ns == 0:
                     seq.first_token_ns = result.t_end_ns
@@ -133,7 +141,7 @@ class ScheduleActor(AsyncActor):
                 await outbox.send_async(
                     plan.GRAMMARS, plan.pack_grammars([(s.handle, s.rendered) for s in to_build])
                 )
-            while len(scheduler.in_flight) < MAX_STEPS_IN_FLIGHT:
+            while len(scheduler.in_flight) < min(MAX_STEPS_IN_FLIGHT, scheduler.max_in_flight):
                 started = now_ns()
                 step = scheduler.schedule()
                 if step is None:
@@ -156,7 +164,8 @@ class ScheduleActor(AsyncActor):
     def publish(self) -> None:
         stats = self.scheduler.stats()
         stats["num_requests_waiting"] += len(self.awaiting_matchers)  # as vLLM counts them
-        self.ctx.set_gauges([float(stats[name]) for name in GAUGES])
+        per_pos = [float(n) for n in self.scheduler.accepted_per_pos]
+        self.ctx.set_gauges([float(stats[name]) for name in GAUGES] + per_pos)
 
     def with_first_prompt_token(self, prompt: PromptLogprobs) -> PromptLogprobs | None:
         """The rows of live requests, with a row for each prompt's first token (which has no
@@ -207,13 +216,22 @@ class ScheduleActor(AsyncActor):
         rows = np.zeros(len(emitted), tokens.TOKEN_ROW)
         rows["handle"] = [seq.handle for seq in seqs]
         rows["token_id"] = [token for _, token in emitted]
-        finishes = [seq.finish for seq in seqs]
+        # A row that verified drafts emits several tokens: each entry counts the outputs up to
+        # it, and only a request's last entry carries its finish.
+        num_outputs, finishes = [0] * len(seqs), [0] * len(seqs)
+        later: dict[int, int] = {}
+        for i in range(len(seqs) - 1, -1, -1):
+            seq = seqs[i]
+            after = later.get(id(seq), 0)
+            num_outputs[i] = len(seq.output_ids) - after
+            finishes[i] = seq.finish if after == 0 else common.FINISH_NONE
+            later[id(seq)] = after + 1
         rows["finish"] = finishes
         rows["stop_token"] = [
             f == FINISH_STOP and t >= 0 for f, (_, t) in zip(finishes, emitted, strict=True)
         ]
         rows["num_prompt_tokens"] = [seq.num_prompt for seq in seqs]
-        rows["num_output_tokens"] = [len(seq.output_ids) for seq in seqs]
+        rows["num_output_tokens"] = num_outputs
         if result is not None and result_rows is not None:
             rows["logprob"], rows["rank"] = result.logprobs[result_rows], result.ranks[result_rows]
             top_ids, top_logprobs = result.top_ids[result_rows], result.top_logprobs[result_rows]
@@ -230,6 +248,15 @@ class ScheduleActor(AsyncActor):
         metrics["num_preemptions"] = [seq.num_preemptions for seq in seqs]
         metrics["num_cached_prompt_tokens"] = [seq.num_cached_tokens for seq in seqs]
         metrics["num_recoveries"] = [seq.num_recoveries for seq in seqs]
+        metrics["spec_num_steps"] = [seq.spec_steps for seq in seqs]
+        metrics["spec_num_draft_tokens"] = [seq.spec_drafted for seq in seqs]
+        metrics["spec_num_accepted_tokens"] = [seq.spec_accepted for seq in seqs]
+        spec = self.scheduler.config.speculative
+        width = spec.num_speculative_tokens + 1 if spec is not None else 0
+        metrics["spec_histogram_len"] = width
+        histogram = metrics["spec_acceptance_histogram"]
+        for i, seq in enumerate(seqs):
+            histogram[i, : len(seq.spec_histogram)] = seq.spec_histogram
         arrays = tokens.pack_tokens(
             step_id,
             rows,
@@ -257,6 +284,7 @@ def _sequence(prompt: RenderedPrompt) -> Sequence:
         rendered=prompt.rendered,
         detok=prompt.detok,
         cacheable=request.cacheable,
+        can_draft=not request.grammar,
         render_start_ns=prompt.render_start_ns,
         rendered_ns=prompt.rendered_ns,
         output_ids=[] if resume is None else list(resume.output_ids),

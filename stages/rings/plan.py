@@ -20,6 +20,7 @@ STEP_SEQ = np.dtype(
         ("context_len", np.int32),  # KV length after this step
         ("prompt_len", np.int32),
         ("sample", np.bool_),
+        ("num_draft", np.int32),  # the row's last num_draft inputs are drafts to verify
     ]
 )
 STEP = Record(
@@ -79,6 +80,7 @@ def pack_step(step: Step, block_size: int, scheduled_ns: int) -> dict[str, np.nd
     seqs["context_len"] = starts + query_lens
     seqs["prompt_len"] = [s.seq.num_prompt for s in planned]
     seqs["sample"] = [s.sample for s in planned]
+    seqs["num_draft"] = [s.num_draft for s in planned]
     tables = [s.seq.blocks for s in planned]
     width = max(map(len, tables))
     # Padding points at block 0: never read past context_len, and always a valid index.
@@ -118,6 +120,9 @@ def _input_ids(step: Step, total: int, query_start: np.ndarray) -> np.ndarray:  
         if s.num_tokens == 1:
             single_rows.append(row)
             single_tokens.append(s.seq.token_at(s.start))
+        elif s.draft is not None:  # the input token (maybe still -1), then the drafts
+            input_ids[at] = s.seq.token_at(s.start)
+            input_ids[at + 1 : at + s.num_tokens] = s.draft
         else:
             input_ids[at : at + s.num_tokens] = s.seq.token_ids(s.start, s.start + s.num_tokens)
         at += s.num_tokens

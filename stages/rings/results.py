@@ -14,11 +14,12 @@ RESULT = Record(
     "result",
     ("meta", np.int64),  # [step_id, top_k, t_start_ns, t_end_ns, prompt_top_k]
     ("handles", np.int64),  # [B]
-    ("token_ids", np.int64),  # [B], -1 where not sampled
-    ("logprobs", np.float32),  # [B]
-    ("ranks", np.int64),  # [B]
-    ("top_ids", np.int64),  # [B * top_k]
-    ("top_logprobs", np.float32),  # [B * top_k]
+    ("num_tokens", np.int32),  # [B] entries of each row below: 1, or 1 + accepted drafts
+    ("token_ids", np.int64),  # [N], -1 where not sampled
+    ("logprobs", np.float32),  # [N]
+    ("ranks", np.int64),  # [N]
+    ("top_ids", np.int64),  # [N * top_k]
+    ("top_logprobs", np.float32),  # [N * top_k]
     *PROMPT_LOGPROB_FIELDS,
 )
 # Requests whose grammar matchers (plan.GRAMMARS) execute has built: schedule may plan them now.
@@ -32,11 +33,12 @@ class StepResult:
     t_start_ns: int  # the forward pass began
     t_end_ns: int  # the step's tokens were sampled
     handles: np.ndarray  # [B] int64, the step's rows in plan order
-    token_ids: np.ndarray  # [B] int64, -1 where not sampled
-    logprobs: np.ndarray  # [B] float32
-    ranks: np.ndarray  # [B] int64
-    top_ids: np.ndarray  # [B, K] int64
-    top_logprobs: np.ndarray  # [B, K] float32
+    num_tokens: np.ndarray  # [B] int32, entries per row (1 + the drafts a row accepted)
+    token_ids: np.ndarray  # [N] int64, -1 where not sampled
+    logprobs: np.ndarray  # [N] float32
+    ranks: np.ndarray  # [N] int64
+    top_ids: np.ndarray  # [N, K] int64
+    top_logprobs: np.ndarray  # [N, K] float32
     prompt: PromptLogprobs
 
 
@@ -51,6 +53,7 @@ def pack_result(result: StepResult) -> dict[str, np.ndarray]:
     return {
         "meta": np.array(meta, np.int64),
         "handles": np.asarray(result.handles, np.int64),
+        "num_tokens": np.asarray(result.num_tokens, np.int32),
         "token_ids": np.asarray(result.token_ids, np.int64),
         "logprobs": np.asarray(result.logprobs, np.float32),
         "ranks": np.asarray(result.ranks, np.int64),
@@ -62,12 +65,13 @@ def pack_result(result: StepResult) -> dict[str, np.ndarray]:
 
 def unpack_result(views: Views) -> StepResult:
     step_id, top_k, t_start_ns, t_end_ns, prompt_top_k = views["meta"].tolist()
-    count = len(views["handles"])
+    count = len(views["token_ids"])
     return StepResult(
         step_id=step_id,
         t_start_ns=t_start_ns,
         t_end_ns=t_end_ns,
         handles=views["handles"].copy(),
+        num_tokens=views["num_tokens"].copy(),
         token_ids=views["token_ids"].copy(),
         logprobs=views["logprobs"].copy(),
         ranks=views["ranks"].copy(),

@@ -10,6 +10,7 @@ import numpy as np
 from pipeline.records import Record, Vocabulary
 from stages.api import RequestMetrics
 from stages.rings.common import PROMPT_LOGPROB_FIELDS, PromptLogprobs, Views, blobs, unblobs
+from stages.speculation import MAX_SPECULATIVE_TOKENS
 
 
 class DetokParams(msgspec.Struct, frozen=True):
@@ -43,16 +44,34 @@ _SCHEDULE_METRICS = (
     "num_preemptions",
     "num_cached_prompt_tokens",
     "num_recoveries",
+    "spec_num_steps",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
 )
-if missing := set(_SCHEDULE_METRICS) - set(RequestMetrics.__struct_fields__):
+if missing := {*_SCHEDULE_METRICS, "spec_acceptance_histogram"} - set(
+    RequestMetrics.__struct_fields__
+):
     raise TypeError(f"METRICS_ROW names fields RequestMetrics lacks: {missing}")
-METRICS_ROW = np.dtype([(name, np.int64) for name in _SCHEDULE_METRICS])
+METRICS_ROW = np.dtype(
+    [(name, np.int64) for name in _SCHEDULE_METRICS]
+    # [i]: verification steps that accepted i drafts, for i < spec_histogram_len (k + 1)
+    + [
+        ("spec_histogram_len", np.int64),
+        ("spec_acceptance_histogram", np.int64, (MAX_SPECULATIVE_TOKENS + 1,)),
+    ]
+)
 
 
 def request_metrics(row: np.void, finished_ns: int, detokenize_ns: int) -> RequestMetrics:
     """A finished request's metrics from its METRICS_ROW and what detokenize measured."""
-    fields = dict(zip(_SCHEDULE_METRICS, row.tolist(), strict=True))
-    return RequestMetrics(**fields, finished_ns=finished_ns, detokenize_ns=detokenize_ns)
+    fields = {name: int(row[name]) for name in _SCHEDULE_METRICS}
+    histogram = tuple(row["spec_acceptance_histogram"][: row["spec_histogram_len"]].tolist())
+    return RequestMetrics(
+        **fields,
+        spec_acceptance_histogram=histogram,
+        finished_ns=finished_ns,
+        detokenize_ns=detokenize_ns,
+    )
 
 
 TOKEN_ROW = np.dtype(

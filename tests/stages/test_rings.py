@@ -152,16 +152,20 @@ def test_results_round_trip():
         t_start_ns=100,
         t_end_ns=200,
         handles=np.array([3, 4], np.int64),
-        token_ids=np.array([11, -1], np.int64),
-        logprobs=np.array([-0.25, np.nan], np.float32),
-        ranks=np.array([1, 0], np.int64),
-        top_ids=np.array([[11, 12], [-1, -1]], np.int64),
-        top_logprobs=np.array([[-0.25, -2.0], [-np.inf, -np.inf]], np.float32),
+        num_tokens=np.array([3, 1], np.int32),  # row 3 verified drafts: two accepted, then one
+        token_ids=np.array([11, 12, 13, -1], np.int64),
+        logprobs=np.array([-0.25, -0.5, -1.0, np.nan], np.float32),
+        ranks=np.array([1, 1, 2, 0], np.int64),
+        top_ids=np.array([[11, 12], [12, 11], [14, 13], [-1, -1]], np.int64),
+        top_logprobs=np.array(
+            [[-0.25, -2.0], [-0.5, -1.5], [-0.9, -1.0], [-np.inf, -np.inf]], np.float32
+        ),
         prompt=prompt_logprobs([4, 4, 4], top_k=3),
     )
     back = results.unpack_result(through(results.RESULT, results.pack_result(result)))
     assert (back.step_id, back.t_start_ns, back.t_end_ns) == (5, 100, 200)
-    for name in ("handles", "token_ids", "logprobs", "ranks", "top_ids", "top_logprobs"):
+    names = ("handles", "num_tokens", "token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+    for name in names:
         np.testing.assert_array_equal(getattr(back, name), getattr(result, name))
     np.testing.assert_array_equal(back.prompt.rows, result.prompt.rows)
     np.testing.assert_array_equal(back.prompt.top_ids, result.prompt.top_ids)

@@ -1,0 +1,119 @@
+"""How many draft tokens each request gets in the next step, so that speculation never costs.
+
+A draft token costs the step one more token of compute and pays only if it is accepted. On a CPU
+(or a GPU under load) a step's time grows with its tokens, so the policy learns that growth from
+the steps it sees, `step_s ~ fixed_s + per_token_s * tokens`, and each request's chance that a draft
+is accepted (`acceptance`, a decaying average). Drafting also costs the pipeline its one step of
+overlap (a plan with drafts waits for the previous step's tokens): `sync_gap_s`, measured too.
+
+For one step it adds draft positions, most promising first (draft j of a request with acceptance a
+is accepted with probability a^j), while they raise the step's expected output tokens per second;
+an unpromising request, a compute-bound step or a crowded one gets none. Plain numbers in, plain
+numbers out: schedule feeds it, and it is tested on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A request's acceptance starts here (one draft in two), so a new request tries speculation at once.
+PRIOR_ACCEPTANCE = 0.5
+ACCEPTANCE_DECAY = 0.7  # weight of the past in each update: about the last three steps count
+# Acceptance never falls below this, so a request that stopped matching is tried again now and
+# then (its proposals change as the text goes on) and recovers within a few steps if it matches.
+MIN_ACCEPTANCE = 0.05
+COST_DECAY = 0.97  # the step-time fit remembers about the last 30 steps
+
+
+@dataclass(slots=True)
+class StepCost:
+    """A least-squares fit of step time against tokens, with exponential forgetting."""
+
+    fixed_s: float = 0.010  # a guess until steps are seen: a small model's step on a CPU
+    per_token_s: float = 0.002
+    # Time between steps when a plan waits for the last results, and when it was made ahead
+    # (execute's own work between two forward passes); drafting costs the difference.
+    synced_gap_s: float = 0.0005
+    overlapped_gap_s: float = 0.0
+    _n: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = COST_DECAY
+        self._n = d * self._n + 1.0
+        self._sx = d * self._sx + tokens
+        self._sy = d * self._sy + seconds
+        self._sxx = d * self._sxx + tokens * tokens
+        self._sxy = d * self._sxy + tokens * seconds
+        spread = self._n * self._sxx - self._sx * self._sx
+        if spread > 1e-9 * max(1.0, self._n * self._sxx):  # step sizes have varied: fit both
+            slope = (self._n * self._sxy - self._sx * self._sy) / spread
+            self.per_token_s = max(slope, 1e-7)
+            self.fixed_s = max(self._sy / self._n - self.per_token_s * self._sx / self._n, 0.0)
+        else:  # one step size so far: keep the guess's proportions, at the observed scale
+            scale = (self._sy / self._n) / self.step_s(round(self._sx / self._n))
+            self.fixed_s *= scale
+            self.per_token_s *= scale
+
+    def observe_gap(self, seconds: float, synced: bool) -> None:
+        seconds = max(seconds, 0.0)
+        if synced:
+            self.synced_gap_s = 0.8 * self.synced_gap_s + 0.2 * seconds
+        else:
+            self.overlapped_gap_s = 0.8 * self.overlapped_gap_s + 0.2 * seconds
+
+    @property
+    def sync_gap_s(self) -> float:
+        """What a step loses by waiting for its predecessor's tokens."""
+        return max(self.synced_gap_s - self.overlapped_gap_s, 0.0)
+
+    def step_s(self, tokens: int) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+
+def update_acceptance(acceptance: float, num_drafted: int, num_accepted: int) -> float:
+    """A request's acceptance after a step that verified num_drafted drafts and accepted the first
+    num_accepted: each accepted draft is a success, the first rejected one a failure."""
+    if num_drafted <= 0:
+        return acceptance
+    trials = num_accepted + (1 if num_accepted < num_drafted else 0)
+    observed = num_accepted / trials
+    weight = ACCEPTANCE_DECAY**trials
+    return max(MIN_ACCEPTANCE, weight * acceptance + (1.0 - weight) * observed)
+
+
+def plan_drafts(
+    cost: StepCost,
+    base_tokens: int,  # tokens the step carries without drafts (decodes, prefill chunks)
+    base_outputs: int,  # tokens it emits without drafts (one per row that samples)
+    candidates: list[tuple[float, int]],  # per request that can draft: (acceptance, proposal len)
+    pipelined: bool,  # the step could otherwise be planned ahead (its gap would be hidden)
+) -> list[int]:
+    """Draft tokens for each candidate, in order: the choice that maximises the step's expected
+    output tokens per second, drafts added most likely first."""
+    counts = [0] * len(candidates)
+    if not candidates:
+        return counts
+    # Every (request, draft position): the expected tokens it adds, a^j. Within a request these
+    # fall with j, so taking them in descending order never takes draft j before draft j - 1.
+    units = sorted(
+        ((acceptance**j, i) for i, (acceptance, length) in enumerate(candidates)
+         for j in range(1, length + 1)),
+        reverse=True,
+    )  # fmt: skip
+    base_s = cost.step_s(base_tokens)
+    best_rate = base_outputs / base_s if base_s > 0 else 0.0
+    best_taken = 0
+    gained = 0.0
+    extra_s = cost.sync_gap_s if pipelined else 0.0
+    for taken, (gain, _) in enumerate(units, start=1):
+        gained += gain
+        rate = (base_outputs + gained) / (base_s + extra_s + cost.per_token_s * taken)
+        if rate > best_rate:
+            best_rate, best_taken = rate, taken
+    for _, i in units[:best_taken]:
+        counts[i] += 1
+    return counts

@@ -1,0 +1,223 @@
+"""Speculative decoding's parts on their own: the config, prompt lookup, the draft policy, and the
+scheduler's drafted steps (KV given back, stops and limits inside a draft, one step in flight)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stages import draft_policy
+from stages.draft_policy import StepCost, plan_drafts, update_acceptance
+from stages.rings import common as m
+from stages.scheduler import Scheduler, SchedulerConfig, Status
+from stages.speculation import SpeculativeConfig, propose_ngram
+from tests.stages.test_scheduler import seq
+
+# -- config ----------------------------------------------------------------------------------------
+
+
+def test_config_takes_vllms_json_and_defaults():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    one = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    )
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (4, 4)
+    old = SpeculativeConfig.parse('{"model": "[ngram]", "num_speculative_tokens": 2}')
+    assert old.method == "ngram"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("not json", "not JSON"),
+        ('{"method": "ngram"}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+         '"prompt_lookup_max": 2}', "must be <="),
+        ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}', "not supported"),
+        ('{"method": "medusa2", "num_speculative_tokens": 2}', "unknown"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": "x"}',
+         "not supported"),
+    ],
+)  # fmt: skip
+def test_config_refuses_what_it_cannot_honour(text, says):
+    with pytest.raises(ValueError, match=says):
+        SpeculativeConfig.parse(text)
+
+
+# -- prompt lookup ---------------------------------------------------------------------------------
+
+
+def _ids(*tokens: int) -> np.ndarray:
+    return np.array(tokens, np.int32)
+
+
+def test_prompt_lookup_follows_vllms_example():
+    # vLLM's docstring: [4, 2, 3] has no earlier match, [2, 3] does; three tokens follow it.
+    assert propose_ngram(_ids(1, 2, 3, 4, 2, 3), 2, 3, 4).tolist() == [4, 2, 3]
+
+
+def test_prompt_lookup_prefers_the_longest_then_the_earliest_match():
+    tokens = _ids(9, 2, 3, 50, 1, 2, 3, 60, 1, 2, 3, 70, 1, 2, 3)
+    # [1, 2, 3] occurs at 4 and 8; [2, 3] alone also at 1: the longest wins, then the earliest
+    assert propose_ngram(tokens, 1, 3, 2).tolist() == [60, 1]
+    assert propose_ngram(tokens, 1, 2, 2).tolist() == [50, 1]  # n capped at 2: earliest [2, 3]
+    assert propose_ngram(tokens, 4, 5, 2).tolist() == []  # nothing of length 4 matches
+
+
+def test_prompt_lookup_without_a_match_or_room_proposes_nothing():
+    assert propose_ngram(_ids(1, 2, 3, 4), 1, 3, 4).tolist() == []
+    assert propose_ngram(_ids(5, 5), 1, 1, 0).tolist() == []
+    assert propose_ngram(_ids(5), 1, 1, 3).tolist() == []
+    assert propose_ngram(_ids(5, 5, 5), 1, 2, 3).tolist() == [5]  # overlap: what follows [5, 5]
+
+
+def test_prompt_lookup_matches_a_brute_force_search():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, rng.integers(1, 40)).astype(np.int32)
+        low = int(rng.integers(1, 4))
+        high = low + int(rng.integers(0, 3))
+        want: list[int] = []
+        for n in range(high, low - 1, -1):
+            if n >= len(tokens):
+                continue
+            suffix = tokens[len(tokens) - n :].tolist()
+            ends = [
+                e
+                for e in range(n - 1, len(tokens) - 1)
+                if tokens[e - n + 1 : e + 1].tolist() == suffix
+            ]
+            if ends:
+                want = tokens[ends[0] + 1 : ends[0] + 1 + 3].tolist()
+                break
+        assert propose_ngram(tokens, low, high, 3).tolist() == want, (tokens.tolist(), low, high)
+
+
+# -- the draft policy ------------------------------------------------------------------------------
+
+
+def test_cost_fit_recovers_fixed_and_per_token_time():
+    cost = StepCost()
+    for tokens in [1, 5, 2, 9, 1, 3] * 10:
+        cost.observe(tokens, 0.004 + 0.0015 * tokens)
+    assert cost.fixed_s == pytest.approx(0.004, rel=1e-6)
+    assert cost.per_token_s == pytest.approx(0.0015, rel=1e-6)
+
+
+def test_drafts_go_where_they_pay_and_not_where_steps_are_compute_bound():
+    memory_bound = StepCost(fixed_s=0.010, per_token_s=0.0005, synced_gap_s=0.0005)
+    # one stream that accepts most drafts: take them all
+    assert plan_drafts(memory_bound, 1, 1, [(0.9, 4)], pipelined=True) == [4]
+    # two streams: the promising one drafts deeper than the poor one
+    counts = plan_drafts(memory_bound, 2, 2, [(0.9, 4), (0.2, 4)], pipelined=True)
+    assert counts[0] == 4 and counts[1] < 4
+    # a stream whose drafts are never accepted gets none
+    assert plan_drafts(memory_bound, 1, 1, [(0.01, 4)], pipelined=True) == [0]
+    # compute-bound: 32 streams where each token costs as much as the whole fixed part
+    compute_bound = StepCost(fixed_s=0.002, per_token_s=0.005, synced_gap_s=0.0005)
+    assert plan_drafts(compute_bound, 32, 32, [(0.6, 4)] * 32, pipelined=True) == [0] * 32
+    assert plan_drafts(compute_bound, 1, 1, [], pipelined=True) == []
+
+
+def test_acceptance_follows_what_steps_accept():
+    a = draft_policy.PRIOR_ACCEPTANCE
+    high = a
+    for _ in range(10):
+        high = update_acceptance(high, 4, 4)
+    assert high > 0.95
+    low = a
+    for _ in range(10):
+        low = update_acceptance(low, 4, 0)
+    assert low == draft_policy.MIN_ACCEPTANCE  # never zero: it is tried again now and then
+    assert update_acceptance(0.3, 0, 0) == 0.3
+
+
+# -- the scheduler ---------------------------------------------------------------------------------
+
+SPEC = SpeculativeConfig("ngram", 4, 1, 3)
+
+
+def make(num_blocks=64, budget=32, block_size=4, max_len=512) -> Scheduler:
+    return Scheduler(SchedulerConfig(8, budget, max_len, num_blocks, block_size, speculative=SPEC))
+
+
+def repeating(handle: int, max_tokens: int = 100):
+    """A request whose prompt repeats: prompt lookup proposes what followed its last tokens."""
+    return seq(handle, 12, max_tokens, prompt=np.array([5, 6, 7, 8] * 3, np.int32))
+
+
+def complete(s: Scheduler, step, tokens_per_row: list[list[int]]):
+    handles = np.array([x.seq.handle for x in step.seqs])
+    counts = np.array([len(t) for t in tokens_per_row], np.int32)
+    flat = np.array([t for row in tokens_per_row for t in row], np.int64)
+    # a step's time as on a CPU: 10 ms, and 0.5 ms more per token
+    took_ns = 10_000_000 + 500_000 * sum(x.num_tokens for x in step.seqs)
+    return s.complete(step.step_id, handles, flat, counts, 1_000, 1_000 + took_ns)[0]
+
+
+def test_a_decode_carries_drafts_and_rejected_ones_give_their_kv_back():
+    s = make()
+    r = repeating(1)
+    s.add(r)
+    step = s.schedule()  # the prompt; it samples the first output
+    complete(s, step, [[5]])
+    assert s.wants_drafts and s.max_in_flight == 1
+    r.acceptance = 0.9  # as after steps that accepted most drafts: the policy drafts all four
+    step = s.schedule()
+    planned = step.seqs[0]
+    # after [..., 7, 8, 5] lookup proposes what followed [8, 5] earlier: 6, 7, 8, 5
+    assert planned.draft.tolist() == [6, 7, 8, 5] and planned.num_tokens == 5
+    assert r.num_computed == 12 + 5 and len(r.blocks) == 5  # KV for the drafts, 17 tokens
+    # the model agrees with two drafts, then samples 9: three tokens out
+    out = complete(s, step, [[6, 7, 9]])
+    assert [t for _, t in out] == [6, 7, 9]
+    assert r.output_ids == [5, 6, 7, 9]
+    assert r.num_computed == 12 + 3  # the rejected drafts' positions are free to rewrite
+    assert len(r.blocks) == 4  # the block only they used is given back
+    assert (r.spec_steps, r.spec_drafted, r.spec_accepted) == (1, 4, 2)
+    assert r.spec_histogram[2] == 1 and s.accepted_per_pos[:3] == [1, 1, 0]
+    assert s.blocks.num_free == 64 - 4
+
+
+def test_max_tokens_and_stop_ids_inside_a_draft_end_the_output_there():
+    s = make()
+    r = repeating(1, max_tokens=3)
+    s.add(r)
+    complete(s, s.schedule(), [[5]])
+    step = s.schedule()
+    assert step.seqs[0].draft.tolist() == [6]  # no draft could be emitted past max_tokens - 1
+    complete(s, step, [[6, 7]])
+    assert r.output_ids == [5, 6, 7] and r.status == Status.FINISHED and r.finish == m.FINISH_LENGTH
+
+    s = make()
+    r = repeating(2)
+    r.stop_ids = frozenset({7})
+    s.add(r)
+    complete(s, s.schedule(), [[5]])
+    step = s.schedule()
+    out = complete(s, step, [[6, 7, 8, 5, 6]])  # every draft accepted and a bonus; 7 is a stop id
+    assert [t for _, t in out] == [6, 7]
+    assert r.finish == m.FINISH_STOP and s.blocks.num_free == 64
+
+
+def test_a_preempted_or_aborted_request_with_drafts_in_flight_frees_everything():
+    s = make()
+    r = repeating(1)
+    s.add(r)
+    complete(s, s.schedule(), [[5]])
+    step = s.schedule()
+    assert step.seqs[0].num_draft
+    s.abort(1)
+    assert complete(s, step, [[6, 7, 8]]) == []
+    assert s.blocks.num_free == 64 and not s.by_handle
+
+
+def test_without_proposals_steps_stay_two_in_flight():
+    s = make()
+    s.add(seq(1, 6))  # a prompt that never repeats
+    complete(s, s.schedule(), [[900]])
+    assert not s.wants_drafts and s.max_in_flight == 2
+    step = s.schedule()
+    assert step.seqs[0].draft is None and step.seqs[0].num_tokens == 1
