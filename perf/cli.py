@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--num-requests", type=int, default=0, help="per load level (default 4 x concurrency, >= 8)"
     )
+    serve.add_argument(
+        "--workload",
+        choices=("random", "grounded"),
+        default="random",
+        help="random: random-word prompts of --prompt-tokens; grounded: copy a function of this "
+        "project's source given in the prompt (where speculative decoding pays)",
+    )
     serve.add_argument("--prompt-tokens", type=int, default=204)
     serve.add_argument("--max-tokens", type=int, default=128)
     serve.add_argument("--seed", type=int, default=0)
@@ -98,7 +105,25 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--threads", type=int, default=0)
     chaos.add_argument("--json", dest="json_path")
 
+    spec = sub.add_parser(
+        "spec", help="speculative decoding on against off, two servers side by side, one table"
+    )
+    spec.add_argument("model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)")
+    spec.add_argument(
+        "--speculative-config",
+        default=None,
+        help="the JSON for the speculating server (default: ngram, 5 tokens, n-grams of 2-5)",
+    )
+    spec.add_argument("--threads", type=int, default=2)
+    spec.add_argument("--max-tokens", type=int, default=128)
+    spec.add_argument("--repeats", type=int, default=1, help="pairs per case, order alternated")
+    spec.add_argument("--port", type=int, default=8610, help="the servers take PORT and PORT + 1")
+    spec.add_argument("--log-dir", default=".", help="where the two servers' logs go")
+    spec.add_argument("--json", dest="json_path")
+
     args = parser.parse_args(argv)
+    if args.mode == "spec":
+        return run_spec_cli(args)
     if args.mode == "model":
         return run_model_cli(args)
     if args.mode == "offline":
@@ -143,6 +168,7 @@ def run_serve_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         max_tokens=args.max_tokens,
         seed=args.seed,
         dataset=args.dataset,
+        workload=args.workload,
         slo=slo,
         api_key=args.api_key,
         model=args.model,
@@ -178,6 +204,29 @@ def run_serve_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             )
             print(f"wrote {path}", file=sys.stderr)
     return 1 if any(run["completed"] == 0 for run in report["runs"]) else 0
+
+
+def run_spec_cli(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import replace
+
+    from perf import spec_bench
+
+    bench_args = spec_bench.SpecBenchArgs(
+        model=args.model,
+        port=args.port,
+        threads=args.threads,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+    )
+    if args.speculative_config:
+        bench_args = replace(bench_args, speculative_config=args.speculative_config)
+    report = spec_bench.run_spec_bench(bench_args, args.log_dir)
+    print(spec_bench.format_table(report))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
 
 
 def run_chaos_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -142,6 +142,48 @@ def synthetic(
     return Workload(prompts, [max_tokens] * num_requests)
 
 
+def grounded(num_requests: int, max_tokens: int, seed: int) -> Workload:
+    """Requests whose answer repeats the prompt: copy a function of this project's own source,
+    given in the prompt (the edit-and-echo work where prompt lookup pays). Deterministic by seed;
+    nothing is downloaded."""
+    rng = random.Random(seed)
+    passages = _functions_of_the_project()
+    prompts = []
+    for _ in range(num_requests):
+        source = rng.choice(passages)
+        prompts.append(
+            [
+                {
+                    "role": "user",
+                    "content": "Copy this Python function exactly, line for line:\n\n"
+                    f"```python\n{source}\n```",
+                }
+            ]
+        )
+    return Workload(prompts, [max_tokens] * num_requests)
+
+
+def _functions_of_the_project() -> list[str]:
+    """Top-level functions of stages/ and server/ between 300 and 900 characters (about 80-250
+    tokens), in a fixed order."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for package in ("stages", "server"):
+        for path in sorted((root / package).rglob("*.py")):
+            text = path.read_text()
+            for node in ast.parse(text).body:
+                if isinstance(node, ast.FunctionDef):
+                    source = ast.get_source_segment(text, node) or ""
+                    if 300 <= len(source) <= 900:
+                        found.append(source)
+    if not found:
+        raise RuntimeError(f"no functions found under {root} for the grounded workload")
+    return found
+
+
 def from_jsonl(path: str, num_requests: int, max_tokens: int) -> Workload:
     """Chat requests from a JSONL file: each line has `messages` and optionally `max_tokens`."""
     prompts, limits = [], []
@@ -331,6 +373,46 @@ def summarize(
     return summary
 
 
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
+
+
+async def fetch_spec_counters(
+    session: aiohttp.ClientSession, url: str, api_key: str | None
+) -> dict[str, float] | None:
+    """The speculative-decoding counters on /metrics (vLLM's names), summed over label sets;
+    None when the server exports none (speculation off, or not a vLLM-compatible server)."""
+    try:
+        async with session.get(f"{url.rstrip('/')}/metrics", headers=_auth(api_key)) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except aiohttp.ClientError:
+        return None
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in SPEC_COUNTERS:
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found if len(found) == len(SPEC_COUNTERS) else None
+
+
+def spec_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A run's acceptance from the counters' deltas, as vLLM reports it: the share of drafted
+    tokens accepted, and tokens per verification step (accepted + 1)."""
+    drafts, tokens, accepted = (after[n] - before[n] for n in SPEC_COUNTERS)
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": tokens,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / tokens if tokens else 0.0,
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 0.0,
+    }
+
+
 async def fetch_profile(
     session: aiohttp.ClientSession, url: str, api_key: str | None
 ) -> tuple[dict[str, np.ndarray], dict[str, float]] | None:
@@ -388,6 +470,7 @@ class ServeArgs:
     max_tokens: int = 128
     seed: int = 0
     dataset: str | None = None
+    workload: str = "random"  # "random" (random-word prompts) or "grounded" (copy a function)
     slo: Slo | None = None
     api_key: str | None = None
     model: str | None = None
@@ -416,11 +499,12 @@ async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str
         for kind, level in loads:
             count = args.num_requests or max(8, 4 * int(level if kind == "concurrency" else 8))
             for server, (url, tpw, client) in enumerate(clients):  # interleaved: level by level
-                work = (
-                    from_jsonl(args.dataset, count, args.max_tokens)
-                    if args.dataset
-                    else synthetic(count, args.prompt_tokens, args.max_tokens, args.seed, tpw)
-                )
+                if args.dataset:
+                    work = from_jsonl(args.dataset, count, args.max_tokens)
+                elif args.workload == "grounded":
+                    work = grounded(count, args.max_tokens, args.seed)
+                else:
+                    work = synthetic(count, args.prompt_tokens, args.max_tokens, args.seed, tpw)
                 for i in range(args.warmup):
                     await client.chat(
                         work.prompts[i % len(work.prompts)], min(8, work.max_tokens[0])
@@ -428,6 +512,7 @@ async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str
                 label = f"{kind}={level:g} {url}" if len(clients) > 1 else f"{kind}={level:g}"
                 progress = Progress(label, count)
                 before = await fetch_profile(session, url, args.api_key) if args.profile else None
+                spec_before = await fetch_spec_counters(session, url, args.api_key)
                 cpu0, wall0 = time.process_time(), time.perf_counter()
                 if kind == "concurrency":
                     results = await closed_loop(client, work, int(level), progress)
@@ -440,6 +525,9 @@ async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str
                     "server": server,
                 }
                 run.update(summarize(results, wall, cpu, args.slo))
+                spec_after = await fetch_spec_counters(session, url, args.api_key)
+                if spec_before is not None and spec_after is not None:
+                    run["speculative_decoding"] = spec_summary(spec_before, spec_after)
                 if before is not None:
                     after = await fetch_profile(session, url, args.api_key)
                     if after is not None:
@@ -470,6 +558,19 @@ def format_table(report: dict[str, Any]) -> str:
             f"{run['itl_ms']['p50']:>7.1f}m {run['itl_ms']['p99']:>7.1f}m "
             f"{run['tpot_ms']['p50']:>8.1f}m {run['e2e_ms']['p50']:>8.0f}m {run['client_cpu_fraction']:>6.0%}"
         )
+    for run in report["runs"]:
+        spec = run.get("speculative_decoding")
+        if spec:
+            load = (
+                f"c={run['concurrency']}"
+                if "concurrency" in run
+                else f"r={run['request_rate']:g}/s"
+            )
+            lines.append(
+                f"{load} {run['url']}: speculative decoding accepted {spec['acceptance_rate']:.0%} "
+                f"of {spec['num_draft_tokens']:.0f} drafts, mean acceptance length "
+                f"{spec['mean_acceptance_length']:.2f}"
+            )
     first = [r for r in report["runs"] if r.get("server", 0) == 0]
     second = [r for r in report["runs"] if r.get("server", 0) == 1]
     if second:

@@ -1,0 +1,178 @@
+"""`pipeline-bench spec`: speculative decoding on against off, side by side in one run.
+
+Starts two `pipeline-serve` processes on the same model (one with `--speculative-config`, one
+without), then drives both with `pipeline-bench serve`'s load generator, interleaved level by level:
+the grounded workload (copy a function given in the prompt) at c=1 and c=8, and the random-prompt
+workload of the earlier benchmarks at c=32 and c=1, at temperature 0 (the load generator's). It prints each pair's ratio
+against the issue's goal with the acceptance figures from /metrics, and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from perf import serve_bench
+
+# (workload, concurrency, requests, what is compared, goal): the goal is on / off, except for
+# ITL, where it is the most on may take relative to off.
+CASES = (
+    ("grounded", 1, 8, "output_tok_per_s", 2.5),
+    ("grounded", 8, 24, "output_tok_per_s", 1.8),
+    ("random", 32, 64, "output_tok_per_s", 0.97),
+    ("random", 1, 8, "itl_p50", 1.0),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecBenchArgs:
+    model: str | None = None  # None: the default model
+    speculative_config: str = (
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 5}'
+    )
+    port: int = 8610
+    threads: int = 2
+    max_tokens: int = 128
+    repeats: int = 1
+    extra_server_args: tuple[str, ...] = ()
+
+
+def _get(port: int, path: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+@contextlib.contextmanager
+def _server(args: list[str], port: int, log_path: str) -> Iterator[str]:
+    argv = [sys.executable, "-m", "server.cli", *args, "--port", str(port), "--log-format", "json"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"pipeline-serve exited; see {log_path}")
+                with contextlib.suppress(OSError):
+                    if _get(port, "/health") == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"pipeline-serve did not become ready; see {log_path}")
+                time.sleep(0.2)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def run_spec_bench(args: SpecBenchArgs, log_dir: str) -> dict[str, Any]:
+    common = ([args.model] if args.model else []) + [
+        "--threads",
+        str(args.threads),
+        *args.extra_server_args,
+    ]
+    on_args = [*common, "--speculative-config", args.speculative_config]
+    rows: list[dict[str, Any]] = []
+    with (
+        _server(on_args, args.port, os.path.join(log_dir, "spec-on.log")) as on_url,
+        _server(common, args.port + 1, os.path.join(log_dir, "spec-off.log")) as off_url,
+    ):
+        for repeat in range(args.repeats):
+            # Alternate which server goes first in each pair, so that drift favours neither.
+            urls = (on_url, off_url) if repeat % 2 == 0 else (off_url, on_url)
+            for workload, concurrency, requests, measure, goal in CASES:
+                print(
+                    f"[spec bench] {workload} c={concurrency} ({repeat + 1}/{args.repeats})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                report, _ = asyncio.run(
+                    serve_bench.run_serve(
+                        serve_bench.ServeArgs(
+                            urls=urls,
+                            concurrency=(concurrency,),
+                            num_requests=requests,
+                            max_tokens=args.max_tokens,
+                            workload=workload,
+                        )
+                    )
+                )
+                by_url = {run["url"]: run for run in report["runs"]}
+                rows.append(
+                    _row(workload, concurrency, measure, goal, by_url[on_url], by_url[off_url])
+                )
+    return {"speculative_config": args.speculative_config, "rows": rows}
+
+
+def _row(
+    workload: str, concurrency: int, measure: str, goal: float, on: dict, off: dict
+) -> dict[str, Any]:
+    if measure == "itl_p50":
+        ratio = on["itl_ms"]["p50"] / off["itl_ms"]["p50"] if off["itl_ms"]["p50"] else 0.0
+        met = ratio <= goal
+    else:
+        ratio = on[measure] / off[measure] if off[measure] else 0.0
+        met = ratio >= goal
+    spec = on.get("speculative_decoding", {})
+    return {
+        "workload": workload,
+        "concurrency": concurrency,
+        "measure": measure,
+        "goal": goal,
+        "ratio": ratio,
+        "met": met,
+        "on": _figures(on),
+        "off": _figures(off),
+        "acceptance_rate": spec.get("acceptance_rate", 0.0),
+        "mean_acceptance_length": spec.get("mean_acceptance_length", 0.0),
+        "num_draft_tokens": spec.get("num_draft_tokens", 0.0),
+    }
+
+
+def _figures(run: dict) -> dict[str, float]:
+    return {
+        "output_tok_per_s": run["output_tok_per_s"],
+        "ttft_p50_ms": run["ttft_ms"]["p50"],
+        "itl_p50_ms": run["itl_ms"]["p50"],
+        "itl_p99_ms": run["itl_ms"]["p99"],
+        "errors": run["errors"],
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    header = (
+        "| workload | c | measure | on / off | goal | on tok/s | off tok/s | accepted | mean len "
+        "| TTFT p50 on/off (ms) | ITL p50 on/off (ms) | ITL p99 on/off (ms) |"
+    )
+    lines = [header, "|" + "---|" * 12]
+    for row in report["rows"]:
+        on, off = row["on"], row["off"]
+        goal = ("<= " if row["measure"] == "itl_p50" else ">= ") + f"{row['goal']:g}"
+        lines.append(
+            f"| {row['workload']} | {row['concurrency']} | {row['measure']} | "
+            f"{row['ratio']:.2f}{'' if row['met'] else ' (missed)'} | {goal} | "
+            f"{on['output_tok_per_s']:.1f} | {off['output_tok_per_s']:.1f} | "
+            f"{row['acceptance_rate']:.0%} | {row['mean_acceptance_length']:.2f} | "
+            f"{on['ttft_p50_ms']:.0f} / {off['ttft_p50_ms']:.0f} | "
+            f"{on['itl_p50_ms']:.1f} / {off['itl_p50_ms']:.1f} | "
+            f"{on['itl_p99_ms']:.1f} / {off['itl_p99_ms']:.1f} |"
+        )
+    return "\n".join(lines)
