@@ -125,11 +125,9 @@ async def completions() -> Response:
     )
 
 
-@routes.get("/v1/models")
-async def models() -> Response:
-    serving = openai_serving()
+def _model_card(serving: OpenAIServing) -> dict[str, object]:
     info = serving.engine.model_info
-    card = {
+    return {
         "id": serving.served_model_name,
         "object": "model",
         "created": info.created,
@@ -138,9 +136,24 @@ async def models() -> Response:
         "parent": None,
         "max_model_len": info.max_model_len,
     }
-    return json_response({"object": "list", "data": [card]})
 
 
+@routes.get("/v1/models")
+async def models() -> Response:
+    return json_response({"object": "list", "data": [_model_card(openai_serving())]})
+
+
+@routes.get("/v1/models/<path:model_id>")
+async def model(model_id: str) -> Response:
+    """One served model's card (the OpenAI client's `models.retrieve`); 404 for any other name.
+    A path, since Hugging Face names have a slash in them (`HuggingFaceTB/SmolLM2-135M`)."""
+    serving = openai_serving()
+    serving.check_model(model_id)
+    return json_response(_model_card(serving))
+
+
+# vLLM's /ping (SageMaker's probe) answers as /health, to GET and POST alike.
+@routes.route("/ping", methods=["GET", "POST"])
 @routes.get("/health")
 async def health() -> Response:
     engine = openai_serving().engine

@@ -327,6 +327,30 @@ def test_models(client: openai.OpenAI) -> None:
     assert models[0].model_extra["max_model_len"] == 64  # type: ignore[index]
 
 
+def test_retrieve_model(client: openai.OpenAI, server: LiveServer) -> None:
+    card = client.models.retrieve("fake-model")
+    assert card.id == "fake-model" and card.object == "model" and card.owned_by
+    assert card.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("other-model")
+    assert missing.value.code == "model_not_found"
+    assert "other-model" in missing.value.message
+    # A Hugging Face name has a slash in it: still one model id, not another route.
+    status, _, body = raw_request(server, "GET", "/v1/models/org/other-model")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    assert client.models.retrieve("fake-model").id == "fake-model"  # still serving
+
+
+def test_ping_follows_engine_readiness_as_health(server: LiveServer, engine: FakeEngine) -> None:
+    for method in ("GET", "POST"):
+        engine.ready = False
+        status, headers, body = raw_request(server, method, "/ping", headers={"Authorization": ""})
+        assert status == 503 and {k.lower(): v for k, v in headers.items()}["retry-after"] == "5"
+        assert json.loads(body)["error"]["type"] == "ServiceUnavailableError"
+        engine.ready = True
+        assert raw_request(server, method, "/ping", headers={"Authorization": ""})[0] == 200
+
+
 def test_tokenize_and_detokenize(server: LiveServer, engine: FakeEngine) -> None:
     status, _, body = raw_request(server, "POST", "/tokenize", {"prompt": "red green red"})
     tokenized = json.loads(body)
