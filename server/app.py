@@ -1,4 +1,5 @@
-"""The Quart app: OpenAI routes plus vLLM's /health, /version, /tokenize, /detokenize, /metrics.
+"""The Quart app: OpenAI routes plus vLLM's /health, /ping, /version, /tokenize, /detokenize,
+/metrics, the /render endpoints and /reset_prefix_cache.
 Handlers are module-level; what they share is the app's `OpenAIServing` (server.openai_serving)."""
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
 
 
 # What --api-key guards besides /v1/*: what reads the model or the engine (as in vLLM, whose
-# /tokenize and /detokenize need the key); /health, /version and /metrics stay open to probes.
-_KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/debug/profile"})
+# /tokenize and /detokenize need the key) or changes the engine's state; /health, /ping,
+# /version and /metrics stay open to probes.
+_KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/debug/profile", "/reset_prefix_cache"})
 
 
 # The hooks and error handlers are the app's, so they also cover requests no route matched.
@@ -138,6 +140,25 @@ def _model_card(serving: OpenAIServing) -> dict[str, object]:
     }
 
 
+# The prompt a request would generate from, rendered by the render stage as for generation, and
+# nothing generated; as in vLLM, chat answers one request and text completions a list of them.
+@routes.post("/v1/chat/completions/render")
+async def render_chat_completion() -> Response:
+    serving = openai_serving()
+    return json_response(
+        await serving.render_route(
+            ChatCompletionRequest, "chatcmpl", lambda body: body.prompt(), serving.chat_parsers
+        )
+    )
+
+
+@routes.post("/v1/completions/render")
+async def render_completion() -> Response:
+    serving = openai_serving()
+    rendered = await serving.render_route(CompletionRequest, "cmpl", lambda b: b.prompt_value())
+    return json_response([rendered])
+
+
 @routes.get("/v1/models")
 async def models() -> Response:
     return json_response({"object": "list", "data": [_model_card(openai_serving())]})
@@ -206,6 +227,18 @@ async def detokenize() -> Response:
     except EngineError as error:
         raise APIError.from_engine(error) from error
     return json_response({"prompt": text})
+
+
+@routes.post("/reset_prefix_cache")
+async def reset_prefix_cache() -> Response:
+    """vLLM's: every cached prefix block no request holds is dropped, before any request sent
+    after the answer is scheduled; 200 with an empty body."""
+    engine = openai_serving().engine
+    try:
+        await engine.reset_prefix_cache()
+    except EngineError as error:
+        raise APIError.from_engine(error) from error
+    return Response(b"", status=200)
 
 
 @routes.get("/metrics")

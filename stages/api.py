@@ -174,6 +174,14 @@ class RequestOutput(msgspec.Struct, frozen=True):
     tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this step (with a tool parser)
 
 
+class RenderedPromptInfo(msgspec.Struct, frozen=True):
+    """What render made of a request, as generation would see it (the /render endpoints)."""
+
+    token_ids: list[int]  # the prompt's, after the chat template and any truncation
+    text: str  # those tokens decoded, special tokens kept
+    max_tokens: int  # the output budget, resolved against the context
+
+
 class EngineError(Exception):
     """An error for one request, with the HTTP status and OpenAI error fields to answer with."""
 
@@ -231,6 +239,16 @@ class EngineClient(Protocol):
         ...
 
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    async def render(self, request: GenerateRequest) -> RenderedPromptInfo:
+        """The request rendered exactly as `generate` would render it, and nothing generated;
+        raises the EngineError generate would."""
+        ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix block no request holds; every request sent after this returns
+        finds no prefix cached from before."""
+        ...
 
     def stats(self) -> Mapping[str, float]:
         """Engine-wide gauges and counters for /metrics (names as vLLM's where the meaning is the same)."""

@@ -55,6 +55,11 @@ class ScheduleActor(AsyncActor):
         inbox = self.ctx.inbox["prompts"]
         while True:
             with await inbox.recv_async() as message:
+                if message.name == common.RESET_PREFIX_CACHE.name:
+                    reset_id = common.unpack_reset_prefix_cache(message)
+                    dropped = self.scheduler.blocks.reset_prefix_cache()
+                    self.ctx.log.info("prefix cache reset", reset_id=reset_id, blocks=dropped)
+                    continue
                 if message.name == common.ABORT.name:
                     handles, prompt = common.unpack_abort(message), None
                 else:
