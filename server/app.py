@@ -8,7 +8,7 @@ import secrets
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Blueprint, Quart, Response, g, request
+from quart import Blueprint, Quart, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from server.chat import collect_chat, stream_chat
@@ -25,6 +25,7 @@ from server.openai_serving import (
     read_body,
     server_version,
 )
+from server.openapi import openapi_document, request_body
 from server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,11 +57,16 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
 _KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/debug/profile", "/reset_prefix_cache"})
 
 
+def needs_api_key(path: str) -> bool:
+    """Whether --api-key guards the path."""
+    return path.startswith("/v1/") or path in _KEYED_PATHS
+
+
 # The hooks and error handlers are the app's, so they also cover requests no route matched.
 @routes.before_app_request
 async def authorize() -> None:
     api_key = openai_serving().api_key
-    if api_key is None or not (request.path.startswith("/v1/") or request.path in _KEYED_PATHS):
+    if api_key is None or not needs_api_key(request.path):
         return
     # RFC 9110: the auth scheme is case-insensitive ("bearer" is as good as "Bearer").
     scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
@@ -102,6 +108,7 @@ async def internal_error(error: Exception) -> Response:
 
 
 @routes.post("/v1/chat/completions")
+@request_body(ChatCompletionRequest)
 async def chat_completions() -> Response:
     serving = openai_serving()
     return await serving.generation_route(
@@ -115,6 +122,7 @@ async def chat_completions() -> Response:
 
 
 @routes.post("/v1/completions")
+@request_body(CompletionRequest)
 async def completions() -> Response:
     serving = openai_serving()
     engine = serving.engine
@@ -143,6 +151,7 @@ def _model_card(serving: OpenAIServing) -> dict[str, object]:
 # The prompt a request would generate from, rendered by the render stage as for generation, and
 # nothing generated; as in vLLM, chat answers one request and text completions a list of them.
 @routes.post("/v1/chat/completions/render")
+@request_body(ChatCompletionRequest)
 async def render_chat_completion() -> Response:
     serving = openai_serving()
     return json_response(
@@ -153,6 +162,7 @@ async def render_chat_completion() -> Response:
 
 
 @routes.post("/v1/completions/render")
+@request_body(CompletionRequest)
 async def render_completion() -> Response:
     serving = openai_serving()
     rendered = await serving.render_route(CompletionRequest, "cmpl", lambda b: b.prompt_value())
@@ -183,6 +193,20 @@ async def health() -> Response:
     raise APIError.from_engine(engine.not_ready_error)
 
 
+@routes.get("/openapi.json")
+async def openapi() -> Response:
+    """This document: every route, with the JSON Schema of each request body."""
+    api_key = openai_serving().api_key
+    return json_response(
+        openapi_document(
+            current_app,
+            "pipeline-serve",
+            server_version(),
+            needs_api_key if api_key is not None else None,
+        )
+    )
+
+
 @routes.get("/version")
 async def server_version_route() -> Response:
     return json_response({"version": server_version()})
@@ -190,6 +214,7 @@ async def server_version_route() -> Response:
 
 # Both parse, check and (de)tokenize in a worker thread: a body of megabytes takes seconds.
 @routes.post("/tokenize")
+@request_body(TokenizeRequest)
 async def tokenize() -> Response:
     serving = openai_serving()
     engine = serving.engine
@@ -211,6 +236,7 @@ async def tokenize() -> Response:
 
 
 @routes.post("/detokenize")
+@request_body(DetokenizeRequest)
 async def detokenize() -> Response:
     serving = openai_serving()
     engine = serving.engine
