@@ -172,6 +172,8 @@ class RequestOutput(msgspec.Struct, frozen=True):
     metrics: RequestMetrics | None = None  # on the final output
     reasoning: str = ""  # new reasoning text (with a reasoning parser; `text` is then the rest)
     tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this step (with a tool parser)
+    # On the final output, with a reasoning parser: the output tokens inside the reasoning.
+    num_reasoning_tokens: int = 0
 
 
 class RenderedPromptInfo(msgspec.Struct, frozen=True):

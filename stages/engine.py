@@ -654,6 +654,7 @@ def _output(request_id: str, batch: deltas.DeltaBatch, row: int) -> RequestOutpu
         metrics=extra.metrics,
         reasoning=extra.reasoning,
         tool_calls=extra.tool_calls,
+        num_reasoning_tokens=extra.num_reasoning_tokens,
     )
 
 
@@ -686,6 +687,7 @@ def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         metrics=second.metrics,
         reasoning=first.reasoning + second.reasoning,
         tool_calls=first.tool_calls + second.tool_calls,
+        num_reasoning_tokens=second.num_reasoning_tokens,
     )
 
 

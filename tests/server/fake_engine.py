@@ -223,6 +223,7 @@ class FakeEngine:
                     metrics=metrics,
                     reasoning=reasoning,
                     tool_calls=tuple(calls),
+                    num_reasoning_tokens=0 if parser is None else parser.num_reasoning_tokens,
                 )
                 if finish is not None:
                     return

@@ -77,6 +77,7 @@ def test_chat_non_streaming(client: openai.OpenAI) -> None:
     assert completion.usage.prompt_tokens == CHAT_PROMPT_TOKENS
     assert completion.usage.completion_tokens == 5
     assert completion.usage.total_tokens == CHAT_PROMPT_TOKENS + 5
+    assert completion.usage.completion_tokens_details is None  # no reasoning parser
 
 
 def test_chat_max_tokens_is_length(client: openai.OpenAI) -> None:

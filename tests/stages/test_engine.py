@@ -593,3 +593,26 @@ def test_a_prefix_cache_reset_makes_a_repeated_prompt_compute_again(engine_loop)
     loop.run(engine.reset_prefix_cache())
     assert cached() == 0  # the request right after the reset computes its whole prompt
     assert cached() > 0  # and registers it again
+
+
+def test_reasoning_tokens_are_counted_in_the_detokenize_stage(engine_loop):
+    """A grammar makes the random model write think tags; the final output says how many output
+    tokens lie inside them (a token counts when any of its characters is reasoning)."""
+    engine, loop = engine_loop
+    shape = StructuredOutput("regex", "<think>[a-z ]{8,24}</think>[a-z]{2,6}", "guided_regex")
+    req = replace(request(temperature=0, max_tokens=48, structured=shape), reasoning_parser="qwen3")
+    outs = loop.run(collect(engine, req))
+    final = outs[-1]
+    assert all(o.num_reasoning_tokens == 0 for o in outs[:-1])
+    ids = [t for o in outs for t in o.token_ids]
+    pieces = [engine.bundle.decode(ids[: i + 1]) for i in range(len(ids))]
+    text = pieces[-1]
+    start, end = text.index("<think>") + len("<think>"), text.index("</think>")
+    expected, before = 0, 0
+    for piece in pieces:
+        expected += before < end and len(piece) > start and len(piece) > before
+        before = len(piece)
+    assert 0 < final.num_reasoning_tokens == expected < len(ids)
+    assert "".join(o.reasoning for o in outs) == text[start:end]
+    plain = loop.run(collect(engine, request(temperature=0, max_tokens=4)))
+    assert plain[-1].num_reasoning_tokens == 0  # no reasoning parser
