@@ -4,7 +4,9 @@ A request that cannot be rendered becomes an `error` record back to the server (
 never reaches the scheduler. A request whose rendering may take long (a grammar to compile, a
 prompt of more than INLINE_PROMPT_CHARS) renders in a worker thread, and is sent on when it is
 done, while the requests behind it go on as before; the rest render on the loop, in order. Aborts
-pass through in order, so an abort never overtakes its request (one still rendering is dropped).
+pass through in order, so an abort never overtakes its request (one still rendering is dropped),
+and so do prefix-cache resets. A render-only request (the /render endpoints) renders the same way
+and its result goes back to the server on `errors` instead of on to schedule.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The schedule stage: admits rendered prompts, plans steps for execute (one ahead), turns results
-into token rows for detokenize, and frees what aborts and stop strings finish.
+into token rows for detokenize, and frees what aborts and stop strings finish. A prefix-cache
+reset, in order on `prompts`, drops the prefix of every block no request holds.
 
 A prompt with a grammar waits outside the scheduler until execute has built its matcher (in a
 worker thread, up to seconds): it goes to execute at once (plan.GRAMMARS), and into the scheduler
