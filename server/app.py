@@ -1,4 +1,5 @@
-"""The Quart app: OpenAI routes plus vLLM's /health, /version, /tokenize, /detokenize, /metrics.
+"""The Quart app: OpenAI routes plus vLLM's /health, /ping, /version, /tokenize, /detokenize,
+/metrics, the /render endpoints and /reset_prefix_cache.
 Handlers are module-level; what they share is the app's `OpenAIServing` (server.openai_serving)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import secrets
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Blueprint, Quart, Response, g, request
+from quart import Blueprint, Quart, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from server.chat import collect_chat, stream_chat
@@ -24,6 +25,7 @@ from server.openai_serving import (
     read_body,
     server_version,
 )
+from server.openapi import openapi_document, request_body
 from server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,15 +52,21 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
 
 
 # What --api-key guards besides /v1/*: what reads the model or the engine (as in vLLM, whose
-# /tokenize and /detokenize need the key); /health, /version and /metrics stay open to probes.
-_KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/debug/profile"})
+# /tokenize and /detokenize need the key) or changes the engine's state; /health, /ping,
+# /version and /metrics stay open to probes.
+_KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/debug/profile", "/reset_prefix_cache"})
+
+
+def needs_api_key(path: str) -> bool:
+    """Whether --api-key guards the path."""
+    return path.startswith("/v1/") or path in _KEYED_PATHS
 
 
 # The hooks and error handlers are the app's, so they also cover requests no route matched.
 @routes.before_app_request
 async def authorize() -> None:
     api_key = openai_serving().api_key
-    if api_key is None or not (request.path.startswith("/v1/") or request.path in _KEYED_PATHS):
+    if api_key is None or not needs_api_key(request.path):
         return
     # RFC 9110: the auth scheme is case-insensitive ("bearer" is as good as "Bearer").
     scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
@@ -100,6 +108,7 @@ async def internal_error(error: Exception) -> Response:
 
 
 @routes.post("/v1/chat/completions")
+@request_body(ChatCompletionRequest)
 async def chat_completions() -> Response:
     serving = openai_serving()
     return await serving.generation_route(
@@ -113,6 +122,7 @@ async def chat_completions() -> Response:
 
 
 @routes.post("/v1/completions")
+@request_body(CompletionRequest)
 async def completions() -> Response:
     serving = openai_serving()
     engine = serving.engine
@@ -125,11 +135,9 @@ async def completions() -> Response:
     )
 
 
-@routes.get("/v1/models")
-async def models() -> Response:
-    serving = openai_serving()
+def _model_card(serving: OpenAIServing) -> dict[str, object]:
     info = serving.engine.model_info
-    card = {
+    return {
         "id": serving.served_model_name,
         "object": "model",
         "created": info.created,
@@ -138,15 +146,65 @@ async def models() -> Response:
         "parent": None,
         "max_model_len": info.max_model_len,
     }
-    return json_response({"object": "list", "data": [card]})
 
 
+# The prompt a request would generate from, rendered by the render stage as for generation, and
+# nothing generated; as in vLLM, chat answers one request and text completions a list of them.
+@routes.post("/v1/chat/completions/render")
+@request_body(ChatCompletionRequest)
+async def render_chat_completion() -> Response:
+    serving = openai_serving()
+    return json_response(
+        await serving.render_route(
+            ChatCompletionRequest, "chatcmpl", lambda body: body.prompt(), serving.chat_parsers
+        )
+    )
+
+
+@routes.post("/v1/completions/render")
+@request_body(CompletionRequest)
+async def render_completion() -> Response:
+    serving = openai_serving()
+    rendered = await serving.render_route(CompletionRequest, "cmpl", lambda b: b.prompt_value())
+    return json_response([rendered])
+
+
+@routes.get("/v1/models")
+async def models() -> Response:
+    return json_response({"object": "list", "data": [_model_card(openai_serving())]})
+
+
+@routes.get("/v1/models/<path:model_id>")
+async def model(model_id: str) -> Response:
+    """One served model's card (the OpenAI client's `models.retrieve`); 404 for any other name.
+    A path, since Hugging Face names have a slash in them (`HuggingFaceTB/SmolLM2-135M`)."""
+    serving = openai_serving()
+    serving.check_model(model_id)
+    return json_response(_model_card(serving))
+
+
+# vLLM's /ping (SageMaker's probe) answers as /health, to GET and POST alike.
+@routes.route("/ping", methods=["GET", "POST"])
 @routes.get("/health")
 async def health() -> Response:
     engine = openai_serving().engine
     if engine.ready:
         return Response(b"", status=200)
     raise APIError.from_engine(engine.not_ready_error)
+
+
+@routes.get("/openapi.json")
+async def openapi() -> Response:
+    """This document: every route, with the JSON Schema of each request body."""
+    api_key = openai_serving().api_key
+    return json_response(
+        openapi_document(
+            current_app,
+            "pipeline-serve",
+            server_version(),
+            needs_api_key if api_key is not None else None,
+        )
+    )
 
 
 @routes.get("/version")
@@ -156,6 +214,7 @@ async def server_version_route() -> Response:
 
 # Both parse, check and (de)tokenize in a worker thread: a body of megabytes takes seconds.
 @routes.post("/tokenize")
+@request_body(TokenizeRequest)
 async def tokenize() -> Response:
     serving = openai_serving()
     engine = serving.engine
@@ -177,6 +236,7 @@ async def tokenize() -> Response:
 
 
 @routes.post("/detokenize")
+@request_body(DetokenizeRequest)
 async def detokenize() -> Response:
     serving = openai_serving()
     engine = serving.engine
@@ -193,6 +253,18 @@ async def detokenize() -> Response:
     except EngineError as error:
         raise APIError.from_engine(error) from error
     return json_response({"prompt": text})
+
+
+@routes.post("/reset_prefix_cache")
+async def reset_prefix_cache() -> Response:
+    """vLLM's: every cached prefix block no request holds is dropped, before any request sent
+    after the answer is scheduled; 200 with an empty body."""
+    engine = openai_serving().engine
+    try:
+        await engine.reset_prefix_cache()
+    except EngineError as error:
+        raise APIError.from_engine(error) from error
+    return Response(b"", status=200)
 
 
 @routes.get("/metrics")

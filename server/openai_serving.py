@@ -22,6 +22,7 @@ from server.drain import Drain
 from server.errors import APIError
 from server.limits import body_too_large, check_json_depth
 from server.metrics import ServerMetrics
+from server.render import token_in_request
 from server.schemas import ChatCompletionRequest
 from server.serving import Choice, ResponseContext, Tracker, close_choices, start
 from stages.api import EngineClient, EngineError, GenerateRequest, SamplingParams
@@ -143,6 +144,27 @@ class OpenAIServing:
         parsers_of: Callable[[Any], tuple[str | None, str | None]] = lambda body: (None, None),
     ) -> Response:
         """Decode and validate the body, build the engine request, answer streaming or not."""
+        body, model, generate_request = await self.parse_generation(
+            schema, id_prefix, prompt_of, parsers_of
+        )
+        return await self.generate(
+            generate_request,
+            model,
+            body.stream,
+            body.n,
+            lambda ctx, choices: stream_builder(ctx, body, choices),
+            lambda ctx, choices: collector(ctx, body, choices),
+        )
+
+    async def parse_generation(
+        self,
+        schema: Any,
+        id_prefix: str,
+        prompt_of: Callable[[Any], Any],
+        parsers_of: Callable[[Any], tuple[str | None, str | None]] = lambda body: (None, None),
+    ) -> tuple[Any, str, GenerateRequest]:
+        """(the body, the model it names, the engine request it makes); APIError for a body
+        that is refused."""
         arrival_ns = time.monotonic_ns()
         raw = await read_body()
         vocab_size = self.engine.model_info.vocab_size
@@ -165,14 +187,27 @@ class OpenAIServing:
             reasoning_parser=reasoning_parser,
             tool_call_parser=tool_call_parser,
         )
-        return await self.generate(
-            generate_request,
-            model,
-            body.stream,
-            body.n,
-            lambda ctx, choices: stream_builder(ctx, body, choices),
-            lambda ctx, choices: collector(ctx, body, choices),
+        return body, model, generate_request
+
+    async def render_route(
+        self,
+        schema: Any,
+        id_prefix: str,
+        prompt_of: Callable[[Any], Any],
+        parsers_of: Callable[[Any], tuple[str | None, str | None]] = lambda body: (None, None),
+    ) -> dict[str, Any]:
+        """What the engine would generate from: the body checked and rendered as for a real
+        request (and refused with the same errors), in vLLM's shape of a token-in request."""
+        body, model, generate_request = await self.parse_generation(
+            schema, id_prefix, prompt_of, parsers_of
         )
+        if not self.engine.ready:
+            raise APIError.from_engine(self.engine.not_ready_error)
+        try:
+            rendered = await self.engine.render(generate_request)
+        except EngineError as error:
+            raise APIError.from_engine(error) from error
+        return token_in_request(body, model, generate_request, rendered)
 
     async def generate(
         self,

@@ -61,6 +61,7 @@ class Tracker:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.request_metrics: RequestMetrics | None = None
+        self.num_reasoning_tokens = 0  # known at the finish (with a reasoning parser)
 
     def see(self, output: RequestOutput) -> None:
         now_ns = time.monotonic_ns()
@@ -79,6 +80,7 @@ class Tracker:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
             self.request_metrics = output.metrics
+            self.num_reasoning_tokens = output.num_reasoning_tokens
             self._finish(output.finish_reason)
 
     def abandon(self) -> None:
@@ -196,10 +198,14 @@ class Choice:
 
 def total_usage(choices: Sequence[Choice], ctx: ResponseContext) -> dict[str, Any]:
     """The prompt counted once, the completions of every choice summed (as vLLM counts n > 1);
-    with prompt_tokens_details, the prompt tokens the prefix cache held."""
+    with prompt_tokens_details, the prompt tokens the prefix cache held; with a reasoning parser,
+    the completion tokens inside the reasoning (as vLLM's completion_tokens_details)."""
     usage: dict[str, Any] = usage_body(
         choices[0].tracker.num_prompt_tokens, sum(c.tracker.num_output_tokens for c in choices)
     )
+    if ctx.reasoning:
+        reasoning_tokens = sum(c.tracker.num_reasoning_tokens for c in choices)
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     if ctx.prompt_tokens_details:
         metrics = choices[0].tracker.request_metrics
         cached = metrics.num_cached_prompt_tokens if metrics is not None else 0

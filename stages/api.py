@@ -172,6 +172,16 @@ class RequestOutput(msgspec.Struct, frozen=True):
     metrics: RequestMetrics | None = None  # on the final output
     reasoning: str = ""  # new reasoning text (with a reasoning parser; `text` is then the rest)
     tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this step (with a tool parser)
+    # On the final output, with a reasoning parser: the output tokens inside the reasoning.
+    num_reasoning_tokens: int = 0
+
+
+class RenderedPromptInfo(msgspec.Struct, frozen=True):
+    """What render made of a request, as generation would see it (the /render endpoints)."""
+
+    token_ids: list[int]  # the prompt's, after the chat template and any truncation
+    text: str  # those tokens decoded, special tokens kept
+    max_tokens: int  # the output budget, resolved against the context
 
 
 class EngineError(Exception):
@@ -231,6 +241,16 @@ class EngineClient(Protocol):
         ...
 
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    async def render(self, request: GenerateRequest) -> RenderedPromptInfo:
+        """The request rendered exactly as `generate` would render it, and nothing generated;
+        raises the EngineError generate would."""
+        ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix block no request holds; every request sent after this returns
+        finds no prefix cached from before."""
+        ...
 
     def stats(self) -> Mapping[str, float]:
         """Engine-wide gauges and counters for /metrics (names as vLLM's where the meaning is the same)."""

@@ -35,6 +35,7 @@ from stages.api import (
     EngineError,
     GenerateRequest,
     ModelInfo,
+    RenderedPromptInfo,
     RequestOutput,
     TextPrompt,
     TokenLogprob,
@@ -68,7 +69,9 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
     step_bytes = 256 * 1024 + 64 * config.max_num_seqs * 64  # block tables grow with context
     rings = [
         RingSpec("requests", requests.REQUESTS, n_slots=64, slot_bytes=64 * 1024),
-        RingSpec("errors", requests.ERRORS, n_slots=16, slot_bytes=4096),
+        # Errors, and the answers to render-only requests (a prompt's ids and text: 64 KiB is
+        # about 8k tokens in one slot; longer ones take several).
+        RingSpec("errors", requests.ERRORS, n_slots=16, slot_bytes=64 * 1024),
         RingSpec("prompts", prompts.PROMPTS, n_slots=64, slot_bytes=64 * 1024),
         RingSpec("plan", plan.PLAN, n_slots=4, slot_bytes=_round(step_bytes)),
         RingSpec("results", results.RESULTS, n_slots=4, slot_bytes=256 * 1024),
@@ -182,6 +185,8 @@ class Engine:
         self._restarting: asyncio.Task[None] | None = None
         self._handles = itertools.count(1)
         self._flights: dict[int, _Flight] = {}
+        self._renders: dict[int, asyncio.Future[RenderedPromptInfo]] = {}  # render-only requests
+        self._num_resets = 0  # prefix-cache resets sent (each carries its number, for the logs)
         self._send_lock = asyncio.Lock()
         self._probe_wake = asyncio.Event()  # a suspect made progress or left
         self._aborts: asyncio.Queue[int] = asyncio.Queue()
@@ -272,6 +277,11 @@ class Engine:
         self._ready = False
         self._failure = failure
         self._failed_at_s = time.monotonic()
+        # Render-only requests are not resumed: they fail with the 503 a client may retry.
+        for future in self._renders.values():
+            if not future.done():
+                future.set_exception(self.not_ready_error)
+        self._renders.clear()
         if self._over_budget():
             self._give_up(failure)
             return
@@ -498,6 +508,38 @@ class Engine:
                 self._probe_wake.set()
                 flight.queue.put_nowait(EngineError("aborted", status=499, type="Aborted"))
 
+    async def render(self, request: GenerateRequest) -> RenderedPromptInfo:
+        """Render runs the request through the path a generation takes (template, truncation,
+        length checks, grammar) and answers on `errors` instead of sending it to schedule."""
+        if not self._ready:
+            raise self.not_ready_error
+        handle = next(self._handles)
+        future: asyncio.Future[RenderedPromptInfo] = asyncio.get_running_loop().create_future()
+        self._renders[handle] = future
+        try:
+            async with self._send_lock:
+                await self.supervisor.producers["requests"].send_async(
+                    requests.RENDER, requests.pack_render(handle, request)
+                )
+            return await future
+        except RuntimeFault:
+            raise self.not_ready_error from None
+        finally:
+            self._renders.pop(handle, None)
+
+    async def reset_prefix_cache(self) -> None:
+        """Sent in order with the requests: schedule drops the cached prefixes before it sees any
+        request sent after this returns. A pipeline that fails meanwhile starts with an empty
+        cache, which is as good."""
+        if not self._ready:
+            raise self.not_ready_error
+        self._num_resets += 1
+        with contextlib.suppress(RuntimeFault):
+            async with self._send_lock:
+                await self.supervisor.producers["requests"].send_async(
+                    common.RESET_PREFIX_CACHE, common.pack_reset_prefix_cache(self._num_resets)
+                )
+
     def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
         return prompt_token_ids(self.bundle, prompt)
 
@@ -554,11 +596,23 @@ class Engine:
         consumer = self.supervisor.consumers["errors"]
         with contextlib.suppress(RuntimeFault):
             while True:
+                answer: RenderedPromptInfo | EngineError
                 with await consumer.recv_async() as message:
-                    handle, error = requests.unpack_error(message)
+                    if message.name == requests.RENDERED.name:
+                        handle, answer = requests.unpack_rendered(message)
+                    else:
+                        handle, answer = requests.unpack_error(message)
+                render = self._renders.get(handle)
+                if render is not None:
+                    if not render.done():  # else its client left
+                        if isinstance(answer, EngineError):
+                            render.set_exception(answer)
+                        else:
+                            render.set_result(answer)
+                    continue
                 flight = self._flights.get(handle)
-                if flight is not None:
-                    flight.queue.put_nowait(error)
+                if flight is not None and isinstance(answer, EngineError):
+                    flight.queue.put_nowait(answer)
 
     async def _read_deltas(self) -> None:
         consumer = self.supervisor.consumers["deltas"]
@@ -607,6 +661,7 @@ def _output(request_id: str, batch: deltas.DeltaBatch, row: int) -> RequestOutpu
         metrics=extra.metrics,
         reasoning=extra.reasoning,
         tool_calls=extra.tool_calls,
+        num_reasoning_tokens=extra.num_reasoning_tokens,
     )
 
 
@@ -639,6 +694,7 @@ def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         metrics=second.metrics,
         reasoning=first.reasoning + second.reasoning,
         tool_calls=first.tool_calls + second.tool_calls,
+        num_reasoning_tokens=second.num_reasoning_tokens,
     )
 
 

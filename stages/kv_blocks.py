@@ -77,6 +77,18 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix of every block no request holds (a held block keeps its own: its
+        request still reads it); how many were forgotten."""
+        dropped = 0
+        for block in self._free:
+            block_hash = self._hash_of[block]
+            if block_hash is not None:
+                del self._cached[block_hash]
+                self._hash_of[block] = None
+                dropped += 1
+        return dropped
+
     def register(self, block: int, block_hash: bytes) -> None:
         """`block` now holds (or its step will write) the full block that `block_hash` names."""
         if block_hash not in self._cached and self._hash_of[block] is None:

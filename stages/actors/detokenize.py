@@ -112,10 +112,12 @@ class DetokenizeActor(AsyncActor):
             text, final, stop_reason = self.detok.feed(handle, token, finish) or ("", finish, None)
             if final == FINISH_STOP and finish == FINISH_NONE:
                 stopped.append(handle)  # a stop string: the scheduler still runs it
-            reasoning, tool_calls = "", ()
+            reasoning, tool_calls, num_reasoning_tokens = "", (), 0
             if state.parser is not None:
-                parsed = state.parser.feed(text, final != FINISH_NONE)
+                parsed = state.parser.feed(text, final != FINISH_NONE, token >= 0)
                 text, reasoning, tool_calls = parsed.content, parsed.reasoning, parsed.tool_calls
+                if final != FINISH_NONE:
+                    num_reasoning_tokens = state.parser.num_reasoning_tokens
             logprobs = None
             if num_logprobs >= 0 and token >= 0:
                 top = list(
@@ -157,6 +159,7 @@ class DetokenizeActor(AsyncActor):
                         reasoning,
                         tuple(tool_calls),
                         prompt_logprobs,
+                        num_reasoning_tokens,
                     )
                 )
         if not out_rows:

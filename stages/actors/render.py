@@ -4,13 +4,16 @@ A request that cannot be rendered becomes an `error` record back to the server (
 never reaches the scheduler. A request whose rendering may take long (a grammar to compile, a
 prompt of more than INLINE_PROMPT_CHARS) renders in a worker thread, and is sent on when it is
 done, while the requests behind it go on as before; the rest render on the loop, in order. Aborts
-pass through in order, so an abort never overtakes its request (one still rendering is dropped).
+pass through in order, so an abort never overtakes its request (one still rendering is dropped),
+and so do prefix-cache resets. A render-only request (the /render endpoints) renders the same way
+and its result goes back to the server on `errors` instead of on to schedule.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.to_thread
@@ -60,17 +63,30 @@ class RenderActor(AsyncActor):
             while True:
                 message = await inbox.recv_async()
                 with message:
-                    if message.name == common.ABORT.name:
-                        aborted, request = common.unpack_abort(message), None
+                    kind = message.name
+                    if kind == common.ABORT.name:
+                        handles = common.unpack_abort(message)
+                    elif kind == common.RESET_PREFIX_CACHE.name:
+                        reset_id = common.unpack_reset_prefix_cache(message)
+                    elif kind == requests.RENDER.name:
+                        (handle, request), resume = requests.unpack_render(message), None
                     else:
-                        aborted, (handle, request, resume) = None, requests.unpack_submit(message)
-                if aborted is not None:
-                    await self.forward_abort(aborted)
-                elif request is not None and _slow_to_render(request):
+                        handle, request, resume = requests.unpack_submit(message)
+                if kind == common.ABORT.name:
+                    await self.forward_abort(handles)
+                    continue
+                if kind == common.RESET_PREFIX_CACHE.name:
+                    await self.forward_reset(reset_id)
+                    continue
+                # A render-only request is answered to the server; a real one goes to schedule.
+                deliver = self.answer if kind == requests.RENDER.name else self.deliver
+                if _slow_to_render(request):
                     self.in_workers.add(handle)
-                    off_loop.create_task(self.render_in_worker(workers, handle, request, resume))
-                elif request is not None:
-                    await self.deliver(handle, self.attempt(handle, request, resume))
+                    off_loop.create_task(
+                        self.render_in_worker(workers, handle, request, resume, deliver)
+                    )
+                else:
+                    await deliver(handle, self.attempt(handle, request, resume))
 
     def attempt(
         self, handle: int, request: GenerateRequest, resume: Resume | None
@@ -86,12 +102,13 @@ class RenderActor(AsyncActor):
         handle: int,
         request: GenerateRequest,
         resume: Resume | None,
+        deliver: Callable[[int, RenderedPrompt | EngineError], Awaitable[None]],
     ) -> None:
         try:
             prompt = await anyio.to_thread.run_sync(
                 self.attempt, handle, request, resume, limiter=workers
             )
-            await self.deliver(handle, prompt)
+            await deliver(handle, prompt)
         finally:
             self.in_workers.discard(handle)
             self.dropped.discard(handle)
@@ -114,10 +131,29 @@ class RenderActor(AsyncActor):
                 tokens=len(prompt.prompt_ids),
             )
 
+    async def answer(self, handle: int, prompt: RenderedPrompt | EngineError) -> None:
+        """A render-only request's result, back to the server."""
+        if isinstance(prompt, EngineError):
+            arrays = requests.pack_error(handle, prompt)
+        else:
+            max_tokens = prompts.rendered_decoder.decode(prompt.rendered).max_tokens
+            # Decoding grows with the prompt: off the loop (render-only requests are rare).
+            text = await anyio.to_thread.run_sync(self.bundle.decode, prompt.prompt_ids.tolist())
+            arrays = requests.pack_rendered(handle, prompt.prompt_ids, max_tokens, text)
+        async with self.sending:
+            record = requests.ERROR if isinstance(prompt, EngineError) else requests.RENDERED
+            await self.ctx.outbox["errors"].send_async(record, arrays)
+
     async def forward_abort(self, handles: list[int]) -> None:
         async with self.sending:
             self.dropped.update(h for h in handles if h in self.in_workers)
             await self.ctx.outbox["prompts"].send_async(common.ABORT, common.pack_abort(handles))
+
+    async def forward_reset(self, reset_id: int) -> None:
+        async with self.sending:
+            await self.ctx.outbox["prompts"].send_async(
+                common.RESET_PREFIX_CACHE, common.pack_reset_prefix_cache(reset_id)
+            )
 
     def refusal(self, handle: int, exc: Exception) -> EngineError:
         if isinstance(exc, EngineError):

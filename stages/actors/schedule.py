@@ -1,5 +1,6 @@
 """The schedule stage: admits rendered prompts, plans steps for execute (one ahead), turns results
-into token rows for detokenize, and frees what aborts and stop strings finish.
+into token rows for detokenize, and frees what aborts and stop strings finish. A prefix-cache
+reset, in order on `prompts`, drops the prefix of every block no request holds.
 
 A prompt with a grammar waits outside the scheduler until execute has built its matcher (in a
 worker thread, up to seconds): it goes to execute at once (plan.GRAMMARS), and into the scheduler
@@ -56,6 +57,11 @@ class ScheduleActor(AsyncActor):
         inbox = self.ctx.inbox["prompts"]
         while True:
             with await inbox.recv_async() as message:
+                if message.name == common.RESET_PREFIX_CACHE.name:
+                    reset_id = common.unpack_reset_prefix_cache(message)
+                    dropped = self.scheduler.blocks.reset_prefix_cache()
+                    self.ctx.log.info("prefix cache reset", reset_id=reset_id, blocks=dropped)
+                    continue
                 if message.name == common.ABORT.name:
                     handles, prompt = common.unpack_abort(message), None
                 else:

@@ -23,6 +23,9 @@ FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORT: "abo
 encoder = msgspec.msgpack.Encoder()
 
 ABORT = Record("abort", ("handles", np.int64))
+# Drop every cached prefix block no request holds (POST /reset_prefix_cache): server -> render ->
+# schedule, in order with the requests around it, so every request sent after it finds no prefix.
+RESET_PREFIX_CACHE = Record("reset_prefix_cache", ("reset_id", np.int64))
 
 
 class Resume(msgspec.Struct, frozen=True, array_like=True):
@@ -42,6 +45,14 @@ def pack_abort(handles: list[int] | np.ndarray) -> dict[str, np.ndarray]:
 
 def unpack_abort(views: Views) -> list[int]:
     return views["handles"].tolist()
+
+
+def pack_reset_prefix_cache(reset_id: int) -> dict[str, np.ndarray]:
+    return {"reset_id": np.array([reset_id], np.int64)}
+
+
+def unpack_reset_prefix_cache(views: Views) -> int:
+    return int(views["reset_id"][0])
 
 
 # The logprob of one prompt token given the ones before it (requests that asked for

@@ -1,4 +1,5 @@
-"""The prompts ring (render -> schedule): rendered requests, and aborts in their order."""
+"""The prompts ring (render -> schedule): rendered requests, and aborts and prefix-cache resets in
+their order."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from pipeline.records import Record, Vocabulary
 from stages.api import SamplingParams
-from stages.rings.common import ABORT, Resume, Views
+from stages.rings.common import ABORT, RESET_PREFIX_CACHE, Resume, Views
 
 
 class RenderedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -50,7 +51,7 @@ PROMPT = Record(
     ("rendered", np.uint8),  # msgpack RenderedRequest, forwarded to execute untouched
     ("detok", np.uint8),  # msgpack stages.rings.tokens.DetokParams, forwarded to detokenize
 )
-PROMPTS = Vocabulary("prompts", [PROMPT, ABORT])
+PROMPTS = Vocabulary("prompts", [PROMPT, ABORT, RESET_PREFIX_CACHE])
 
 
 @dataclass(slots=True, frozen=True)

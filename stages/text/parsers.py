@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -63,7 +64,12 @@ REASONING_PARSERS: dict[str, ThinkTags] = {
 
 
 class ReasoningSplitter:
-    """Splits a stream of text into reasoning (between the tags) and content (the rest)."""
+    """Splits a stream of text into reasoning (between the tags) and content (the rest), and
+    counts the output tokens of the reasoning (vLLM's usage.completion_tokens_details).
+
+    A token counts when any character of its text turns out to be reasoning (the tags are not);
+    a token with no text of its own (a partial UTF-8 character, text held back for a stop
+    string) takes the kind of the next character, or of where the output ended."""
 
     def __init__(self, tags: ThinkTags, starts_inside: bool) -> None:
         self.tags = tags
@@ -71,19 +77,33 @@ class ReasoningSplitter:
         self.done = False  # the reasoning ended: everything after is content
         self.at_start = starts_inside  # a <think> the model repeats at the start is dropped
         self.held = ""
+        self.num_reasoning_tokens = 0
+        self._fed = 0  # characters fed so far
+        # Each classified character from position _kinds_from on: 1 reasoning, 0 anything else;
+        # the characters are classified in order, up to the held-back tail.
+        self._kinds = bytearray()
+        self._kinds_from = 0
+        self._tokens: deque[tuple[int, int]] = deque()  # (start, end) of tokens not yet counted
 
-    def feed(self, text: str, final: bool) -> tuple[str, str]:
-        """(reasoning, content) of the text, holding back what could still be a tag."""
+    def feed(self, text: str, final: bool, token: bool = True) -> tuple[str, str]:
+        """(reasoning, content) of the text, holding back what could still be a tag; `token`:
+        the text is one output token's (False for text of no token)."""
+        if token:
+            self._tokens.append((self._fed, self._fed + len(text)))
+        self._fed += len(text)
         buf, reasoning, content = self.held + text, list[str](), list[str]()
         self.held = ""
         while buf:
             if self.done:
                 content.append(buf)
+                self._classify(len(buf), False)
                 break
             if self.at_start:
                 stripped = buf.lstrip()
                 if stripped.startswith(self.tags.start):
-                    buf = stripped[len(self.tags.start) :]
+                    rest = stripped[len(self.tags.start) :]
+                    self._classify(len(buf) - len(rest), False)
+                    buf = rest
                 elif not final and self.tags.start.startswith(stripped):
                     self.held = buf
                     break
@@ -94,6 +114,8 @@ class ReasoningSplitter:
             out = reasoning if self.inside else content
             if index >= 0:
                 out.append(buf[:index])
+                self._classify(index, self.inside)
+                self._classify(len(tag), False)
                 buf = buf[index + len(tag) :]
                 if self.inside:
                     self.inside, self.done = False, True
@@ -102,9 +124,36 @@ class ReasoningSplitter:
                 continue
             keep = 0 if final else partial_tail(buf, tag)
             out.append(buf[: len(buf) - keep])
+            self._classify(len(buf) - keep, self.inside)
             self.held = buf[len(buf) - keep :]
             break
+        self._count(final)
         return "".join(reasoning), "".join(content)
+
+    def _classify(self, num_chars: int, is_reasoning: bool) -> None:
+        self._kinds.extend(b"\x01" * num_chars if is_reasoning else bytes(num_chars))
+
+    def _count(self, final: bool) -> None:
+        """Counts the tokens whose characters are all classified now (all of them at the end)."""
+        kinds, base = self._kinds, self._kinds_from
+        classified = base + len(kinds)
+        while self._tokens:
+            start, end = self._tokens[0]
+            end = max(end, start + 1)  # no text of its own: the next character decides
+            if end > classified:
+                if not final:
+                    break
+                # the output ended: what is left takes the state it ended in
+                self.num_reasoning_tokens += any(kinds[start - base :]) or (
+                    self.inside and not self.done
+                )
+            else:
+                self.num_reasoning_tokens += any(kinds[start - base : end - base])
+            self._tokens.popleft()
+        # Only the characters of tokens still to count are kept.
+        keep_from = self._tokens[0][0] if self._tokens else classified
+        del kinds[: keep_from - base]
+        self._kinds_from = keep_from
 
 
 # -- tool calls -----------------------------------------------------------------------------------
@@ -309,11 +358,17 @@ class OutputParser:
             self.reasoning = ReasoningSplitter(tags, tags.starts_inside or reasoning_starts_inside)
         self.tools = tool_call_parser(tool_call_parser_name) if tool_call_parser_name else None
 
-    def feed(self, text: str, final: bool) -> Parsed:
+    @property
+    def num_reasoning_tokens(self) -> int:
+        """Output tokens fed so far that lie inside the reasoning (final once `final` was fed)."""
+        return 0 if self.reasoning is None else self.reasoning.num_reasoning_tokens
+
+    def feed(self, text: str, final: bool, token: bool = True) -> Parsed:
+        """`token`: the text is one output token's (the reasoning counts tokens)."""
         reasoning = ""
         content = text
         if self.reasoning is not None:
-            reasoning, content = self.reasoning.feed(text, final)
+            reasoning, content = self.reasoning.feed(text, final, token)
         calls: list[ToolCall] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content, final)

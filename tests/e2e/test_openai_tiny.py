@@ -491,6 +491,55 @@ def test_prefix_cache_counters_and_per_request_figure(server, client):
     assert metric(port, "vllm:prefix_cache_queries_total") > 0
 
 
+def http_post(port: int, path: str, body: object = None) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        payload = None if body is None else json.dumps(body)
+        connection.request("POST", path, payload, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def test_render_endpoints_give_the_prompt_generation_runs_on(server, client):
+    port, _ = server
+    messages = [{"role": "user", "content": "What is the capital of France? " * 4}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 3, "truncate_prompt_tokens": 9}
+    status, raw = http_post(port, "/v1/chat/completions/render", body)
+    assert status == 200
+    rendered = json.loads(raw)
+    assert len(rendered["token_ids"]) == 9 and rendered["sampling_params"]["max_tokens"] == 3
+    generated = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=3, extra_body={"truncate_prompt_tokens": 9}
+    )
+    assert generated.usage.prompt_tokens == 9
+    _, tokenized = http_post(port, "/tokenize", {"model": "tiny", "messages": messages})
+    assert rendered["token_ids"] == json.loads(tokenized)["tokens"][-9:]
+    status, raw = http_post(port, "/v1/completions/render", {"model": "tiny", "prompt": "Hello"})
+    [text] = json.loads(raw)
+    assert status == 200 and text["prompt"] == "Hello" and text["request_id"].startswith("cmpl-")
+    bad = {"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "["}}
+    status, raw = http_post(port, "/v1/completions/render", bad)
+    assert status == 400 and json.loads(raw)["error"]["param"] == "structured_outputs.regex"
+    assert chat(client, max_tokens=2).choices[0].finish_reason in ("length", "stop")
+
+
+def test_reset_prefix_cache_over_http(server, client):
+    port, _ = server
+    messages = [{"role": "user", "content": "Reset the prefix cache, then ask again. " * 5}]
+
+    def cached_tokens() -> int:
+        response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    cached_tokens()
+    assert cached_tokens() > 0
+    assert http_post(port, "/reset_prefix_cache") == (200, b"")
+    assert cached_tokens() == 0
+    assert cached_tokens() > 0
+
+
 # Last: it stops the module's server.
 def test_sigterm_stops_every_process_and_leaves_no_names(server):
     port, process = server

@@ -19,6 +19,7 @@ from stages.api import (
     EngineError,
     GenerateRequest,
     ModelInfo,
+    RenderedPromptInfo,
     RequestMetrics,
     RequestOutput,
     TextPrompt,
@@ -42,6 +43,8 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
+    rendered: list[GenerateRequest] = field(default_factory=list)  # render-only requests
+    prefix_cache_resets: int = 0
     # Set an Event here and /tokenize holds its thread until the event is set, as a long text
     # does; `tokenizing` says one has started.
     tokenize_gate: threading.Event | None = None
@@ -120,8 +123,8 @@ class FakeEngine:
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return self._generate(request)
 
-    async def _generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        self.requests.append(request)
+    def _render(self, request: GenerateRequest) -> tuple[list[int], int]:
+        """(prompt ids, max_tokens resolved), as generation sees them; EngineError as it raises."""
         prompt = request.prompt
         if isinstance(prompt, TokensPrompt):
             prompt_ids = list(prompt.token_ids)
@@ -134,8 +137,22 @@ class FakeEngine:
                 param="messages" if isinstance(prompt, ChatPrompt) else "prompt",
                 code="context_length_exceeded",
             )
+        return prompt_ids, request.sampling.max_tokens or (MAX_MODEL_LEN - len(prompt_ids))
+
+    async def render(self, request: GenerateRequest) -> RenderedPromptInfo:
+        self.rendered.append(request)
+        prompt_ids, max_tokens = self._render(request)
+        return RenderedPromptInfo(prompt_ids, self.detokenize(prompt_ids), max_tokens)
+
+    async def reset_prefix_cache(self) -> None:
+        if not self.ready:
+            raise self.not_ready_error
+        self.prefix_cache_resets += 1
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self.requests.append(request)
+        prompt_ids, max_tokens = self._render(request)
         sampling = request.sampling
-        max_tokens = sampling.max_tokens or (MAX_MODEL_LEN - len(prompt_ids))
         words = self._reply_words(request)
         prompt_logprobs = None
         if sampling.prompt_logprobs is not None:
@@ -206,6 +223,7 @@ class FakeEngine:
                     metrics=metrics,
                     reasoning=reasoning,
                     tool_calls=tuple(calls),
+                    num_reasoning_tokens=0 if parser is None else parser.num_reasoning_tokens,
                 )
                 if finish is not None:
                     return

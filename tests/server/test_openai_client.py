@@ -77,6 +77,7 @@ def test_chat_non_streaming(client: openai.OpenAI) -> None:
     assert completion.usage.prompt_tokens == CHAT_PROMPT_TOKENS
     assert completion.usage.completion_tokens == 5
     assert completion.usage.total_tokens == CHAT_PROMPT_TOKENS + 5
+    assert completion.usage.completion_tokens_details is None  # no reasoning parser
 
 
 def test_chat_max_tokens_is_length(client: openai.OpenAI) -> None:
@@ -325,6 +326,30 @@ def test_models(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == ["fake-model"]
     assert models[0].model_extra["max_model_len"] == 64  # type: ignore[index]
+
+
+def test_retrieve_model(client: openai.OpenAI, server: LiveServer) -> None:
+    card = client.models.retrieve("fake-model")
+    assert card.id == "fake-model" and card.object == "model" and card.owned_by
+    assert card.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("other-model")
+    assert missing.value.code == "model_not_found"
+    assert "other-model" in missing.value.message
+    # A Hugging Face name has a slash in it: still one model id, not another route.
+    status, _, body = raw_request(server, "GET", "/v1/models/org/other-model")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    assert client.models.retrieve("fake-model").id == "fake-model"  # still serving
+
+
+def test_ping_follows_engine_readiness_as_health(server: LiveServer, engine: FakeEngine) -> None:
+    for method in ("GET", "POST"):
+        engine.ready = False
+        status, headers, body = raw_request(server, method, "/ping", headers={"Authorization": ""})
+        assert status == 503 and {k.lower(): v for k, v in headers.items()}["retry-after"] == "5"
+        assert json.loads(body)["error"]["type"] == "ServiceUnavailableError"
+        engine.ready = True
+        assert raw_request(server, method, "/ping", headers={"Authorization": ""})[0] == 200
 
 
 def test_tokenize_and_detokenize(server: LiveServer, engine: FakeEngine) -> None:

@@ -121,6 +121,24 @@ def test_reasoning_is_split_out(client: openai.OpenAI) -> None:
     assert (reasoning, content) == (" it is sunny there ", " Sunny.")
 
 
+def test_usage_counts_the_reasoning_tokens(client: openai.OpenAI) -> None:
+    # The words "it is sunny there" and " </think>", whose space is the reasoning's last.
+    response = ask(client, THINKING)
+    assert response.usage is not None and response.usage.completion_tokens == 7
+    details = response.usage.completion_tokens_details
+    assert details is not None and details.reasoning_tokens == 5
+    stream = ask(client, THINKING, stream=True, stream_options={"include_usage": True})
+    *_, last = list(stream)
+    assert last.usage is not None and last.usage.completion_tokens_details is not None
+    assert last.usage.completion_tokens_details.reasoning_tokens == 5
+    both = ask(client, THINKING, n=2)
+    assert both.usage.completion_tokens_details.reasoning_tokens == 10  # summed over choices
+    hidden = ask(client, THINKING, extra_body={"include_reasoning": False})
+    assert hidden.usage.completion_tokens_details.reasoning_tokens == 5  # generated all the same
+    plain = ask(client, "no reasoning at all")
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+
+
 def test_include_reasoning_false_drops_it(client: openai.OpenAI) -> None:
     message = ask(client, THINKING, extra_body={"include_reasoning": False}).choices[0].message
     assert message.content == " Sunny."

@@ -540,3 +540,79 @@ def test_the_deepest_grammars_within_the_limits_kill_no_stage(engine_loop):
         outs = loop.run(collect(engine, request(temperature=0, max_tokens=6, structured=spec)))
         assert outs[-1].finish_reason in ("length", "stop")
     assert engine.ready
+
+
+def test_render_gives_exactly_the_prompt_generation_sees(engine_loop):
+    engine, loop = engine_loop
+    chat = ChatPrompt([{"role": "user", "content": "What is the capital of France? " * 3}])
+    whole = engine.tokenize(chat)
+    for keep in (None, 5, -1):
+        req = request(chat, temperature=0, max_tokens=3, truncate_prompt_tokens=keep)
+        rendered = loop.run(engine.render(req))
+        # prompt_logprobs=0 makes generation report the prompt ids it ran on
+        scored = replace(req, sampling=replace(req.sampling, prompt_logprobs=0))
+        outs = loop.run(collect(engine, scored))
+        assert rendered.token_ids == list(outs[0].prompt_token_ids)
+        assert rendered.token_ids == (whole if keep is None else whole[-5:] if keep == 5 else whole)
+        assert rendered.text == engine.detokenize(rendered.token_ids)
+        assert rendered.max_tokens == 3
+    unbounded = loop.run(engine.render(request(chat)))
+    assert unbounded.max_tokens == engine.max_model_len - len(whole)
+
+
+def test_render_refuses_what_generation_refuses(engine_loop):
+    engine, loop = engine_loop
+    bad = [
+        request(TokensPrompt([5] * 600), max_tokens=4),
+        request(structured=StructuredOutput("regex", "[", "guided_regex")),  # compiles in render
+        request(TokensPrompt([10_000])),
+    ]
+    for req in bad:
+        with pytest.raises(EngineError) as generated:
+            loop.run(collect(engine, req))
+        with pytest.raises(EngineError) as rendered:
+            loop.run(engine.render(req))
+        assert (rendered.value.status, rendered.value.message, rendered.value.param) == (
+            generated.value.status,
+            generated.value.message,
+            generated.value.param,
+        )
+    assert loop.run(engine.render(request("Hello"))).token_ids == engine.bundle.encode("Hello")
+
+
+def test_a_prefix_cache_reset_makes_a_repeated_prompt_compute_again(engine_loop):
+    engine, loop = engine_loop
+    prompt = "The quick brown fox jumps over the lazy dog, again and again. " * 3
+
+    def cached():
+        outs = loop.run(collect(engine, request(prompt, temperature=0, max_tokens=2)))
+        return outs[-1].metrics.num_cached_prompt_tokens
+
+    cached()
+    assert cached() > 0
+    loop.run(engine.reset_prefix_cache())
+    assert cached() == 0  # the request right after the reset computes its whole prompt
+    assert cached() > 0  # and registers it again
+
+
+def test_reasoning_tokens_are_counted_in_the_detokenize_stage(engine_loop):
+    """A grammar makes the random model write think tags; the final output says how many output
+    tokens lie inside them (a token counts when any of its characters is reasoning)."""
+    engine, loop = engine_loop
+    shape = StructuredOutput("regex", "<think>[a-z ]{8,24}</think>[a-z]{2,6}", "guided_regex")
+    req = replace(request(temperature=0, max_tokens=48, structured=shape), reasoning_parser="qwen3")
+    outs = loop.run(collect(engine, req))
+    final = outs[-1]
+    assert all(o.num_reasoning_tokens == 0 for o in outs[:-1])
+    ids = [t for o in outs for t in o.token_ids]
+    pieces = [engine.bundle.decode(ids[: i + 1]) for i in range(len(ids))]
+    text = pieces[-1]
+    start, end = text.index("<think>") + len("<think>"), text.index("</think>")
+    expected, before = 0, 0
+    for piece in pieces:
+        expected += before < end and len(piece) > start and len(piece) > before
+        before = len(piece)
+    assert 0 < final.num_reasoning_tokens == expected < len(ids)
+    assert "".join(o.reasoning for o in outs) == text[start:end]
+    plain = loop.run(collect(engine, request(temperature=0, max_tokens=4)))
+    assert plain[-1].num_reasoning_tokens == 0  # no reasoning parser

@@ -242,6 +242,26 @@ def test_shared_blocks_outlive_one_holder_and_free_blocks_keep_their_prefix():
     assert step.seqs[0].start == 0 and s.by_handle[7].num_cached_tokens == 0
 
 
+def test_a_prefix_cache_reset_drops_free_blocks_and_keeps_held_ones():
+    s = make(num_blocks=24, budget=64)
+    s.add(seq(1, 40, prompt=SHARED))
+    run_step(s)
+    s.abort(1)  # its 10 blocks are free and cached
+    s.add(seq(2, 44, prompt=np.concatenate([[7, 8, 9, 10], SHARED])))  # registers 11 of its own
+    run_step(s)
+    assert s.blocks.num_cached == 21
+    assert s.blocks.reset_prefix_cache() == 10  # request 2's stay: it holds them
+    assert s.blocks.num_cached == 11 and s.blocks.num_free == 24 - 11
+    s.add(seq(3, 40, prompt=SHARED))
+    step, _ = run_step(s)
+    assert {x.seq.handle: x.start for x in step.seqs}[3] == 0
+    assert s.by_handle[3].num_cached_tokens == 0
+    s.add(seq(4, 44, prompt=np.concatenate([[7, 8, 9, 10], SHARED])))
+    run_step(s)
+    assert s.by_handle[4].num_cached_tokens == 40  # a held prefix is still shared
+    assert s.blocks.reset_prefix_cache() == 0  # every cached block is held now
+
+
 def test_requests_that_need_every_prompt_position_skip_the_cache():
     s = make(budget=64)
     s.add(seq(1, 40, prompt=SHARED))

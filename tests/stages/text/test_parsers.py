@@ -86,6 +86,52 @@ def test_end_tag_text_after_reasoning_is_plain_content():
     assert (out.reasoning, out.content) == ("a", "b</think><think>c")
 
 
+def reasoning_tokens(make, tokens: list[str]) -> int:
+    """Feeds each piece as one output token's text, the last as the final one."""
+    parser = make()
+    for i, piece in enumerate(tokens):
+        parser.feed(piece, final=i == len(tokens) - 1)
+    count: int = parser.num_reasoning_tokens
+    return count
+
+
+@pytest.mark.parametrize(
+    ("parser", "starts_inside", "tokens", "expected"),
+    [
+        # single-token tags, as Qwen3's and DeepSeek-R1's vocabularies have: the tags never count
+        ("deepseek_r1", False, ["<think>", "Let", " me", " add", "</think>", "\n\n", "4"], 3),
+        ("deepseek_r1", False, ["Let", " me", "</think>", "4"], 2),  # no <think>: from the start
+        ("deepseek_r1", False, ["still", " thinking", ""], 3),  # no end tag: to the end (EOS)
+        ("qwen3", False, ["No", " think", " here"], 0),
+        ("qwen3", False, ["Hi", "<think>", "a", "b", "</think>", "c"], 2),
+        ("qwen3", True, ["a", "b", "</think>", "c"], 2),  # the prompt opened the tag
+        # tags written in several tokens: their pieces are not reasoning
+        ("qwen3", False, ["<", "think", ">", "x", "y", "</", "think", ">", "z"], 2),
+        # a token that only looked like a tag's start is reasoning once it is not one
+        ("qwen3", False, ["<think>", "a", " <", "b", "</think>"], 3),
+        # a token with no text of its own (half a UTF-8 character) goes with the next character
+        ("qwen3", False, ["<think>", "", "\U0001f642", "</think>", "", "ok"], 2),
+        ("qwen3", False, ["<think>", "a", "</think>", "", ""], 1),
+    ],
+)
+def test_reasoning_tokens_are_the_tokens_inside_the_tags(
+    parser: str, starts_inside: bool, tokens: list[str], expected: int
+) -> None:
+    make = lambda: OutputParser(parser, reasoning_starts_inside=starts_inside)  # noqa: E731
+    assert reasoning_tokens(make, tokens) == expected
+
+
+def test_reasoning_tokens_ignore_text_of_no_token_and_need_a_reasoning_parser() -> None:
+    parser = OutputParser("deepseek_r1")
+    parser.feed("a", False)
+    parser.feed("b", False)
+    parser.feed("", True, token=False)  # a finishing row without a token
+    assert parser.num_reasoning_tokens == 2
+    plain = OutputParser(tool_call_parser_name="hermes")
+    plain.feed("<think>a</think>", True)
+    assert plain.num_reasoning_tokens == 0
+
+
 # -- tool calls -----------------------------------------------------------------------------------
 
 HERMES = (
