@@ -151,6 +151,19 @@ def test_prompt_logprobs_arrive_with_the_first_output_across_prefill_chunks(engi
     assert [e.logprob for e in again[0].prompt_logprobs[1:]] == [e.logprob for e in scored[1:]]
 
 
+def test_prompt_logprobs_of_a_one_token_request(engine_loop):
+    """max_tokens 1 (how a prompt is scored) finishes the request in the step that computes its
+    last prompt chunk: the prompt logprobs still come back, every position."""
+    engine, loop = engine_loop
+    for text in ("Hello world, how are you", " ".join(f"word{i}" for i in range(40))):
+        ids = engine.bundle.encode(text)
+        outs = loop.run(collect(engine, request(text, max_tokens=1, prompt_logprobs=1)))
+        assert len(outs) == 1 and outs[0].finish_reason == "length"
+        scored = outs[0].prompt_logprobs
+        assert scored is not None and len(scored) == len(ids) and scored[0] is None
+        assert [e.token_id for e in scored[1:]] == ids[1:]
+
+
 def test_too_long_prompt_is_a_400_and_the_engine_keeps_serving(engine_loop):
     engine, loop = engine_loop
     with pytest.raises(EngineError) as info:
