@@ -212,7 +212,8 @@ class OpenAIServing:
             model=model,
             created=int(time.time()),
             system_fingerprint=self.fingerprint,
-            include_request_metrics=config.enable_per_request_metrics,
+            # One choice's figures are not the request's: left out for n > 1, as vLLM leaves them.
+            include_request_metrics=config.enable_per_request_metrics and n == 1,
             reasoning=generate_request.reasoning_parser is not None,
             prompt_tokens_details=config.enable_prompt_tokens_details,
         )
