@@ -41,7 +41,6 @@ def _chunk(
         "object": "chat.completion.chunk",
         "created": ctx.created,
         "model": ctx.model,
-        "system_fingerprint": ctx.system_fingerprint,
         "choices": choices,
     }
     if usage is not None:
