@@ -1,5 +1,6 @@
 """/v1/chat/completions responses: one `chat.completion`, or `chat.completion.chunk`s as vLLM
-streams them (role chunk, content chunks, finish chunk, optional usage chunk, [DONE]).
+streams them (role chunk, the `echo` chunk, content chunks, finish chunk, optional usage chunk,
+[DONE]; no chunk carries `system_fingerprint`, as none of vLLM's does).
 
 Per-request `metrics` ride on the non-streaming response; when streaming, on the usage chunk if
 `stream_options.include_usage` asked for one, otherwise on the finish chunk, so a client gets
@@ -130,6 +131,7 @@ def stream_chat(
     # A named tool_choice streams its call as OpenAI does: the first delta opens the call (id,
     # name), the following ones carry pieces of its arguments as the model writes them.
     named = request.named_tool
+    echo = request.echo_text
 
     async def events(choice: Choice) -> AsyncIterator[bytes]:
         tracker, index = choice.tracker, choice.index
@@ -141,9 +143,14 @@ def stream_chat(
 
         async for output in choice.chain():
             if output is choice.first:
-                role = _choice(index, {"role": "assistant", "content": ""})
+                role = _choice(index, {"role": request.response_role, "content": ""})
                 no_output_yet = usage_body(tracker.num_prompt_tokens, 0)
                 yield sse(_chunk(ctx, [role], no_output_yet if request.continuous_usage else None))
+                if echo:
+                    echoed = _choice(index, {"content": echo})
+                    yield sse(
+                        _chunk(ctx, [echoed], no_output_yet if request.continuous_usage else None)
+                    )
             delta: dict[str, Any] = {}
             if output.reasoning and request.include_reasoning:
                 delta["reasoning_content"] = delta["reasoning"] = output.reasoning
@@ -206,8 +213,8 @@ async def _collect_choice(
         if request.logprobs
         else None
     )
-    content: str | None = "".join(texts)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    content: str | None = request.echo_text + "".join(texts)
+    message: dict[str, Any] = {"role": request.response_role, "content": content}
     if calls.calls:
         # OpenAI's shape: content null when the reply is only calls
         message["content"] = content if content and content.strip() else None

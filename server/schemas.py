@@ -193,6 +193,24 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM: False drops reasoning_content from the response
+    echo: bool = False  # vLLM: the reply starts with the last message's content (same role)
+
+    @property
+    def response_role(self) -> str:
+        """The reply's role: the assistant's, or without a generation prompt the last message's
+        (vLLM's get_chat_request_role)."""
+        if self.add_generation_prompt:
+            return "assistant"
+        return str(self.messages[-1].get("role"))
+
+    @property
+    def echo_text(self) -> str:
+        """What `echo` puts ahead of the reply: the last message's content when its role is the
+        reply's (the assistant's start with continue_final_message), else nothing, as vLLM."""
+        last = _normalize_message(self.messages[-1])
+        if not self.echo or last.get("role") != self.response_role:
+            return ""
+        return str(last.get("content") or "")
 
     @property
     def effective_max_tokens(self) -> int | None:
