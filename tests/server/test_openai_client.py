@@ -489,9 +489,12 @@ def test_without_a_generation_prompt_the_reply_has_the_last_role(client: openai.
         model="fake-model", messages=MESSAGES, stream=True, extra_body=extra
     )
     assert next(iter(stream)).choices[0].delta.role == "user"  # type: ignore[comparison-overlap]
-    assert client.chat.completions.create(
-        model="fake-model", messages=MESSAGES
-    ).choices[0].message.role == "assistant"
+    assert (
+        client.chat.completions.create(model="fake-model", messages=MESSAGES)
+        .choices[0]
+        .message.role
+        == "assistant"
+    )
 
 
 def test_chat_echo_puts_the_last_message_first(client: openai.OpenAI) -> None:
@@ -539,9 +542,7 @@ def test_per_request_metrics_are_left_out_for_n_above_one(client: openai.OpenAI)
         )
     )
     assert all("metrics" not in (c.model_extra or {}) for c in chunks)
-    finishes = list(
-        client.completions.create(model="fake-model", prompt="a b", n=2, stream=True)
-    )
+    finishes = list(client.completions.create(model="fake-model", prompt="a b", n=2, stream=True))
     assert all("metrics" not in (c.model_extra or {}) for c in finishes)
     one = client.chat.completions.create(model="fake-model", messages=MESSAGES, n=1)
     assert one.model_extra is not None and one.model_extra["metrics"]["num_generated_tokens"] == 5
@@ -588,7 +589,9 @@ def test_a_body_that_is_not_json_is_a_415(server: LiveServer, content_type: str)
     """What a web page can make a browser post to any origin without a CORS preflight is not a
     request body (as FastAPI decided after CVE-2021-32677)."""
     for path, body in JSON_BODIES:
-        status, error = post_with_content_type(server, path, content_type, json.dumps(body).encode())
+        status, error = post_with_content_type(
+            server, path, content_type, json.dumps(body).encode()
+        )
         assert status == 415, (path, error)
         assert error["error"]["type"] == "UnsupportedMediaTypeError"
         assert "Content-Type" in error["error"]["message"]
