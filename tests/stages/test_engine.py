@@ -250,7 +250,13 @@ def test_dummy_execute_runs_the_pipeline_without_a_model(tiny_chat_model):
 
     runner = LoopThread()
     engine = Engine(
-        EngineConfig(model_path=tiny_chat_model, dummy=True, log_format="json", log_level="warning")
+        EngineConfig(
+            model_path=tiny_chat_model,
+            dummy=True,
+            max_num_batched_tokens=64,  # a 40-word prompt takes two chunks
+            log_format="json",
+            log_level="warning",
+        )
     )
     try:
         runner.run(engine.start())
@@ -263,6 +269,20 @@ def test_dummy_execute_runs_the_pipeline_without_a_model(tiny_chat_model):
         spec = StructuredOutput("regex", "[a-z]+")
         shaped = runner.run(collect(engine, request(max_tokens=5, structured=spec)))
         assert shaped[-1].num_output_tokens == 5
+        # prompt logprobs come back there too, for a one-token request as for a longer one
+        text = " ".join(f"word{i}" for i in range(40))
+        ids = engine.bundle.encode(text)
+        for max_tokens in (1, 2):
+            for k in (0, 2):
+                outs = runner.run(
+                    collect(engine, request(text, max_tokens=max_tokens, prompt_logprobs=k))
+                )
+                scored = outs[0].prompt_logprobs
+                assert scored is not None and len(scored) == len(ids) and scored[0] is None
+                assert [(e.token_id, e.logprob, e.rank) for e in scored[1:]] == [
+                    (t, 0.0, 1) for t in ids[1:]
+                ]
+                assert all(len(e.top) == min(k, 1) for e in scored[1:])
     finally:
         runner.run(engine.stop())
         runner.close()
