@@ -2,9 +2,9 @@
 streams them (role chunk, the `echo` chunk, content chunks, finish chunk, optional usage chunk,
 [DONE]; no chunk carries `system_fingerprint`, as none of vLLM's does).
 
-Per-request `metrics` ride on the non-streaming response; when streaming, on the usage chunk if
-`stream_options.include_usage` asked for one, otherwise on the finish chunk, so a client gets
-them either way.
+Per-request `metrics` (of a request with one choice) ride on the non-streaming response; when
+streaming, on the usage chunk if `stream_options.include_usage` asked for one, otherwise on the
+finish chunk, so a client gets them either way.
 
 With a reasoning parser the reasoning goes out as `reasoning_content` (and `reasoning`, its newer
 name in vLLM; both, as vLLM writes both); with a tool-call parser each call streams as `tool_calls`
