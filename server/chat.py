@@ -1,14 +1,16 @@
 """/v1/chat/completions responses: one `chat.completion`, or `chat.completion.chunk`s as vLLM
-streams them (role chunk, content chunks, finish chunk, optional usage chunk, [DONE]).
+streams them (role chunk, the `echo` chunk, content chunks, finish chunk, optional usage chunk,
+[DONE]; no chunk carries `system_fingerprint`, as none of vLLM's does).
 
-Per-request `metrics` ride on the non-streaming response; when streaming, on the usage chunk if
-`stream_options.include_usage` asked for one, otherwise on the finish chunk, so a client gets
-them either way.
+Per-request `metrics` (of a request with one choice) ride on the non-streaming response; when
+streaming, on the usage chunk if `stream_options.include_usage` asked for one, otherwise on the
+finish chunk, so a client gets them either way.
 
 With a reasoning parser the reasoning goes out as `reasoning_content` (and `reasoning`, its newer
-name in vLLM; both, as vLLM writes both); with a tool-call parser each complete call goes out as a
-`tool_calls` entry (index, id, type, function name and arguments, whole) and the finish reason of
-a request that called tools is "tool_calls".
+name in vLLM; both, as vLLM writes both); with a tool-call parser each call streams as `tool_calls`
+entries as vLLM streams them (the first with index, id, type and function name, the next ones
+with pieces of its arguments as the model writes them), and the finish reason of a request that
+called tools is "tool_calls".
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from server.serving import (
     usage_body,
     usage_event,
 )
-from stages.api import TokenLogprob, ToolCall
+from stages.api import TokenLogprob, ToolCall, ToolCallDelta
 from stages.text.parsers import forced_tool_calls, new_tool_call_id
 
 
@@ -41,7 +43,6 @@ def _chunk(
         "object": "chat.completion.chunk",
         "created": ctx.created,
         "model": ctx.model,
-        "system_fingerprint": ctx.system_fingerprint,
         "choices": choices,
     }
     if usage is not None:
@@ -65,13 +66,20 @@ def _choice(
     }
 
 
-def _tool_call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {
         "id": call.id,
         "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }
-    return body if index is None else {"index": index, **body}
+
+
+def _tool_call_piece(piece: ToolCallDelta) -> dict[str, Any]:
+    """A call's streamed entry: its opening (id, type, name) or a piece of its arguments."""
+    if not piece.id:
+        return {"index": piece.index, "function": {"arguments": piece.arguments}}
+    function = {"name": piece.name, "arguments": piece.arguments}
+    return {"index": piece.index, "id": piece.id, "type": "function", "function": function}
 
 
 class _Calls:
@@ -86,7 +94,7 @@ class _Calls:
 
     def __init__(self, request: ChatCompletionRequest) -> None:
         self.limit = 1 if request.parallel_tool_calls is False else None
-        self.calls: list[ToolCall] = []
+        self.calls: list[ToolCall] = []  # as far as written
         self.forced = request.forced_tool
         self.named = request.named_tool
         self._held: list[str] = []
@@ -98,7 +106,7 @@ class _Calls:
         self._held.append(text)
         return ""
 
-    def release(self) -> tuple[list[ToolCall], str]:
+    def release(self) -> tuple[list[ToolCallDelta], str]:
         """At the finish of a forced call: (the calls taken, content when the text held no calls)."""
         if self.forced is None:
             return [], ""
@@ -106,12 +114,21 @@ class _Calls:
         calls = forced_tool_calls(text, self.forced)
         if calls is None:
             return [], text
-        return self.take(calls), ""
+        return self.take(
+            [ToolCallDelta(i, call.id, call.name, call.arguments) for i, call in enumerate(calls)]
+        ), ""
 
-    def take(self, new: tuple[ToolCall, ...]) -> list[ToolCall]:
-        room = len(new) if self.limit is None else max(0, self.limit - len(self.calls))
-        taken = list(new[:room])
-        self.calls += taken
+    def take(self, pieces: Sequence[ToolCallDelta]) -> list[ToolCallDelta]:
+        """The pieces to pass on (those of the calls within the limit), added to their calls."""
+        taken = [p for p in pieces if self.limit is None or p.index < self.limit]
+        for piece in taken:
+            if piece.id:
+                self.calls.append(ToolCall(piece.id, piece.name, piece.arguments))
+            else:
+                call = self.calls[piece.index]
+                self.calls[piece.index] = ToolCall(
+                    call.id, call.name, call.arguments + piece.arguments
+                )
         return taken
 
     def finish_reason(self, reason: str | None) -> str | None:
@@ -131,6 +148,7 @@ def stream_chat(
     # A named tool_choice streams its call as OpenAI does: the first delta opens the call (id,
     # name), the following ones carry pieces of its arguments as the model writes them.
     named = request.named_tool
+    echo = request.echo_text
 
     async def events(choice: Choice) -> AsyncIterator[bytes]:
         tracker, index = choice.tracker, choice.index
@@ -142,9 +160,14 @@ def stream_chat(
 
         async for output in choice.chain():
             if output is choice.first:
-                role = _choice(index, {"role": "assistant", "content": ""})
+                role = _choice(index, {"role": request.response_role, "content": ""})
                 no_output_yet = usage_body(tracker.num_prompt_tokens, 0)
                 yield sse(_chunk(ctx, [role], no_output_yet if request.continuous_usage else None))
+                if echo:
+                    echoed = _choice(index, {"content": echo})
+                    yield sse(
+                        _chunk(ctx, [echoed], no_output_yet if request.continuous_usage else None)
+                    )
             delta: dict[str, Any] = {}
             if output.reasoning and request.include_reasoning:
                 delta["reasoning_content"] = delta["reasoning"] = output.reasoning
@@ -161,12 +184,9 @@ def stream_chat(
             if text or (output.logprobs and not delta):
                 delta["content"] = text
             if output.tool_calls:
-                start = len(calls.calls)
                 taken = calls.take(output.tool_calls)
                 if taken:
-                    delta["tool_calls"] = [
-                        _tool_call(call, start + i) for i, call in enumerate(taken)
-                    ]
+                    delta["tool_calls"] = [_tool_call_piece(piece) for piece in taken]
             if delta or output.logprobs:
                 logprobs = (
                     chat_logprobs(output.logprobs, top_n, request.return_tokens_as_token_ids)
@@ -177,7 +197,7 @@ def stream_chat(
             if output.finish_reason is not None:
                 forced, held = calls.release() if named is None else ([], "")
                 if forced:
-                    delta = {"tool_calls": [_tool_call(call, i) for i, call in enumerate(forced)]}
+                    delta = {"tool_calls": [_tool_call_piece(piece) for piece in forced]}
                     yield sse(_chunk(ctx, [_choice(index, delta)], usage_now()))
                 elif held:
                     yield sse(_chunk(ctx, [_choice(index, {"content": held})], usage_now()))
@@ -207,8 +227,8 @@ async def _collect_choice(
         if request.logprobs
         else None
     )
-    content: str | None = "".join(texts)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    content: str | None = request.echo_text + "".join(texts)
+    message: dict[str, Any] = {"role": request.response_role, "content": content}
     if calls.calls:
         # OpenAI's shape: content null when the reply is only calls
         message["content"] = content if content and content.strip() else None

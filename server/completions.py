@@ -1,6 +1,6 @@
 """/v1/completions responses: one `text_completion`, or `text_completion` chunks (text chunks,
-finish chunk, optional usage chunk, [DONE]); `echo` puts the prompt first. Per-request `metrics`
-are placed as in chat.py."""
+finish chunk, optional usage chunk, [DONE]; without `system_fingerprint`, as vLLM streams them);
+`echo` puts the prompt first. Per-request `metrics` are placed as in chat.py."""
 
 from __future__ import annotations
 
@@ -23,16 +23,20 @@ from stages.api import EngineClient, RequestOutput, TextPrompt
 
 
 def _body(
-    ctx: ResponseContext, choices: list[dict[str, Any]], usage: dict[str, int] | None
+    ctx: ResponseContext,
+    choices: list[dict[str, Any]],
+    usage: dict[str, int] | None,
+    chunk: bool = True,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": ctx.request_id,
         "object": "text_completion",
         "created": ctx.created,
         "model": ctx.model,
-        "system_fingerprint": ctx.system_fingerprint,
         "choices": choices,
     }
+    if not chunk:
+        body["system_fingerprint"] = ctx.system_fingerprint
     if usage is not None:
         body["usage"] = usage
     return body
@@ -148,7 +152,7 @@ async def collect_completion(
     choices: Sequence[Choice],
 ) -> dict[str, Any]:
     bodies = await gather_choices(choices, lambda choice: _collect_choice(engine, request, choice))
-    response = _body(ctx, bodies, total_usage(choices, ctx))
+    response = _body(ctx, bodies, total_usage(choices, ctx), chunk=False)
     if ctx.include_request_metrics:
         response["metrics"] = choices[0].tracker.metrics_body()
     return response

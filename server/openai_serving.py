@@ -50,8 +50,29 @@ def json_response(payload: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(payload), status=status, content_type="application/json")
 
 
+def is_json_media_type(mimetype: str) -> bool:
+    """`application/json` or `application/*+json` (parameters already stripped, lowercase); no
+    Content-Type at all counts as JSON, as FastAPI (and so vLLM) reads it."""
+    if not mimetype:
+        return True
+    kind, _, subtype = mimetype.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
 async def read_body() -> bytes:
-    """The raw body; APIError 413 for one over --max-request-body-bytes."""
+    """The raw JSON body; APIError 415 for a body of another media type, 413 for one over
+    --max-request-body-bytes.
+
+    text/plain, form-encoded and multipart are what a web page can make a browser post to any
+    origin without a CORS preflight; parsed as JSON they would let any page drive the server
+    (FastAPI refuses them since CVE-2021-32677)."""
+    if not is_json_media_type(request.mimetype):
+        raise APIError(
+            f"Unsupported Content-Type {request.mimetype!r}: the body must be JSON "
+            "(application/json)",
+            status=415,
+            code="unsupported_media_type",
+        )
     limit = openai_serving().config.max_request_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise body_too_large(limit, request.content_length)
@@ -226,7 +247,8 @@ class OpenAIServing:
             model=model,
             created=int(time.time()),
             system_fingerprint=self.fingerprint,
-            include_request_metrics=config.enable_per_request_metrics,
+            # One choice's figures are not the request's: left out for n > 1, as vLLM leaves them.
+            include_request_metrics=config.enable_per_request_metrics and n == 1,
             reasoning=generate_request.reasoning_parser is not None,
             prompt_tokens_details=config.enable_prompt_tokens_details,
         )

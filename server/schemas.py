@@ -33,6 +33,7 @@ TokenId = Annotated[int, Meta(ge=0)]
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # the stages carry it as int32
 
 MAX_CHOICES = 16  # n: each choice is an engine request of its own
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -192,6 +193,24 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM: False drops reasoning_content from the response
+    echo: bool = False  # vLLM: the reply starts with the last message's content (same role)
+
+    @property
+    def response_role(self) -> str:
+        """The reply's role: the assistant's, or without a generation prompt the last message's
+        (vLLM's get_chat_request_role)."""
+        if self.add_generation_prompt:
+            return "assistant"
+        return str(self.messages[-1].get("role"))
+
+    @property
+    def echo_text(self) -> str:
+        """What `echo` puts ahead of the reply: the last message's content when its role is the
+        reply's (the assistant's start with continue_final_message), else nothing, as vLLM."""
+        last = _normalize_message(self.messages[-1])
+        if not self.echo or last.get("role") != self.response_role:
+            return ""
+        return str(last.get("content") or "")
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -349,8 +368,12 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     echo: bool = False
     add_special_tokens: bool = True
 
+    @property
+    def effective_max_tokens(self) -> int:
+        return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
     def validate(self, vocab_size: int) -> None:
-        self._validate_common(self.max_tokens, vocab_size)
+        self._validate_common(self.effective_max_tokens, vocab_size)
         self.structured()
         if isinstance(self.prompt, str):
             if not self.prompt:
@@ -380,7 +403,7 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
         return TokensPrompt([int(p) for p in self.prompt])
 
     def sampling_params(self) -> SamplingParams:
-        sampling = self._sampling(self.max_tokens, self.logprobs)
+        sampling = self._sampling(self.effective_max_tokens, self.logprobs)
         wanted = [self.prompt_logprobs]
         if self.echo and self.logprobs is not None:
             # echo with logprobs returns the prompt's logprobs ahead of the completion's

@@ -89,11 +89,23 @@ class GenerateRequest(msgspec.Struct, frozen=True):
 
 
 class ToolCall(msgspec.Struct, frozen=True, array_like=True):
-    """A complete function call the model wrote (parsed by the request's tool-call parser)."""
+    """A complete function call the model wrote."""
 
     id: str
     name: str
     arguments: str  # a JSON object's text, as OpenAI's `function.arguments`
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """A piece of a function call as the request's tool-call parser reads it from the output:
+    the first piece of call `index` opens it (id and name), the next ones carry its arguments'
+    JSON text as the model writes it; the pieces' arguments, joined, are the call's. A call
+    parsed whole is one piece."""
+
+    index: int  # the call's place among the request's calls, from 0
+    id: str = ""  # on the opening piece only
+    name: str = ""  # on the opening piece only
+    arguments: str = ""
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -171,7 +183,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # on the first output
     metrics: RequestMetrics | None = None  # on the final output
     reasoning: str = ""  # new reasoning text (with a reasoning parser; `text` is then the rest)
-    tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this step (with a tool parser)
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of calls written in this step
     # On the final output, with a reasoning parser: the output tokens inside the reasoning.
     num_reasoning_tokens: int = 0
 

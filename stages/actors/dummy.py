@@ -13,7 +13,7 @@ from pipeline.clock import now_ns
 from stages import spans
 from stages.config import EngineConfig
 from stages.rings import plan, results
-from stages.rings.common import PromptLogprobs
+from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
 from stages.text.snapshot import tokenizer_of
 
 
@@ -25,6 +25,7 @@ class DummyExecuteActor(SyncActor):
         self.choices = np.array(
             [t for t in range(bundle.vocab_size) if t not in bundle.special_token_ids], np.int64
         )
+        self.prompt_top_k: dict[int, int] = {}  # by handle: the requests with prompt_logprobs
 
     def run(self) -> None:
         inbox, outbox = self.ctx.inbox["plan"], self.ctx.outbox["results"]
@@ -38,6 +39,11 @@ class DummyExecuteActor(SyncActor):
                     )
                     continue
                 step = plan.unpack_step(message)
+            for handle in step.free_handles.tolist():
+                self.prompt_top_k.pop(handle, None)
+            for handle, rendered in step.new_requests:
+                if rendered.sampling.prompt_logprobs is not None:
+                    self.prompt_top_k[handle] = rendered.sampling.prompt_logprobs
             started = now_ns()
             depth = inbox.depth()
             seqs = step.seqs
@@ -56,7 +62,7 @@ class DummyExecuteActor(SyncActor):
                 ranks=np.ones(entries, np.int64),
                 top_ids=np.zeros((entries, 0), np.int64),
                 top_logprobs=np.zeros((entries, 0), np.float32),
-                prompt=PromptLogprobs.empty(),
+                prompt=self.prompt_logprobs(step) if self.prompt_top_k else PromptLogprobs.empty(),
             )
             outbox.send(results.RESULT, results.pack_result(result))
             self.ctx.trace.record(
@@ -100,3 +106,26 @@ class DummyExecuteActor(SyncActor):
                     break
             counts.append(emitted)
         return np.array(counts, np.int32), np.array(out, np.int64)
+
+    def prompt_logprobs(self, step: plan.PlannedStep) -> PromptLogprobs:
+        """The null model is sure of every token it reads: each prompt token of this step's
+        chunks (past the prompt's first) scores logprob 0 at rank 1, and is its own top-1 (the
+        only token of finite logprob), as its sampled tokens do."""
+        seqs = step.seqs
+        rows = []
+        for b, handle in enumerate(seqs["handle"].tolist()):
+            if handle not in self.prompt_top_k:
+                continue
+            start, length = int(seqs["query_start"][b]), int(seqs["query_len"][b])
+            positions = step.positions[start : start + length]  # [L] int32
+            scored = (positions >= 1) & (positions < seqs["prompt_len"][b])
+            chunk = np.zeros(int(scored.sum()), PROMPT_LOGPROB_ROW)
+            chunk["handle"] = handle
+            chunk["position"] = positions[scored]
+            chunk["token_id"] = step.input_ids[start : start + length][scored]
+            chunk["rank"] = 1
+            rows.append(chunk)
+        rows_all = np.concatenate(rows) if rows else np.zeros(0, PROMPT_LOGPROB_ROW)  # [P]
+        width = 1 if any(self.prompt_top_k.get(h, 0) > 0 for h in rows_all["handle"]) else 0
+        top_ids = np.repeat(rows_all["token_id"][:, None], width, axis=1)  # [P, width]
+        return PromptLogprobs(rows_all, top_ids, np.zeros(top_ids.shape, np.float32))

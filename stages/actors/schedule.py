@@ -112,6 +112,9 @@ class ScheduleActor(AsyncActor):
                 continue
             with message:
                 result = results.unpack_result(message)
+            # Before `complete`: a request that finishes in this step (max_tokens 1, which is how
+            # a prompt is scored) leaves the scheduler there, and its prompt logprobs with it.
+            prompt = self.with_first_prompt_token(result.prompt)
             emitted, rows = self.scheduler.complete(
                 result.step_id,
                 result.handles,
@@ -127,7 +130,6 @@ class ScheduleActor(AsyncActor):
                 if seq.first_token_ns == 0:
                     seq.first_token_ns = result.t_end_ns
                 seq.last_token_ns = result.t_end_ns
-            prompt = self.with_first_prompt_token(result.prompt)
             if emitted or prompt is not None:
                 await self.send_tokens(result.step_id, emitted, result, rows, prompt)
             self.ctx.trace.record(
@@ -173,32 +175,43 @@ class ScheduleActor(AsyncActor):
         per_pos = [float(n) for n in self.scheduler.accepted_per_pos]
         self.ctx.set_gauges([float(stats[name]) for name in GAUGES] + per_pos)
 
-    def with_first_prompt_token(self, prompt: PromptLogprobs) -> PromptLogprobs | None:
+    def with_first_prompt_token(
+        self, prompt: PromptLogprobs
+    ) -> tuple[PromptLogprobs, list[Sequence]] | None:
         """The rows of live requests, with a row for each prompt's first token (which has no
-        logprob) ahead of its first chunk, so that detokenize knows every prompt token id."""
+        logprob) ahead of its first chunk, so that detokenize knows every prompt token id; and
+        those requests."""
         rows = prompt.rows
         if not len(rows):
             return None
         by_handle = self.scheduler.by_handle
-        live = np.array([h in by_handle for h in rows["handle"].tolist()], bool)
+        live = np.array(
+            [
+                h in by_handle and by_handle[h].status != Status.FINISHED
+                for h in rows["handle"].tolist()
+            ],
+            bool,
+        )
         if not live.all():
             prompt = PromptLogprobs(rows[live], prompt.top_ids[live], prompt.top_logprobs[live])
             rows = prompt.rows
         if not len(rows):
             return None
+        seqs = [by_handle[h] for h in dict.fromkeys(rows["handle"].tolist())]
         firsts = np.nonzero(rows["position"] == 1)[0]
         if not len(firsts):
-            return prompt
+            return prompt, seqs
         heads = np.zeros(len(firsts), common.PROMPT_LOGPROB_ROW)
         heads["handle"] = rows["handle"][firsts]
         heads["token_id"] = [by_handle[h].prompt_ids[0] for h in heads["handle"].tolist()]
         heads["logprob"] = np.nan
         width = prompt.top_ids.shape[1]
-        return PromptLogprobs(
+        with_heads = PromptLogprobs(
             np.insert(rows, firsts, heads),
             np.insert(prompt.top_ids, firsts, np.full((1, width), -1, np.int64), axis=0),
             np.insert(prompt.top_logprobs, firsts, np.zeros((1, width), np.float32), axis=0),
         )
+        return with_heads, seqs
 
     async def send_tokens(
         self,
@@ -206,16 +219,15 @@ class ScheduleActor(AsyncActor):
         emitted: list[tuple[Sequence, int]],
         result: results.StepResult | None = None,
         result_rows: np.ndarray | None = None,  # [len(emitted)]: each token's row in result
-        prompt: PromptLogprobs | None = None,
+        prompt_of: tuple[PromptLogprobs, list[Sequence]] | None = None,
     ) -> None:
         seqs = [seq for seq, _ in emitted]
         candidates = seqs
-        if prompt is not None:
+        prompt = None
+        if prompt_of is not None:
             # detokenize keeps prompt logprobs from the first chunk on, so it must know the request
-            by_handle = self.scheduler.by_handle
-            candidates = seqs + [
-                by_handle[h] for h in dict.fromkeys(prompt.rows["handle"].tolist())
-            ]
+            prompt, prompt_seqs = prompt_of
+            candidates = seqs + prompt_seqs
         new = list({id(seq): seq for seq in candidates if not seq.sent_to_detok}.values())
         for seq in new:
             seq.sent_to_detok = True

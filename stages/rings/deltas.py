@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 
 from pipeline.records import Record, Vocabulary
-from stages.api import RequestMetrics, TokenLogprob, ToolCall
+from stages.api import RequestMetrics, TokenLogprob, ToolCallDelta
 from stages.rings.common import Views, blobs
 
 
@@ -19,7 +19,7 @@ class DeltaExtra(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     stop_reason: str | int | None = None
     metrics: RequestMetrics | None = None
     reasoning: str = ""
-    tool_calls: tuple[ToolCall, ...] = ()
+    tool_calls: tuple[ToolCallDelta, ...] = ()
     # on a request's first delta, when asked for: the prompt's tokens from position 0, each with
     # its logprob (position 0 has none: rank 0) and top-k
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None

@@ -58,12 +58,14 @@ def render_chat(
 
 
 def _normalise(message: Mapping[str, Any]) -> dict[str, Any]:
-    """Content given as a list of text parts becomes one string, as most templates expect; an
+    """Content given as a list of text parts becomes one string, as most templates expect, and
+    so does no content (an assistant's tool-call turn, `null` or left out, as the OpenAI SDK sends
+    it back): "", as vLLM hands it over, which templates that concatenate content can add to; an
     assistant's tool-call arguments (JSON text on the wire) become objects, which templates
     render with `tojson` (as vLLM hands them over)."""
     out = dict(message)
     content = out.get("content")
-    if isinstance(content, list):
+    if content is None or isinstance(content, list):
         out["content"] = _text_of(content)
     calls = out.get("tool_calls")
     if isinstance(calls, list):

@@ -3,25 +3,28 @@
 The detokenize stage runs one `OutputParser` per chat request that asked for it (the server's
 `--reasoning-parser` and `--tool-call-parser`, as `vllm serve` names them). Each delta of text goes
 through the reasoning splitter first (what lies between the think tags becomes `reasoning`), then
-through the tool-call parser (complete calls come out as `ToolCall`s, the markup never reaches the
+through the tool-call parser (calls come out as `ToolCallDelta`s, the markup never reaches the
 content). A parser holds back the tail of the text that could still become a tag, as the stop
-strings are held back, and a tool call is emitted whole once its closing markup (or the end of the
-output) arrives: its arguments are then known to be valid JSON. Whatever does not parse as a call
-goes out as content, unchanged, so a model that writes a malformed call loses nothing.
+strings are held back. A call streams as vLLM's parsers stream it: its id and name as soon as the
+name is written, then its arguments piece by piece as the model writes them (joined, they are the
+arguments' JSON text); markup of another shape is parsed whole once it closes. Whatever does not
+parse as a call goes out as content, unchanged, so a model that writes a malformed call loses
+nothing written outside a call's arguments.
 
-Feeding a text in any number of pieces gives the same result as feeding it whole.
+Feeding a text in any number of pieces gives the same calls and content as feeding it whole.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from stages.api import ToolCall
+from stages.api import ToolCall, ToolCallDelta
 
 # What json raises for text that is not a JSON value, or one nested past Python's recursion limit
 # (a model can write a thousand "[" as readily as anything else): either way, not a tool call.
@@ -32,7 +35,7 @@ NOT_JSON = (ValueError, RecursionError)
 class Parsed:
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 def partial_tail(text: str, tag: str) -> int:
@@ -223,9 +226,261 @@ def _calls_from_json(text: str, separators: str = "") -> list[ToolCall] | None:
 
 
 class ToolCallParser(Protocol):
-    """Feed content text, get (content, complete tool calls)."""
+    """Feed content text, get (content, pieces of tool calls)."""
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]: ...
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]: ...
+
+
+class _NotACall(ValueError):
+    """The text cannot be the start of a call in the streamed shape."""
+
+
+# Between calls: whitespace, a JSON list's brackets and commas, Llama 3's `;`.
+_SEPARATORS = frozenset(" \t\r\n[],;")
+_ARGUMENT_KEYS = ("arguments", "parameters")
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]*")
+_ARGS_MARKER = "[ARGS]"  # Mistral's v11 tokenizer: `name[ARGS]{...}`
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _expect(text: str, i: int, char: str) -> int | None:
+    """The index after `char` (after whitespace) at text[i]; None if the text ends first."""
+    i = _skip_space(text, i)
+    if i == len(text):
+        return None
+    if text[i] != char:
+        raise _NotACall
+    return i + 1
+
+
+def _string(text: str, i: int) -> tuple[str, int] | None:
+    """The JSON string (after whitespace) at text[i] and the index after it; None if it does not
+    end in the text yet."""
+    i = _skip_space(text, i)
+    if i == len(text):
+        return None
+    if text[i] != '"':
+        raise _NotACall
+    end = i + 1
+    while True:
+        end = text.find('"', end)
+        if end < 0:
+            return None
+        backslashes = 0
+        while text[end - 1 - backslashes] == "\\":
+            backslashes += 1
+        if backslashes % 2 == 0:
+            break
+        end += 1
+    try:
+        value = json.loads(text[i : end + 1])
+    except NOT_JSON:
+        raise _NotACall from None
+    return value, end + 1
+
+
+def _json_call_head(text: str, i: int) -> tuple[str, int] | None:
+    """`{"name": "...", "arguments": ` ("parameters" too) from text[i]: (the name, the index of
+    the arguments' `{`); None while the text could still become that."""
+    after = _expect(text, i, "{")
+    key = None if after is None else _string(text, after)
+    if key is None:
+        return None
+    if key[0] != "name":
+        raise _NotACall
+    after = _expect(text, key[1], ":")
+    name = None if after is None else _string(text, after)
+    if name is None:
+        return None
+    after = _expect(text, name[1], ",")
+    arguments_key = None if after is None else _string(text, after)
+    if arguments_key is None:
+        return None
+    if arguments_key[0] not in _ARGUMENT_KEYS:
+        raise _NotACall
+    after = _expect(text, arguments_key[1], ":")
+    return None if after is None else _arguments_start(text, name[0], after)
+
+
+def _named_args_head(text: str, i: int) -> tuple[str, int] | None:
+    """Mistral's `name[ARGS]` from text[i]: (the name, the index of the arguments' `{`)."""
+    marker = text.find(_ARGS_MARKER, i)
+    if marker < 0:
+        written = text[i : len(text) - partial_tail(text[i:], _ARGS_MARKER)].strip()
+        if not _FUNCTION_NAME.fullmatch(written):
+            raise _NotACall
+        return None
+    name = text[i:marker].strip()
+    if not name or not _FUNCTION_NAME.fullmatch(name):
+        raise _NotACall
+    return _arguments_start(text, name, marker + len(_ARGS_MARKER))
+
+
+def _arguments_start(text: str, name: str, i: int) -> tuple[str, int] | None:
+    i = _skip_space(text, i)
+    if i == len(text):
+        return None
+    if text[i] != "{":
+        raise _NotACall
+    return name, i
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except NOT_JSON:
+        return False
+
+
+class _CallMarkup:
+    """The calls written in one stretch of call markup (the body of `<tool_call>...</tool_call>`,
+    what follows [TOOL_CALLS], a Llama 3 JSON output), as they are written.
+
+    A call in the usual shape, `{"name": ..., "arguments": {...}}` (or Mistral's `name[ARGS]
+    {...}`), opens (id and name) as soon as its name and the `{` of its arguments are in; its
+    arguments follow piece by piece, exactly as written, so the pieces join to the arguments'
+    JSON text. Markup in any other shape is held until the stretch ends and parsed whole by
+    `parse`. A call the stretch cuts short (the output ends, or the markup closes, inside its
+    arguments) keeps what was written of them."""
+
+    def __init__(
+        self,
+        first_index: int,
+        parse: Callable[[str], list[ToolCall] | None],
+        marker: str = "",
+        named_args: bool = False,
+    ) -> None:
+        self.text = ""
+        self.pos = 0  # where reading resumes
+        self.next_index = first_index
+        self.parse = parse
+        self.marker = marker  # a start marker that may come again between calls (Mistral's)
+        self.named_args = named_args
+        self.opened = 0  # calls streamed from this stretch
+        self.held_from: int | None = None  # text not in the streamed shape: parsed at the end
+        self.in_arguments = False
+        self.needs_close = False  # the call object's `}` after its arguments (not Mistral v11)
+        self.arguments_start = self.sent = 0
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        self.text += text
+        out: list[ToolCallDelta] = []
+        while self.held_from is None:
+            if self.in_arguments:
+                closed = self._read_arguments()
+                if self.pos > self.sent:
+                    piece = self.text[self.sent : self.pos]
+                    out.append(ToolCallDelta(self.next_index - 1, arguments=piece))
+                    self.sent = self.pos
+                if not closed:
+                    break
+                self.in_arguments = False
+                if not _is_json_object(self.text[self.arguments_start : self.pos]):
+                    self.held_from = self.pos
+                continue
+            if self.needs_close:
+                after = _skip_space(self.text, self.pos)
+                if after == len(self.text):
+                    break
+                if self.text[after] != "}":
+                    self.held_from = after
+                    break
+                self.pos, self.needs_close = after + 1, False
+                continue
+            try:
+                head = self._head()
+            except _NotACall:
+                self.held_from = self.pos
+                break
+            if head is None:
+                break
+            name, self.pos, self.needs_close = head
+            out.append(ToolCallDelta(self.next_index, new_tool_call_id(), name))
+            self.next_index += 1
+            self.opened += 1
+            self.in_arguments = True
+            self.arguments_start = self.sent = self.pos
+            self.depth, self.in_string, self.escaped = 0, False, False
+        return out
+
+    def close(self) -> tuple[list[ToolCallDelta], str]:
+        """At the end of the stretch: the calls in the text held (parsed whole) and the text
+        that is no call; with nothing streamed, the whole stretch is parsed (no calls: the
+        caller gives the markup back as content)."""
+        if not self.opened:
+            rest = self.text
+        elif self.in_arguments:
+            return [], ""
+        else:
+            start = self.pos if self.held_from is None else self.held_from
+            rest = self.text[start:]
+            if all(c in _SEPARATORS for c in rest):
+                return [], ""
+        calls = self.parse(rest) if self.opened == 0 else _calls_from_json(rest, ",;[]")
+        if not calls:
+            return [], rest
+        pieces = [
+            ToolCallDelta(self.next_index + i, call.id, call.name, call.arguments)
+            for i, call in enumerate(calls)
+        ]
+        self.next_index += len(pieces)
+        return pieces, ""
+
+    def _head(self) -> tuple[str, int, bool] | None:
+        """The next call's (name, arguments' start, whether its object closes after them)."""
+        text, i = self.text, self.pos
+        while i < len(text):
+            if self.marker and text.startswith(self.marker, i):
+                i += len(self.marker)
+            elif self.marker and self.marker.startswith(text[i:]):
+                return None
+            elif text[i] in _SEPARATORS:
+                i += 1
+            else:
+                break
+        self.pos = i
+        if i == len(text):
+            return None
+        if text[i] == "{":
+            head = _json_call_head(text, i)
+            return None if head is None else (head[0], head[1], True)
+        if self.named_args:
+            head = _named_args_head(text, i)
+            return None if head is None else (head[0], head[1], False)
+        raise _NotACall
+
+    def _read_arguments(self) -> bool:
+        """Reads on through the arguments' JSON; True once their object has closed."""
+        text, i = self.text, self.pos
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        closed = False
+        while i < len(text):
+            char = text[i]
+            i += 1
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif char == "\\":
+                    escaped = True
+                elif char == '"':
+                    in_string = False
+            elif char == '"':
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 0:
+                    closed = True
+                    break
+        self.pos, self.depth, self.in_string, self.escaped = i, depth, in_string, escaped
+        return closed
 
 
 class TaggedToolCalls:
@@ -233,16 +488,22 @@ class TaggedToolCalls:
     </tool_call>`), or from a start marker to the end of the output (Mistral's `[TOOL_CALLS]`)."""
 
     def __init__(
-        self, start: str, end: str | None, parse: Callable[[str], list[ToolCall] | None]
+        self,
+        start: str,
+        end: str | None,
+        parse: Callable[[str], list[ToolCall] | None],
+        named_args: bool = False,
     ) -> None:
         self.start, self.end, self.parse = start, end, parse
-        self.inside = False
+        self.named_args = named_args
+        self.markup: _CallMarkup | None = None  # inside a call's markup
+        self.num_calls = 0
         self.held = ""
         self.called = False  # once a call began, whitespace between calls is not content
         self.blank = ""  # whitespace after a call, dropped unless more content follows
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        buf, content, calls = self.held + text, list[str](), list[ToolCall]()
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        buf, content, calls = self.held + text, list[str](), list[ToolCallDelta]()
         self.held = ""
 
         def emit(segment: str) -> None:
@@ -253,32 +514,39 @@ class TaggedToolCalls:
                     return
             content.append(segment)
 
-        while buf:
-            if not self.inside:
+        while buf or (final and self.markup is not None):
+            if self.markup is None:
                 index = buf.find(self.start)
                 if index >= 0:
                     emit(buf[:index])
                     self.blank = ""
                     buf = buf[index + len(self.start) :]
-                    self.inside = self.called = True
+                    marker = self.start if self.end is None else ""
+                    self.markup = _CallMarkup(self.num_calls, self.parse, marker, self.named_args)
+                    self.called = True
                     continue
                 keep = 0 if final else partial_tail(buf, self.start)
                 emit(buf[: len(buf) - keep])
                 self.held = buf[len(buf) - keep :]
                 break
+            markup = self.markup
             index = buf.find(self.end) if self.end is not None else -1
             if index < 0 and not final:
-                self.held = buf
+                keep = partial_tail(buf, self.end) if self.end is not None else 0
+                calls += markup.feed(buf[: len(buf) - keep])
+                self.held = buf[len(buf) - keep :]
                 break
-            body = buf if index < 0 else buf[:index]
+            calls += markup.feed(buf if index < 0 else buf[:index])
             buf = "" if index < 0 else buf[index + len(self.end or "") :]
-            self.inside = False
-            parsed = self.parse(body)
-            if parsed:
-                calls.extend(parsed)
-            else:
+            whole, rest = markup.close()
+            calls += whole
+            if not markup.opened and not whole:
                 closed = self.end if index >= 0 and self.end is not None else ""
-                emit(self.start + body + closed)
+                emit(self.start + markup.text + closed)
+            elif rest:
+                emit(rest)
+            self.num_calls = markup.next_index
+            self.markup = None
         return "".join(content), calls
 
 
@@ -304,37 +572,41 @@ class Llama3JsonToolCalls:
     TAG = "<|python_tag|>"
 
     def __init__(self) -> None:
-        self.held = ""
+        self.written = ""  # the output so far, given back whole if it holds no call
         self.passthrough = False
+        self.markup: _CallMarkup | None = None
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
         if self.passthrough:
             return text, []
-        buf = self.held + text
-        head = buf.lstrip()
-        could_be_call = (
-            not head
-            or head.startswith("{")
-            or head.startswith(self.TAG)
-            or self.TAG.startswith(head)
-        )
-        if not could_be_call:
-            self.passthrough, self.held = True, ""
-            return buf, []
-        if not final:
-            self.held = buf
-            return "", []
-        self.held = ""
-        body = head[len(self.TAG) :] if head.startswith(self.TAG) else head
-        calls = _calls_from_json(body, separators=";")
-        return ("", calls) if calls else (buf, [])
+        self.written += text
+        calls: list[ToolCallDelta] = []
+        if self.markup is None:
+            head = self.written.lstrip()
+            if head.startswith(self.TAG) or head.startswith("{"):
+                body = head[len(self.TAG) :] if head.startswith(self.TAG) else head
+                self.markup = _CallMarkup(0, lambda t: _calls_from_json(t, separators=";"))
+                calls = self.markup.feed(body)
+            elif head and not self.TAG.startswith(head):
+                self.passthrough = True
+                return self.written, []
+            elif final:
+                return self.written, []
+        else:
+            calls = self.markup.feed(text)
+        if not final or self.markup is None:
+            return "", calls
+        whole, rest = self.markup.close()
+        if not self.markup.opened and not whole:
+            return self.written, []
+        return rest, calls + whole
 
 
 def tool_call_parser(name: str) -> ToolCallParser:
     if name == "hermes":
         return TaggedToolCalls("<tool_call>", "</tool_call>", _hermes_body)
     if name == "mistral":
-        return TaggedToolCalls("[TOOL_CALLS]", None, _mistral_body)
+        return TaggedToolCalls("[TOOL_CALLS]", None, _mistral_body, named_args=True)
     if name == "llama3_json":
         return Llama3JsonToolCalls()
     raise ValueError(f"unknown tool-call parser {name!r}; choose from {sorted(TOOL_CALL_PARSERS)}")
@@ -369,10 +641,24 @@ class OutputParser:
         content = text
         if self.reasoning is not None:
             reasoning, content = self.reasoning.feed(text, final, token)
-        calls: list[ToolCall] = []
+        calls: list[ToolCallDelta] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content, final)
-        return Parsed(content, reasoning, calls)
+        return Parsed(content, reasoning, _joined(calls))
+
+
+def _joined(pieces: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive pieces of one call as one (a call that opens and is written in one delta)."""
+    out: list[ToolCallDelta] = []
+    for piece in pieces:
+        last = out[-1] if out else None
+        if last is not None and last.index == piece.index and not piece.id:
+            out[-1] = ToolCallDelta(
+                last.index, last.id, last.name, last.arguments + piece.arguments
+            )
+        else:
+            out.append(piece)
+    return out
 
 
 def prompt_opens_reasoning(prompt_text: str, reasoning_parser: str | None) -> bool:

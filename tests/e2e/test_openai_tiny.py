@@ -124,6 +124,76 @@ def test_echo_with_logprobs_scores_the_prompt(client):
     assert choice.text.startswith("Hello world!")
 
 
+def test_prompt_logprobs_of_a_one_token_request(client):
+    """max_tokens 1 is how a prompt is scored: every position comes back, chat and completions."""
+    response = chat(client, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 1})
+    scored = response.model_extra["prompt_logprobs"]
+    assert len(scored) == response.usage.prompt_tokens > 1 and scored[0] is None
+    assert all(entry for entry in scored[1:])
+    completion = client.completions.create(
+        model="tiny", prompt="Hello world!", max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    scored = completion.choices[0].model_extra["prompt_logprobs"]
+    assert len(scored) == completion.usage.prompt_tokens > 1 and scored[0] is None
+    assert all(len(entry) == 1 for entry in scored[1:])
+
+
+def post_json(port, path, body):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_a_tool_loop_turn_without_content_renders(server, client):
+    """The OpenAI SDK sends an assistant's tool-call turn back with `"content": null` in every
+    tool loop; the ChatML template concatenates content, so it gets "" as vLLM gives it (and so
+    does a turn without the key). /tokenize renders it the same way."""
+    port, _ = server
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+    }
+    for turn in (
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "assistant", "tool_calls": [call]},
+    ):
+        messages = [
+            {"role": "user", "content": "Weather in Paris?"},
+            turn,
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        assert reply.usage.completion_tokens >= 1
+        status, tokenized = post_json(port, "/tokenize", {"model": "tiny", "messages": messages})
+        assert status == 200 and tokenized["count"] == reply.usage.prompt_tokens
+
+
+def test_chat_echo_with_continue_final_message(client):
+    """As vLLM: echo puts the assistant's start ahead of its continuation, and a stream sends it
+    right after the role chunk."""
+    start = "The capital of France is"
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": start},
+    ]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    kwargs = dict(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    rest = client.chat.completions.create(**kwargs, extra_body=options).choices[0].message
+    echoed = client.chat.completions.create(**kwargs, extra_body={**options, "echo": True})
+    assert echoed.choices[0].message.content == start + rest.content
+    stream = list(
+        client.chat.completions.create(**kwargs, stream=True, extra_body={**options, "echo": True})
+    )
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert stream[1].choices[0].delta.content == start
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == start + rest.content
+
+
 def test_stop_string_and_seed(client):
     base = (
         chat(client, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})

@@ -112,7 +112,7 @@ def test_chat_streaming_chunk_sequence(client: openai.OpenAI) -> None:
     assert "".join(contents) == "the quick brown fox jumps"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert {c.id for c in chunks} == {chunks[0].id}
-    assert all(c.object == "chat.completion.chunk" and c.system_fingerprint for c in chunks)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert all(c.usage is None for c in chunks)
 
 
@@ -262,7 +262,7 @@ def test_raw_stream_ends_with_done(server: LiveServer) -> None:
         {"content": " quick"},
         {},
     ]
-    assert all(set(c) >= {"id", "object", "created", "model", "system_fingerprint"} for c in chunks)
+    assert all(set(c) >= {"id", "object", "created", "model"} for c in chunks)
 
 
 def test_error_mid_stream(client: openai.OpenAI) -> None:
@@ -462,3 +462,185 @@ def test_chunked_body_over_the_limit_is_a_413(server: LiveServer) -> None:
     assert body["error"]["type"] == "RequestEntityTooLargeError"
     assert "--max-request-body-bytes" in body["error"]["message"]
     assert raw_request(server, "GET", "/health")[0] == 200
+
+
+# -- regressions of issue 15 (vLLM parity) ------------------------------------------------------
+
+
+def sse_chunks(body: bytes) -> list[dict[str, Any]]:
+    events = body.decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+
+
+def test_streamed_chunks_carry_no_system_fingerprint(server: LiveServer) -> None:
+    """vLLM's chat and completion chunks have no system_fingerprint (its stream response types
+    lack the field), the usage chunk included; the non-streaming response keeps it."""
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    for path, body in (
+        ("/v1/chat/completions", {"messages": MESSAGES, **usage}),
+        ("/v1/completions", {"prompt": "one two", **usage}),
+    ):
+        status, _, raw = raw_request(server, "POST", path, body)
+        chunks = sse_chunks(raw)
+        assert status == 200 and len(chunks) >= 4 and chunks[-1]["usage"]
+        assert all("system_fingerprint" not in c for c in chunks)
+        body.pop("stream"), body.pop("stream_options")
+        status, _, raw = raw_request(server, "POST", path, body)
+        assert status == 200 and json.loads(raw)["system_fingerprint"]
+
+
+def test_completions_default_to_16_tokens(client: openai.OpenAI, engine: FakeEngine) -> None:
+    """OpenAI and vLLM: /v1/completions without max_tokens writes 16 tokens; chat keeps its
+    default (what is left of the context)."""
+    words = " ".join(f"w{i}" for i in range(30))
+    completion = client.completions.create(model="fake-model", prompt=words)
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 16
+    assert engine.requests[-1].sampling.max_tokens == 16
+    chat = client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": words}]
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens == 30
+    assert engine.requests[-1].sampling.max_tokens is None
+
+
+def test_without_a_generation_prompt_the_reply_has_the_last_role(client: openai.OpenAI) -> None:
+    """vLLM's get_chat_request_role: the assistant's role only after a generation prompt."""
+    extra = {"add_generation_prompt": False}
+    reply = client.chat.completions.create(model="fake-model", messages=MESSAGES, extra_body=extra)
+    assert reply.choices[0].message.role == "user"  # type: ignore[comparison-overlap]
+    stream = client.chat.completions.create(
+        model="fake-model", messages=MESSAGES, stream=True, extra_body=extra
+    )
+    assert next(iter(stream)).choices[0].delta.role == "user"  # type: ignore[comparison-overlap]
+    assert (
+        client.chat.completions.create(model="fake-model", messages=MESSAGES)
+        .choices[0]
+        .message.role
+        == "assistant"
+    )
+
+
+def test_chat_echo_puts_the_last_message_first(client: openai.OpenAI) -> None:
+    """vLLM's chat echo: the last message's content when its role is the reply's (an assistant
+    prefix with continue_final_message), ahead of the reply; streamed as its own chunk right
+    after the role chunk. With a generation prompt the last message is the user's: no echo."""
+    start = "The capital of France is"
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "capital?"},
+        {"role": "assistant", "content": start},
+    ]
+    extra = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    plain = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = client.chat.completions.create(
+        model="fake-model", messages=messages, extra_body=plain
+    ).choices[0]
+    assert reply.message.content == start  # the fake engine replays the last message
+    echoed = client.chat.completions.create(model="fake-model", messages=messages, extra_body=extra)
+    assert echoed.choices[0].message.content == start + start
+    chunks = list(
+        client.chat.completions.create(
+            model="fake-model", messages=messages, stream=True, extra_body=extra
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[1].choices[0].delta.content == start
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == start + start
+    user_last = client.chat.completions.create(
+        model="fake-model", messages=MESSAGES, extra_body={"echo": True}
+    )
+    assert user_last.choices[0].message.content == "the quick brown fox jumps"
+
+
+def test_per_request_metrics_are_left_out_for_n_above_one(client: openai.OpenAI) -> None:
+    """One choice's figures are not the request's (vLLM leaves them out for n > 1)."""
+    several = client.chat.completions.create(model="fake-model", messages=MESSAGES, n=2)
+    assert len(several.choices) == 2 and "metrics" not in (several.model_extra or {})
+    chunks = list(
+        client.chat.completions.create(
+            model="fake-model",
+            messages=MESSAGES,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all("metrics" not in (c.model_extra or {}) for c in chunks)
+    finishes = list(client.completions.create(model="fake-model", prompt="a b", n=2, stream=True))
+    assert all("metrics" not in (c.model_extra or {}) for c in finishes)
+    one = client.chat.completions.create(model="fake-model", messages=MESSAGES, n=1)
+    assert one.model_extra is not None and one.model_extra["metrics"]["num_generated_tokens"] == 5
+
+
+def post_with_content_type(
+    server: LiveServer, path: str, content_type: str | None, body: bytes
+) -> tuple[int, dict[str, Any]]:
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        connection.putrequest("POST", path)
+        connection.putheader("Authorization", f"Bearer {API_KEY}")
+        if content_type is not None:
+            connection.putheader("Content-Type", content_type)
+        connection.putheader("Content-Length", str(len(body)))
+        connection.endheaders(body)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+JSON_BODIES = [
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}),
+    ("/v1/completions", {"prompt": "one two", "max_tokens": 1}),
+    ("/tokenize", {"prompt": "one two"}),
+    ("/detokenize", {"tokens": [10]}),
+]
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonp",
+        "text/json",
+    ],
+)
+def test_a_body_that_is_not_json_is_a_415(server: LiveServer, content_type: str) -> None:
+    """What a web page can make a browser post to any origin without a CORS preflight is not a
+    request body (as FastAPI decided after CVE-2021-32677)."""
+    for path, body in JSON_BODIES:
+        status, error = post_with_content_type(
+            server, path, content_type, json.dumps(body).encode()
+        )
+        assert status == 415, (path, error)
+        assert error["error"]["type"] == "UnsupportedMediaTypeError"
+        assert "Content-Type" in error["error"]["message"]
+    status, answer = post_with_content_type(
+        server, "/tokenize", "application/json", b'{"prompt": "one"}'
+    )
+    assert status == 200 and answer["count"] == 1  # the server keeps serving
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["application/json", "application/json; charset=utf-8", "Application/JSON", None],
+)
+def test_json_media_types_and_no_content_type_are_served(
+    server: LiveServer, content_type: str | None
+) -> None:
+    """application/json with parameters, any application/*+json, and (as FastAPI reads it) a
+    body with no Content-Type at all."""
+    for path, body in JSON_BODIES:
+        status, answer = post_with_content_type(
+            server, path, content_type, json.dumps(body).encode()
+        )
+        assert status == 200, (path, answer)
+    status, _ = post_with_content_type(
+        server, "/tokenize", "application/vnd.api+json", b'{"prompt": "one"}'
+    )
+    assert status == 200

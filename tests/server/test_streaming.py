@@ -165,8 +165,12 @@ async def test_sampling_params_reach_the_engine(make_app, engine: FakeEngine) ->
     assert (request.reasoning_parser, request.tool_call_parser) == ("qwen3", "hermes")
 
 
-async def test_defaults_leave_max_tokens_to_the_engine(app: Quart, engine: FakeEngine) -> None:
+async def test_defaults_are_the_engines_but_16_completion_tokens(
+    app: Quart, engine: FakeEngine
+) -> None:
     await app.test_client().post("/v1/completions", json={"prompt": "a"})
+    assert engine.requests[-1].sampling == SamplingParams(max_tokens=16)  # as OpenAI and vLLM
+    await app.test_client().post("/v1/chat/completions", json={"messages": MESSAGES})
     assert engine.requests[-1].sampling == SamplingParams()
 
 

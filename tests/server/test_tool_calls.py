@@ -175,3 +175,36 @@ def test_assistant_tool_calls_and_tool_results_are_accepted_in_the_history(
         ],
     )
     assert response.choices[0].message.content == "sunny"
+
+
+def test_a_streamed_call_opens_with_its_name_then_streams_its_arguments(
+    client: openai.OpenAI,
+) -> None:
+    """As vLLM streams auto tool calls: a delta with the id and name as soon as they are written,
+    then the arguments piece by piece (the fake engine writes a word per token); joined, they are
+    the non-streaming response's arguments, valid JSON."""
+    said = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}} </tool_call>'
+    stream = ask(client, said, tools=TOOLS, stream=True)
+    pieces = [
+        part
+        for chunk in stream
+        if chunk.choices
+        for part in chunk.choices[0].delta.tool_calls or ()
+    ]
+    opening, rest = pieces[0], pieces[1:]
+    assert opening.id and opening.type == "function" and opening.function
+    assert opening.function.name == "get_weather"
+    assert len(rest) >= 3 and all(p.id is None and p.index == 0 for p in rest)
+    assert all(p.function and p.function.name is None for p in rest)
+    arguments = "".join((p.function.arguments or "") if p.function else "" for p in pieces)
+    assert json.loads(arguments) == {"city": "Paris", "days": 3}
+    (whole,) = ask(client, said, tools=TOOLS).choices[0].message.tool_calls or []
+    assert whole.function.arguments == arguments
+    # the SDK's own accumulation agrees
+    with client.chat.completions.stream(
+        model="fake-model", messages=[{"role": "user", "content": said}], tools=TOOLS
+    ) as events:
+        final = events.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls or []
+    assert (call.function.name, call.function.arguments) == ("get_weather", arguments)
+    assert final.choices[0].finish_reason == "tool_calls"

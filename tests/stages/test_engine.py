@@ -151,6 +151,19 @@ def test_prompt_logprobs_arrive_with_the_first_output_across_prefill_chunks(engi
     assert [e.logprob for e in again[0].prompt_logprobs[1:]] == [e.logprob for e in scored[1:]]
 
 
+def test_prompt_logprobs_of_a_one_token_request(engine_loop):
+    """max_tokens 1 (how a prompt is scored) finishes the request in the step that computes its
+    last prompt chunk: the prompt logprobs still come back, every position."""
+    engine, loop = engine_loop
+    for text in ("Hello world, how are you", " ".join(f"word{i}" for i in range(40))):
+        ids = engine.bundle.encode(text)
+        outs = loop.run(collect(engine, request(text, max_tokens=1, prompt_logprobs=1)))
+        assert len(outs) == 1 and outs[0].finish_reason == "length"
+        scored = outs[0].prompt_logprobs
+        assert scored is not None and len(scored) == len(ids) and scored[0] is None
+        assert [e.token_id for e in scored[1:]] == ids[1:]
+
+
 def test_too_long_prompt_is_a_400_and_the_engine_keeps_serving(engine_loop):
     engine, loop = engine_loop
     with pytest.raises(EngineError) as info:
@@ -237,7 +250,13 @@ def test_dummy_execute_runs_the_pipeline_without_a_model(tiny_chat_model):
 
     runner = LoopThread()
     engine = Engine(
-        EngineConfig(model_path=tiny_chat_model, dummy=True, log_format="json", log_level="warning")
+        EngineConfig(
+            model_path=tiny_chat_model,
+            dummy=True,
+            max_num_batched_tokens=64,  # a 40-word prompt takes two chunks
+            log_format="json",
+            log_level="warning",
+        )
     )
     try:
         runner.run(engine.start())
@@ -250,6 +269,20 @@ def test_dummy_execute_runs_the_pipeline_without_a_model(tiny_chat_model):
         spec = StructuredOutput("regex", "[a-z]+")
         shaped = runner.run(collect(engine, request(max_tokens=5, structured=spec)))
         assert shaped[-1].num_output_tokens == 5
+        # prompt logprobs come back there too, for a one-token request as for a longer one
+        text = " ".join(f"word{i}" for i in range(40))
+        ids = engine.bundle.encode(text)
+        for max_tokens in (1, 2):
+            for k in (0, 2):
+                outs = runner.run(
+                    collect(engine, request(text, max_tokens=max_tokens, prompt_logprobs=k))
+                )
+                scored = outs[0].prompt_logprobs
+                assert scored is not None and len(scored) == len(ids) and scored[0] is None
+                assert [(e.token_id, e.logprob, e.rank) for e in scored[1:]] == [
+                    (t, 0.0, 1) for t in ids[1:]
+                ]
+                assert all(len(e.top) == min(k, 1) for e in scored[1:])
     finally:
         runner.run(engine.stop())
         runner.close()

@@ -13,7 +13,7 @@ from stages.api import (
     SamplingParams,
     StructuredOutput,
     TokenLogprob,
-    ToolCall,
+    ToolCallDelta,
 )
 from stages.rings import common, deltas, plan, prompts, requests, results, tokens
 from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
@@ -198,7 +198,9 @@ def test_tokens_round_trip_with_new_requests_and_metrics():
 def test_deltas_round_trip_plain_rows_carry_no_extra():
     logprob = TokenLogprob(5, "é", "é".encode(), -0.1, 1, ((5, "é", "é".encode(), -0.1),))
     extra = deltas.DeltaExtra(
-        logprobs=(logprob,), stop_reason="END", tool_calls=(ToolCall("call_1", "f", "{}"),)
+        logprobs=(logprob,),
+        stop_reason="END",
+        tool_calls=(ToolCallDelta(0, "call_1", "f", "{"), ToolCallDelta(0, arguments="}")),
     )
     arrays = deltas.pack_deltas(
         [(1, 0, 3, 1, 5), (2, common.FINISH_STOP, 4, 2, -1)], ["é", ""], [None, extra]

@@ -93,3 +93,21 @@ def test_tool_call_arguments_reach_the_template_as_objects():
         add_generation_prompt=False,
     )
     assert text == 'w(Oslo|{"city": "Oslo"})v(|"{oops")'
+
+
+@pytest.mark.parametrize("content", [{"content": None}, {}], ids=["null", "missing"])
+def test_a_tool_call_turn_without_content_reaches_the_template_as_empty_text(content):
+    """The OpenAI SDK sends an assistant's tool-call turn back with `"content": null`; templates
+    that concatenate content (ChatML's `'\\n' + message['content']`) need a string, as vLLM
+    gives them."""
+    from stages.text.chat import render_chat as render_request
+
+    template = "{% for m in messages %}[{{ m.role + ':' + m.content }}]{% endfor %}"
+    call = {"id": "1", "type": "function", "function": {"name": "w", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "tool_calls": [call], **content},
+        {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+    ]
+    text = render_request(template, messages, add_generation_prompt=False)
+    assert text == "[user:weather?][assistant:][tool:sunny]"

@@ -150,11 +150,13 @@ def test_the_stage_splits_reasoning_and_tool_calls_into_delta_extras():
     out = step(actor, list(range(10)), params)
     texts = "".join(text for text, _, _ in out)
     reasoning = "".join(e.reasoning for _, _, e in out if e is not None)
-    calls = [c for _, _, e in out if e is not None and e.tool_calls for c in e.tool_calls]
+    pieces = [c for _, _, e in out if e is not None and e.tool_calls for c in e.tool_calls]
     assert (texts, reasoning) == ("Calling.", "plan it")
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
-    # the call is emitted on the row whose token closed it, and the request then ends normally
-    assert out[8][2].tool_calls and out[-1][1] == m.FINISH_STOP
+    assert [(p.index, p.name) for p in pieces] == [(0, "f")]
+    assert json.loads(pieces[0].arguments) == {"x": 1}
+    # the call goes out on the row whose token wrote its name and arguments, and the request
+    # then ends normally
+    assert out[7][2].tool_calls and out[-1][1] == m.FINISH_STOP
     assert 1 not in actor.detok.states
 
 

@@ -33,18 +33,32 @@ def splits(text: str) -> list[list[str]]:
     return [*cuts, list(text)]
 
 
+def joined(parsed: Parsed) -> list[list[str]]:
+    """The calls as a client joins their pieces: [id, name, arguments] by index."""
+    calls: list[list[str]] = []
+    for piece in parsed.tool_calls:
+        if piece.id:
+            assert piece.index == len(calls) and piece.name
+            calls.append([piece.id, piece.name, piece.arguments])
+        else:
+            assert not piece.name and piece.index == len(calls) - 1  # pieces come in order
+            calls[piece.index][2] += piece.arguments
+    return calls
+
+
 def calls(parsed: Parsed) -> list[tuple[str, dict]]:
-    return [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
+    return [(name, json.loads(arguments)) for _, name, arguments in joined(parsed)]
 
 
 def check_every_split(make, text: str) -> Parsed:
     whole = run(make(), [text])
+    expected = [call[1:] for call in joined(whole)]
     for pieces in splits(text):
         got = run(make(), pieces)
-        assert (got.content, got.reasoning, calls(got)) == (
+        assert (got.content, got.reasoning, [call[1:] for call in joined(got)]) == (
             whole.content,
             whole.reasoning,
-            calls(whole),
+            expected,
         ), pieces
     return whole
 
@@ -144,10 +158,10 @@ def test_hermes_calls_are_parsed_and_their_markup_never_streams():
     out = check_every_split(lambda: OutputParser(tool_call_parser_name="hermes"), HERMES)
     assert out.content == "Let me check."
     assert calls(out) == [("get_weather", {"city": "Paris", "unit": "°C"}), ("get_time", {})]
-    ids = [c.id for c in out.tool_calls]
+    ids = [call[0] for call in joined(out)]
     assert len(set(ids)) == 2 and all(i.startswith("chatcmpl-tool-") for i in ids)
-    # arguments keep non-ASCII as is (ensure_ascii=False, as vLLM writes them)
-    assert "°C" in out.tool_calls[0].arguments
+    # arguments are the text the model wrote, non-ASCII as is
+    assert joined(out)[0][2] == '{"city": "Paris", "unit": "°C"}'
 
 
 def test_hermes_call_cut_by_the_end_of_output_still_parses_if_complete():
@@ -156,10 +170,66 @@ def test_hermes_call_cut_by_the_end_of_output_still_parses_if_complete():
     assert (out.content, calls(out)) == ("", [("f", {"x": 1})])
 
 
+def test_streamed_calls_open_with_their_name_then_follow_as_written():
+    """The id and name go out once the name and the `{` of the arguments are written, before
+    the arguments are; then each piece of the arguments as it comes, joining to their text."""
+    make = {
+        "hermes": (lambda: OutputParser(tool_call_parser_name="hermes"), HERMES),
+        "llama3_json": (
+            lambda: OutputParser(tool_call_parser_name="llama3_json"),
+            '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}',
+        ),
+        "mistral": (
+            lambda: OutputParser(tool_call_parser_name="mistral"),
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}]',
+        ),
+        "mistral v11": (
+            lambda: OutputParser(tool_call_parser_name="mistral"),
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "°C"}',
+        ),
+    }
+    for label, (parser, text) in make.items():
+        check_every_split(parser, text)
+        out, seen = parser(), []
+        for i, char in enumerate(text):
+            seen.append((text[: i + 1], out.feed(char, False).tool_calls))
+        seen.append((text, out.feed("", True).tool_calls))
+        opened = next(i for i, (_, pieces) in enumerate(seen) if pieces)
+        written, (opening,) = seen[opened]
+        assert opening.name == "get_weather" and opening.id and opening.index == 0, label
+        assert written.endswith("{") and opening.arguments == "{", label
+        rest = [p for _, pieces in seen[opened + 1 :] for p in pieces if p.index == 0]
+        assert len(rest) > 10 and not any(p.id or p.name for p in rest), label  # piece by piece
+        arguments = opening.arguments + "".join(p.arguments for p in rest)
+        assert arguments == '{"city": "Paris", "unit": "°C"}', label
+        assert json.loads(arguments) == {"city": "Paris", "unit": "°C"}
+
+
+def test_markup_of_another_shape_is_parsed_whole_when_it_closes():
+    # arguments first, or as JSON text: not streamable, still a call once the markup closes
+    text = '<tool_call>{"arguments": "{\\"x\\": 1}", "name": "f"}</tool_call>'
+    out = OutputParser(tool_call_parser_name="hermes")
+    assert out.feed(text[:-12], False).tool_calls == []
+    (call,) = out.feed(text[-12:], True).tool_calls
+    assert (call.index, call.name, json.loads(call.arguments)) == (0, "f", {"x": 1}) and call.id
+    check_every_split(lambda: OutputParser(tool_call_parser_name="hermes"), text)
+
+
+def test_a_call_cut_short_keeps_the_arguments_written():
+    """As a stream must: what went out stays out (the client sees finish_reason length, or the
+    markup closing early); the text after a call that is not a call is content."""
+    make = lambda: OutputParser(tool_call_parser_name="hermes")  # noqa: E731
+    out = check_every_split(make, '<tool_call>{"name": "f", "arguments": {"x": 1</tool_call>ok')
+    assert [c[1:] for c in joined(out)] == [["f", '{"x": 1']] and out.content == "ok"
+    out = check_every_split(
+        make, '<tool_call>{"name": "f", "arguments": {"x": 1}} and so</tool_call>'
+    )
+    assert calls(out) == [("f", {"x": 1})] and out.content == "and so"
+
+
 @pytest.mark.parametrize(
     "text",
     [
-        '<tool_call>{"name": "f", "arguments": {"x": 1</tool_call>',  # broken JSON
         '<tool_call>{"arguments": {}}</tool_call>',  # no name
         '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
         "<tool_call>{not json",
