@@ -7,7 +7,7 @@ min_tokens and seeds) from the first step that names the request until `free`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import structlog
@@ -73,6 +73,9 @@ class StepBatch:
     # [B] int32: a sampling row's last num_draft input tokens are drafts to verify (speculative
     # decoding); None: no row has any
     num_draft: np.ndarray | None = None
+    # [S', ceil(V / 32)] int32: with drafts and a grammar, the structured-output mask of each
+    # verified position (sampling rows in order, 1 + num_draft each); None: each row's own
+    draft_bitmask: np.ndarray | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -244,10 +247,11 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch, logits_rows: np.ndarray) -> torch.Tensor:
         device = self.device
+        query_start_loc, context_lens, block_tables = _attention_rows(batch)
         inputs = AttentionInputs(
-            query_start_loc=torch.from_numpy(batch.query_start_loc).to(device),
-            context_lens=torch.from_numpy(batch.context_lens).to(device),
-            block_tables=torch.from_numpy(batch.block_tables).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            context_lens=torch.from_numpy(context_lens).to(device),
+            block_tables=torch.from_numpy(block_tables).to(device),
             slot_mapping=torch.from_numpy(batch.slot_mapping.astype(np.int64)).to(device),
         )
         logits = self.model(
@@ -289,6 +293,8 @@ class ModelRunner:
         owner = np.repeat(sampled, per_row)  # [S'] the batch row of each virtual row
         offset = np.arange(len(owner)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
         params = batch.sampling.select(owner)
+        if batch.draft_bitmask is not None:
+            params = replace(params, token_bitmask=batch.draft_bitmask)
         needs_ids = rows_needing_token_ids(params)
         history = []
         for row, (b, j) in enumerate(zip(owner.tolist(), offset.tolist(), strict=True)):
@@ -421,6 +427,29 @@ class ModelRunner:
             out_top_ids,
             out_top_logprobs,
         )
+
+
+def _attention_rows(batch: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The step's attention rows: (query_start_loc [R + 1], context_lens [R], block_tables [R, W]).
+
+    A row that verifies drafts is its input token and drafts, each attending to the tokens up to
+    itself: attended as that many one-token rows on the same block table, it takes the decode
+    kernels (on CPU one native call per layer for an all-decode step) and computes each position
+    as plain decoding computes it. Other rows are the batch's own."""
+    num_draft = batch.num_draft
+    if num_draft is None or not (drafted := np.asarray(batch.sample, bool) & (num_draft > 0)).any():
+        return batch.query_start_loc, batch.context_lens, batch.block_tables
+    q_lens = np.diff(batch.query_start_loc.astype(np.int64))
+    split = np.where(drafted, q_lens, 1)  # rows each batch row becomes
+    owner = np.repeat(np.arange(len(q_lens)), split)
+    first = np.repeat(np.cumsum(split) - split, split)
+    within = np.arange(len(owner)) - first  # the token's place in its split row
+    new_q_lens = np.where(drafted[owner], 1, q_lens[owner])
+    context = batch.context_lens.astype(np.int64)[owner]
+    context = np.where(drafted[owner], context - q_lens[owner] + 1 + within, context)
+    query_start_loc = np.zeros(len(owner) + 1, np.int32)
+    np.cumsum(new_q_lens, out=query_start_loc[1:])
+    return query_start_loc, context.astype(np.int32), batch.block_tables[owner]
 
 
 def _store(token_ids: list[int], positions: np.ndarray, values: np.ndarray) -> None:

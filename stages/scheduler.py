@@ -95,10 +95,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the cache when last admitted
     num_registered: int = 0  # prompt blocks registered in the cache
     block_hashes: list[bytes] | None = None  # the prompt's, computed at first admission
-    # Speculative decoding: whether drafts may be proposed for it (not with a grammar: drafts
-    # would have to be checked against it), its acceptance so far (stages.draft_policy), and what
-    # its steps verified: steps with drafts, drafts, accepted, and steps by drafts accepted.
-    can_draft: bool = True
+    # Speculative decoding: its acceptance so far (stages.draft_policy), and what its steps
+    # verified: steps with drafts, drafts, accepted, and steps by drafts accepted.
     acceptance: float = draft_policy.PRIOR_ACCEPTANCE
     spec_steps: int = 0
     spec_drafted: int = 0
@@ -346,7 +344,7 @@ class Scheduler:
         """Prompt lookup over the tokens known so far, capped so that every draft could be emitted
         (max_tokens, max_model_len)."""
         spec = self.config.speculative
-        if spec is None or not seq.can_draft:
+        if spec is None:
             return np.zeros(0, np.int32)
         num_outputs = len(seq.output_ids) + seq.pending_outputs
         room = min(

@@ -181,6 +181,10 @@ class ExecuteActor(SyncActor):
             if grammars is not None
             else np.zeros((len(handles), 0), np.int32)
         )
+        num_draft = seqs["num_draft"]
+        draft_bitmask = None
+        if bitmask.shape[1] and num_draft.any():
+            draft_bitmask = self.draft_bitmask(step, bitmask)
         return StepBatch(
             request_ids=handles,
             input_ids=input_ids,
@@ -193,8 +197,32 @@ class ExecuteActor(SyncActor):
             sample=seqs["sample"].astype(bool),
             sampling=gather(requests, bitmask, bool(self.with_bad_words)),
             prompt_logprobs=np.array([r.prompt_logprobs for r in requests], np.int32),
-            num_draft=seqs["num_draft"] if seqs["num_draft"].any() else None,
+            num_draft=num_draft if num_draft.any() else None,
+            draft_bitmask=draft_bitmask,
         )
+
+    def draft_bitmask(self, step: PlannedStep, bitmask: np.ndarray) -> np.ndarray:
+        """[S', width]: a mask per verified position of each sampling row (its input token's,
+        then one after each draft), in batch order; `bitmask` [B, width] holds each row's own."""
+        seqs = step.seqs
+        ends = (seqs["query_start"] + seqs["query_len"]).tolist()
+        pieces = []
+        for row, (handle, sample, drafts) in enumerate(
+            zip(
+                seqs["handle"].tolist(),
+                seqs["sample"].tolist(),
+                seqs["num_draft"].tolist(),
+                strict=True,
+            )
+        ):
+            if not sample:
+                continue
+            if drafts and handle in self.grammars:
+                proposed = step.input_ids[ends[row] - drafts : ends[row]].tolist()
+                pieces.append(self.grammars.draft_masks(handle, proposed))
+            else:
+                pieces.append(np.repeat(bitmask[row : row + 1], drafts + 1, axis=0))
+        return np.concatenate(pieces)
 
     def advance(self, handles: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray) -> None:
         """Remember each row's last sampled token (the next plan may name it -1); feed the

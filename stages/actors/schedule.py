@@ -302,7 +302,6 @@ def _sequence(prompt: RenderedPrompt) -> Sequence:
         rendered=prompt.rendered,
         detok=prompt.detok,
         cacheable=request.cacheable,
-        can_draft=not request.grammar,
         render_start_ns=prompt.render_start_ns,
         rendered_ns=prompt.rendered_ns,
         output_ids=[] if resume is None else list(resume.output_ids),

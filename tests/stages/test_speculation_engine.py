@@ -196,3 +196,28 @@ def test_many_streams_with_aborts_logprobs_and_n_leave_every_block_free(engines)
         time.sleep(0.05)
     stats = fast.stats()
     assert stats["kv_cache_usage_perc"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_drafts_under_a_grammar_keep_its_output_and_roll_back_what_was_refused(engines):
+    from stages.api import StructuredOutput
+
+    plain, fast, loop = engines
+    before = _wait_idle(fast)
+    # A repeating pattern: prompt lookup drafts it, the grammar allows some drafts and refuses
+    # others (a draft it refuses is never emitted, and the matcher is rolled back past it).
+    grammar = StructuredOutput("regex", "(ab|cd){4,12}x")
+    prompt = "abababcdabab cd ab ab abab"
+    kwargs = dict(temperature=0, max_tokens=40, structured=grammar)
+    want = loop.run(collect(plain, request(prompt, rid="g0", **kwargs)))
+    got = loop.run(collect(fast, request(prompt, rid="g1", **kwargs)))
+    assert _tokens(got) == _tokens(want)
+    text = "".join(o.text for o in got)
+    assert text == "".join(o.text for o in want)
+    import re
+
+    assert re.fullmatch("(ab|cd){4,12}x", text), text
+    after = _wait_idle(fast)
+    assert (
+        after["spec_decode_num_draft_tokens_total"] > before["spec_decode_num_draft_tokens_total"]
+    )
+    assert after["kv_cache_usage_perc"] == 0

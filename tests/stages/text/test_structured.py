@@ -209,3 +209,25 @@ def test_the_sampler_only_samples_allowed_tokens():
     )
     for _ in range(5):
         assert sample(logits, random, history).token_ids[0].item() == 65
+
+
+def test_draft_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(matchers, bundle):
+    grammar = compile_grammar(StructuredOutput("regex", "(ab|cd)+x"))
+    matchers.add(1, matchers.build(grammar))
+    ab, cd = bundle.encode("ab", add_bos=False), bundle.encode("cd", add_bos=False)
+    before = matchers.masks([1], [True])[0].copy()
+    drafts = ab + cd + [bundle.encode(" ", add_bos=False)[0]] + ab  # a space: refused
+    masks = matchers.draft_masks(1, drafts)
+    assert masks.shape == (len(drafts) + 1, before.shape[0])
+    assert (masks[0] == before).all()
+    # after each accepted draft, the mask is the one a matcher that took it would give
+    probe = matchers.build(grammar)
+    for j, token in enumerate(ab + cd, start=1):
+        probe.consume_token(token)
+        want = np.full_like(before, -1)
+        probe.unsafe_compute_mask_ptr(want.ctypes.data, want.nbytes)
+        assert (masks[j] == want).all()
+    refused = len(ab + cd) + 1
+    assert (masks[refused:] == masks[refused - 1]).all()  # past the refused draft: repeated
+    # the matcher itself took nothing
+    assert (matchers.masks([1], [True])[0] == before).all()
