@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,3 +48,42 @@ def test_smollm2_greedy_matches_transformers(smollm2_gguf):
                 torch.tensor([request.prompt]), max_new_tokens=NEW_TOKENS, do_sample=False
             )[0, len(request.prompt) :].tolist()
         assert request.outputs[: len(expected)] == expected, bundle.decode(request.outputs)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_with_prompt_lookup_is_plain_greedy(smollm2_gguf):
+    """Speculative decoding on the default model as it is served (int4, bf16 KV cache): the
+    verified runs emit plain greedy decoding's tokens, and prompt lookup finds drafts to accept."""
+    from stages.speculation import propose_ngram
+    from stages.text.chat_template import render_chat
+    from tests.gpu.test_speculative import speculate
+
+    bundle = load_tokenizer(smollm2_gguf)
+    runner = ModelRunner.from_path(
+        smollm2_gguf, RunnerConfig(kv_cache_bytes=32 << 20, threads=2, quantization="int4")
+    )
+    prompts = [
+        "Copy this sentence exactly: the quick brown fox jumps over the lazy dog near the river.",
+        "Repeat after me: one two three four five six seven eight nine ten.",
+        "What is the capital of France?",
+    ]
+    accepted = 0
+    for i, prompt in enumerate(prompts):
+        assert bundle.chat_template is not None
+        text = render_chat(bundle.chat_template, [{"role": "user", "content": prompt}])
+        prompt_ids = bundle.encode(text)
+        plain = Request(10 + i, prompt_ids, 40)
+        generate(runner, [plain], chunk_tokens=64)
+        runner.free([10 + i])
+        fast = Request(20 + i, prompt_ids, 40)
+        steps = speculate(
+            runner,
+            fast,
+            lambda out, ids=prompt_ids: propose_ngram(
+                np.array(ids + out, np.int32), 2, 5, 5
+            ).tolist(),
+        )
+        runner.free([20 + i])
+        assert fast.outputs == plain.outputs, bundle.decode(fast.outputs)
+        accepted += sum(a for _, a in steps)
+    assert accepted > 0
