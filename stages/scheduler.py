@@ -102,6 +102,9 @@ class Sequence:
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_histogram: list[int] = field(default_factory=list)  # [i]: steps that accepted i drafts
+    # A step in flight verifies drafts of it: where its tokens stand after that step is unknown
+    # (1 to 1 + drafts more), so no other step plans it until the result is back.
+    drafts_in_flight: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.prompt_ids)
@@ -266,8 +269,8 @@ class Scheduler:
         prefills: list[tuple[Sequence, int]] = []
         for seq in self.running:
             num_outputs = len(seq.output_ids) + seq.pending_outputs
-            if num_outputs >= seq.max_tokens:
-                continue  # its last token is in flight
+            if num_outputs >= seq.max_tokens or seq.drafts_in_flight:
+                continue  # its last token is in flight, or its drafts are being verified
             left = seq.num_prompt + num_outputs - seq.num_computed  # num_tokens - num_computed
             (decodes if left == 1 else prefills).append((seq, left))
         drafts = self._drafts(decodes, prefills, budget)
@@ -336,6 +339,7 @@ class Scheduler:
         if sample:
             seq.pending_outputs += 1
         seq.steps_in_flight += 1
+        seq.drafts_in_flight = draft is not None
         return ScheduledSeq(seq, start, count, sample, draft)
 
     # -- speculative decoding --------------------------------------------------------------------
@@ -509,6 +513,7 @@ class Scheduler:
             if not scheduled.sample:
                 continue
             if scheduled.draft is not None:
+                seq.drafts_in_flight = False
                 self._verified(seq, scheduled.num_draft, count - 1)
             for entry in range(first, first + count):
                 token = tokens[entry]

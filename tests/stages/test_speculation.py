@@ -221,3 +221,23 @@ def test_without_proposals_steps_stay_two_in_flight():
     assert not s.wants_drafts and s.max_in_flight == 2
     step = s.schedule()
     assert step.seqs[0].draft is None and step.seqs[0].num_tokens == 1
+
+
+def test_a_request_whose_drafts_are_in_flight_is_not_planned_again_until_they_are_back():
+    s = make()
+    a, b = repeating(1), seq(2, 6)
+    a.acceptance = 0.9
+    s.add(a)
+    s.add(b)
+    complete(s, s.schedule(), [[5], [900]])
+    step2 = s.schedule()  # a verifies drafts; b decodes
+    assert [x.num_draft for x in step2.seqs] == [4, 0]
+    step3 = s.schedule()  # planned ahead while step 2 runs: b only
+    assert [x.seq.handle for x in step3.seqs] == [2]
+    complete(s, step2, [[6, 7, 9], [901]])
+    complete(s, step3, [[902]])
+    assert a.num_computed == a.num_tokens - 1  # exactly its next input left to compute
+    step4 = s.schedule()
+    planned = {x.seq.handle: x for x in step4.seqs}
+    assert planned[1].start == a.num_prompt + len(a.output_ids) - 1
+    assert all(x.num_tokens >= 1 for x in step4.seqs)
