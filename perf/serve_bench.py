@@ -392,6 +392,12 @@ async def fetch_spec_counters(
             text = await resp.text()
     except aiohttp.ClientError:
         return None
+    return parse_spec_counters(text)
+
+
+def parse_spec_counters(text: str) -> dict[str, float] | None:
+    """SPEC_COUNTERS' values in a Prometheus text page, summed over label sets; None unless all
+    are there."""
     found: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
