@@ -32,7 +32,7 @@ from stages import draft_policy
 from stages.draft_policy import StepCost
 from stages.kv_blocks import BlockManager, prompt_block_hashes
 from stages.rings import common as m
-from stages.speculation import SpeculativeConfig, propose_ngram
+from stages.speculation import SpeculativeConfig, SuffixCache, propose_ngram, propose_suffix
 
 # What `Scheduler.stats` reports, in the order schedule publishes it to the server as gauges.
 GAUGES = (
@@ -195,6 +195,13 @@ class Scheduler:
         self.accepted_per_pos = [0] * (
             config.speculative.num_speculative_tokens if config.speculative else 0
         )
+        # Suffix decoding looks in the outputs of recent requests too.
+        spec = config.speculative
+        self.suffix_cache = (
+            SuffixCache(spec.suffix.max_cached_requests)
+            if spec is not None and spec.suffix is not None
+            else None
+        )
         self._completed_at_ns = 0  # when the last result was applied (monotonic)
         self._last_end_ns = 0  # when the last completed step ended in execute
         self._last_step_id = -1
@@ -227,6 +234,8 @@ class Scheduler:
             self.running.remove(seq)
         seq.status = Status.FINISHED
         seq.finish = reason
+        if self.suffix_cache is not None and reason in (m.FINISH_STOP, m.FINISH_LENGTH):
+            self.suffix_cache.add(seq.output_ids)
         # Blocks are safe to reuse at once: execute runs steps in order, so a step in flight that
         # still writes them runs before any step that gives them to another request.
         self.blocks.free(seq.blocks)
@@ -359,7 +368,14 @@ class Scheduler:
         if room <= 0:
             return np.zeros(0, np.int32)
         tokens = np.concatenate([seq.prompt_ids, np.asarray(seq.output_ids, np.int32)])
-        return propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+        if spec.suffix is None:
+            return propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+        # The better of what the request's own tokens and what recent outputs propose.
+        own, own_score = propose_suffix(tokens, tokens, room, spec.suffix, before=len(tokens) - 1)
+        if self.suffix_cache is None or not len(self.suffix_cache.tokens):
+            return own
+        past, past_score = propose_suffix(self.suffix_cache.tokens, tokens, room, spec.suffix)
+        return past if past_score > own_score else own
 
     def _drafts(
         self,
@@ -372,22 +388,41 @@ class Scheduler:
         if self.config.speculative is None or not decodes:
             return {}
         known = [seq for seq, _ in decodes if seq.steps_in_flight == 0]
+        allowance = min(budget, self.config.max_prefill_tokens_while_decoding)
+        prefill_tokens = min(sum(left for _, left in prefills), allowance)
+        base_tokens = len(decodes) + prefill_tokens
+        if not self._drafts_could_pay(base_tokens, len(decodes), [s.acceptance for s in known]):
+            return {}  # not even full proposals would: do not look for any
         proposals = [(seq, self._proposal(seq)) for seq in known]
         proposals = [(seq, p) for seq, p in proposals if len(p)]
         if not proposals:
             return {}
         if not self.config.speculative.adaptive_draft_length:
             return {seq.handle: p for seq, p in proposals}
-        allowance = min(budget, self.config.max_prefill_tokens_while_decoding)
-        prefill_tokens = min(sum(left for _, left in prefills), allowance)
         counts = draft_policy.plan_drafts(
             self.cost,
-            base_tokens=len(decodes) + prefill_tokens,
+            base_tokens=base_tokens,
             base_outputs=len(decodes),
             candidates=[(seq.acceptance, len(p)) for seq, p in proposals],
             pipelined=True,
         )
         return {seq.handle: p[:n] for (seq, p), n in zip(proposals, counts, strict=True) if n}
+
+    def _drafts_could_pay(
+        self, base_tokens: int, base_outputs: int, acceptances: list[float]
+    ) -> bool:
+        """Whether drafts could pay this step even if every request proposed the most: else
+        proposals are not looked for (suffix decoding's search over recent outputs costs)."""
+        spec = self.config.speculative
+        if spec is None or not acceptances:
+            return False
+        if not spec.adaptive_draft_length:
+            return True
+        k = spec.num_speculative_tokens
+        best = draft_policy.plan_drafts(
+            self.cost, base_tokens, base_outputs, [(a, k) for a in acceptances], pipelined=True
+        )
+        return any(best)
 
     def _update_wants_drafts(self) -> None:
         """Whether the next step should wait for the one in flight so as to carry drafts: the
@@ -396,12 +431,17 @@ class Scheduler:
         if self.config.speculative is None:
             return
         candidates = []
-        num_decodes = 0
         adaptive = self.config.speculative.adaptive_draft_length
-        for seq in self.running:
-            if seq.num_prompt + len(seq.output_ids) + seq.pending_outputs - seq.num_computed > 1:
-                continue  # still in prefill
-            num_decodes += 1
+        decoding = [
+            seq
+            for seq in self.running
+            if seq.num_prompt + len(seq.output_ids) + seq.pending_outputs - seq.num_computed <= 1
+        ]  # not in prefill
+        num_decodes = len(decoding)
+        if not self._drafts_could_pay(num_decodes, num_decodes, [s.acceptance for s in decoding]):
+            self.wants_drafts = False
+            return
+        for seq in decoding:
             proposal = self._proposal(seq)
             if len(proposal):
                 if not adaptive:

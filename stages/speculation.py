@@ -1,5 +1,6 @@
 """Speculative decoding's configuration (vLLM's `--speculative-config` JSON) and its model-free
-proposer: prompt lookup (vLLM's `ngram`), which schedule runs on each request's known tokens.
+proposers, which schedule runs on each request's known tokens: prompt lookup (vLLM's `ngram`) and
+SuffixDecoding (vLLM's `suffix`, over the request's tokens and the outputs of recent requests).
 
 Execute verifies the drafts (gpu/sampler.py `verify`): a step checks 1 + k positions of a request
 at once, and every token it emits is distributed exactly as plain decoding's would be.
@@ -9,34 +10,53 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 # The acceptance counters have a slot per draft position: speculation deeper than this is refused.
 MAX_SPECULATIVE_TOKENS = 16
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 # vLLM's methods that this server does not run yet: refused by name rather than misread.
-_NOT_YET = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
-_NGRAM_KEYS = {
+_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_COMMON_KEYS = {
     "method",
     "num_speculative_tokens",
-    "prompt_lookup_min",
-    "prompt_lookup_max",
     "adaptive_draft_length",  # this server's: false drafts every proposal, as vLLM does
+}
+_KEYS = {
+    "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
+    "suffix": {
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+    },
 }
 # vLLM keys that change nothing for a model-free method, accepted so that configs carry over.
 _IGNORABLE = {"disable_logprobs", "disable_log_stats"}
 
 
 @dataclass(frozen=True, slots=True)
+class SuffixParams:
+    """vLLM's `suffix_decoding_*` settings, with its defaults."""
+
+    max_tree_depth: int = 24  # bounds the match plus the speculation
+    max_cached_requests: int = 10000  # past outputs looked up (FIFO); 0: the request's own only
+    max_spec_factor: float = 1.0  # speculate at most this times the match's length
+    min_token_prob: float = 0.1  # stop once the continuation's estimated probability is below
+
+
+@dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: str
+    method: str  # "ngram" or "suffix"
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 5  # ngram
+    prompt_lookup_max: int = 5
     # Draft only where it pays (stages/draft_policy.py); False: every proposal, up to
     # num_speculative_tokens, whatever the load (vLLM's behaviour, for comparison and tests).
     adaptive_draft_length: bool = True
+    suffix: SuffixParams | None = None  # suffix
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -54,27 +74,60 @@ class SpeculativeConfig:
         if method == "[ngram]":
             method = "ngram"
         if method in _NOT_YET:
-            raise ValueError(f"speculative method {method!r} is not supported; use 'ngram'")
+            raise ValueError(
+                f"speculative method {method!r} is not supported; use 'ngram' or 'suffix'"
+            )
         if method not in METHODS:
-            raise ValueError(f"speculative method {method!r} is unknown; use 'ngram'")
-        unknown = set(raw) - _NGRAM_KEYS - _IGNORABLE
+            raise ValueError(f"speculative method {method!r} is unknown; use 'ngram' or 'suffix'")
+        unknown = set(raw) - _COMMON_KEYS - _KEYS[method] - _IGNORABLE
         if unknown:
             raise ValueError(f"--speculative-config keys not supported: {sorted(unknown)}")
-        k = raw.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
-                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]"
+        adaptive = raw.get("adaptive_draft_length", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError("adaptive_draft_length must be true or false")
+        if method == "suffix":
+            suffix = _suffix_params(raw)
+            # vLLM's default for suffix: the tree depth (capped here at the counters' width)
+            k = raw.get(
+                "num_speculative_tokens", min(suffix.max_tree_depth, MAX_SPECULATIVE_TOKENS)
             )
+            return cls(method, _draft_count(k), adaptive_draft_length=adaptive, suffix=suffix)
         given_low, given_high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         # vLLM's defaults: 5 and 5, or the one given for both.
         low = _positive("prompt_lookup_min", given_low if given_low is not None else given_high)
         high = _positive("prompt_lookup_max", given_high if given_high is not None else given_low)
         if low > high:
             raise ValueError(f"prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
-        adaptive = raw.get("adaptive_draft_length", True)
-        if not isinstance(adaptive, bool):
-            raise ValueError("adaptive_draft_length must be true or false")
-        return cls(method, k, low, high, adaptive)
+        return cls(method, _draft_count(raw.get("num_speculative_tokens")), low, high, adaptive)
+
+
+def _draft_count(k: object) -> int:
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]"
+        )
+    return k
+
+
+def _suffix_params(raw: dict[str, Any]) -> SuffixParams:
+    defaults = SuffixParams()
+    depth = raw.get("suffix_decoding_max_tree_depth", defaults.max_tree_depth)
+    cached = raw.get("suffix_decoding_max_cached_requests", defaults.max_cached_requests)
+    factor = raw.get("suffix_decoding_max_spec_factor", defaults.max_spec_factor)
+    min_prob = raw.get("suffix_decoding_min_token_prob", defaults.min_token_prob)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 2:
+        raise ValueError("suffix_decoding_max_tree_depth must be an integer of at least 2")
+    if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+        raise ValueError("suffix_decoding_max_cached_requests must be a non-negative integer")
+    if not isinstance(factor, int | float) or isinstance(factor, bool) or factor <= 0:
+        raise ValueError("suffix_decoding_max_spec_factor must be a positive number")
+    if (
+        not isinstance(min_prob, int | float)
+        or isinstance(min_prob, bool)
+        or not 0 <= min_prob <= 1
+    ):
+        raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
+    return SuffixParams(depth, cached, float(factor), float(min_prob))
 
 
 def _positive(name: str, value: object) -> int:
@@ -83,6 +136,28 @@ def _positive(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer")
     return value
+
+
+def _match_lengths(
+    haystack: np.ndarray,  # [H] int32, where occurrences may end (-1: a boundary nothing matches)
+    context: np.ndarray,  # [N] int32, whose suffix is looked for
+    max_n: int,
+    before: int | None = None,  # occurrences must end before this position
+) -> tuple[np.ndarray, np.ndarray]:  # ([E] end positions in haystack, [E] match lengths)
+    """Where the context's last token occurs in the haystack, and how many of the context's
+    last tokens (up to max_n) match backwards from each occurrence."""
+    ends = np.flatnonzero(haystack[:before] == context[-1])
+    length = np.ones(len(ends), np.int64)
+    alive = np.ones(len(ends), bool)
+    for back in range(1, min(max_n, len(context))):
+        at = ends - back
+        ok = alive & (at >= 0)
+        ok[ok] = haystack[at[ok]] == context[len(context) - 1 - back]
+        alive = ok
+        if not alive.any():
+            break
+        length += alive
+    return ends, length
 
 
 def propose_ngram(
@@ -100,20 +175,80 @@ def propose_ngram(
     total = len(tokens)
     if total < min_n + 1 or k <= 0:
         return tokens[:0]
-    # An earlier occurrence of the n-gram ends at `end` < total - 1 where tokens[end] == last.
-    ends = np.flatnonzero(tokens[: total - 1] == tokens[total - 1])
-    length = np.ones(len(ends), np.int64)
-    alive = np.ones(len(ends), bool)
-    for back in range(1, max_n):
-        at = ends - back
-        ok = alive & (at >= 0)
-        ok[ok] = tokens[at[ok]] == tokens[total - 1 - back]
-        alive = ok
-        if not alive.any():
-            break
-        length += alive
+    # An earlier occurrence of the n-gram ends before the last token.
+    ends, length = _match_lengths(tokens, tokens, max_n, before=total - 1)
     best = int(length.max(initial=0))
     if best < min_n:
         return tokens[:0]
     end = int(ends[np.argmax(length == best)])  # the earliest of the longest
     return tokens[end + 1 : end + 1 + k]
+
+
+def propose_suffix(
+    haystack: np.ndarray,  # [H] int32: tokens to look in, -1 between separate sequences
+    context: np.ndarray,  # [N] int32: the request's tokens, whose continuation is proposed
+    k: int,
+    params: SuffixParams,
+    before: int | None = None,  # occurrences end before this (the context itself: N - 1)
+) -> tuple[np.ndarray, float]:  # ([<= k] int32 drafts, their expected accepted count)
+    """SuffixDecoding (Oliaro et al., arXiv 2411.04975; Arctic Inference): the longest suffix of
+    the context found in the haystack picks the occurrences to follow; from there each draft is
+    the most frequent next token among the occurrences still matching, with probability its share
+    of them, times the drafts' before it. Drafting stops below min_token_prob, at
+    max_spec_factor times the match's length, or at the tree depth.
+
+    The suffix tree's counts are the occurrence counts computed here on demand (numpy over the
+    haystack, no tree kept): the same proposal, at O(H * depth) per call."""
+    if len(context) == 0 or k <= 0 or len(haystack) == 0:
+        return context[:0], 0.0
+    ends, length = _match_lengths(haystack, context, params.max_tree_depth - 1, before)
+    best = int(length.max(initial=0))
+    if best == 0:
+        return context[:0], 0.0
+    room = min(k, int(params.max_spec_factor * best), params.max_tree_depth - best)
+    at = ends[length == best]  # occurrences of the longest match, by where they end
+    drafts: list[int] = []
+    probability, expected = 1.0, 0.0
+    while len(drafts) < room:
+        at = at[at + 1 < len(haystack)]
+        following = haystack[at + 1]
+        following = following[following >= 0]
+        if not len(following):
+            break
+        values, counts = np.unique(following, return_counts=True)
+        pick = int(np.argmax(counts))
+        probability *= counts[pick] / len(at)
+        if probability < params.min_token_prob:
+            break
+        token = int(values[pick])
+        drafts.append(token)
+        expected += probability
+        at = at[haystack[at + 1] == token] + 1
+    return np.asarray(drafts, np.int32), expected
+
+
+class SuffixCache:
+    """The outputs of recent requests, for suffix decoding to look in beside a request's own
+    tokens: FIFO, at most `max_cached_requests`, kept as one array with -1 between outputs."""
+
+    def __init__(self, max_cached_requests: int) -> None:
+        self.max_cached_requests = max_cached_requests
+        self._outputs: list[np.ndarray] = []
+        self._joined: np.ndarray | None = np.zeros(0, np.int32)
+
+    def add(self, output_ids: list[int]) -> None:
+        if self.max_cached_requests <= 0 or not output_ids:
+            return
+        self._outputs.append(np.asarray(output_ids, np.int32))
+        if len(self._outputs) > self.max_cached_requests:
+            del self._outputs[0]
+        self._joined = None
+
+    @property
+    def tokens(self) -> np.ndarray:  # [H] int32, outputs separated by -1
+        if self._joined is None:
+            pieces = []
+            for output in self._outputs:
+                pieces += [output, np.full(1, -1, np.int32)]
+            self._joined = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+        return self._joined

@@ -241,3 +241,127 @@ def test_a_request_whose_drafts_are_in_flight_is_not_planned_again_until_they_ar
     planned = {x.seq.handle: x for x in step4.seqs}
     assert planned[1].start == a.num_prompt + len(a.output_ids) - 1
     assert all(x.num_tokens >= 1 for x in step4.seqs)
+
+
+# -- suffix decoding -------------------------------------------------------------------------------
+
+from stages.speculation import SuffixCache, SuffixParams, propose_suffix  # noqa: E402
+
+
+def _reference_suffix(haystack, context, k, params):
+    """A depth-limited suffix trie, built as SuffixDecoding builds it (a node per substring of at
+    most max_tree_depth tokens, counting its occurrences), then walked as it walks it."""
+    depth = params.max_tree_depth
+    root: dict = {"n": 0, "kids": {}}
+    tokens = list(haystack)
+    for i in range(len(tokens)):
+        node = root
+        for t in tokens[i : i + depth]:
+            if t < 0:
+                break
+            node = node["kids"].setdefault(t, {"n": 0, "kids": {}})
+            node["n"] += 1
+    context = list(context)
+    best, node = 0, None
+    for m in range(min(depth - 1, len(context)), 0, -1):
+        walk = root
+        for t in context[len(context) - m :]:
+            walk = walk["kids"].get(t)
+            if walk is None:
+                break
+        if walk is not None:
+            best, node = m, walk
+            break
+    if node is None:
+        return [], 0.0
+    room = min(k, int(params.max_spec_factor * best), depth - best)
+    drafts, probability, expected = [], 1.0, 0.0
+    while len(drafts) < room and node["kids"]:
+        # the most frequent next token; ties to the smallest id, as np.unique orders them
+        token = max(sorted(node["kids"]), key=lambda t: node["kids"][t]["n"])
+        child = node["kids"][token]
+        probability *= child["n"] / node["n"]
+        if probability < params.min_token_prob:
+            break
+        drafts.append(token)
+        expected += probability
+        node = child
+    return drafts, expected
+
+
+def test_suffix_proposals_are_the_suffix_tree_walk():
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        parts = [rng.integers(0, 5, rng.integers(1, 30)) for _ in range(rng.integers(1, 4))]
+        haystack = np.concatenate([np.append(p, -1) for p in parts]).astype(np.int32)
+        context = rng.integers(0, 5, rng.integers(1, 12)).astype(np.int32)
+        params = SuffixParams(
+            max_tree_depth=int(rng.integers(3, 9)),
+            max_spec_factor=float(rng.choice([0.5, 1.0, 2.0])),
+            min_token_prob=float(rng.choice([0.0, 0.1, 0.4])),
+        )
+        got, score = propose_suffix(haystack, context, 6, params)
+        want, want_score = _reference_suffix(haystack, context, 6, params)
+        assert got.tolist() == want, (trial, haystack.tolist(), context.tolist(), params)
+        assert score == pytest.approx(want_score)
+
+
+def test_suffix_follows_the_most_frequent_continuation_and_stops_when_unlikely():
+    # after [1, 2]: 3 twice, 4 once; after [1, 2, 3]: 7 then 8, once each
+    haystack = np.array([1, 2, 3, 7, -1, 1, 2, 3, 8, -1, 1, 2, 4, -1], np.int32)
+    context = np.array([9, 1, 2], np.int32)
+    drafts, score = propose_suffix(haystack, context, 8, SuffixParams())
+    assert drafts.tolist() == [3, 7]  # 2/3, then 2/3 * 1/2 = 1/3 >= 0.1; a match of 2 allows 2
+    assert score == pytest.approx(2 / 3 + 1 / 3)
+    drafts, _ = propose_suffix(haystack, context, 8, SuffixParams(max_spec_factor=0.5))
+    assert drafts.tolist() == [3]  # half the match's length
+    drafts, _ = propose_suffix(haystack, context, 8, SuffixParams(min_token_prob=0.5))
+    assert drafts.tolist() == [3]  # 1/3 < 0.5
+    # the request's own tokens: the suffix itself is not an occurrence
+    own = np.array([5, 6, 7, 5, 6], np.int32)
+    drafts, _ = propose_suffix(own, own, 4, SuffixParams(), before=len(own) - 1)
+    assert drafts.tolist() == [7, 5]
+
+
+def test_the_suffix_cache_keeps_the_latest_outputs():
+    cache = SuffixCache(max_cached_requests=2)
+    for output in ([1, 2], [3], [], [4, 5]):
+        cache.add(output)
+    assert cache.tokens.tolist() == [3, -1, 4, 5, -1]
+    assert SuffixCache(0).tokens.tolist() == []
+
+
+def test_suffix_config_takes_vllms_keys_and_defaults():
+    config = SpeculativeConfig.parse('{"method": "suffix"}')
+    assert config.suffix == SuffixParams() and config.num_speculative_tokens == 16
+    config = SpeculativeConfig.parse(
+        '{"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 32,'
+        ' "suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 2.0,'
+        ' "suffix_decoding_min_token_prob": 0.05}'
+    )
+    assert config.suffix == SuffixParams(32, 0, 2.0, 0.05) and config.num_speculative_tokens == 8
+    with pytest.raises(ValueError, match="not supported"):
+        SpeculativeConfig.parse('{"method": "suffix", "prompt_lookup_min": 2}')
+    with pytest.raises(ValueError, match="min_token_prob"):
+        SpeculativeConfig.parse('{"method": "suffix", "suffix_decoding_min_token_prob": 2}')
+
+
+def test_a_suffix_scheduler_drafts_what_an_earlier_request_wrote():
+    spec = SpeculativeConfig.parse('{"method": "suffix", "num_speculative_tokens": 4}')
+    s = Scheduler(SchedulerConfig(8, 32, 512, 64, 4, speculative=spec))
+    first = seq(1, 3, max_tokens=6)
+    s.add(first)
+    complete(s, s.schedule(), [[40]])
+    for token in (41, 42, 43, 44, 45):
+        step = s.schedule()
+        assert step.seqs[0].draft is None  # nothing to look in yet
+        complete(s, step, [[token]])
+    assert first.status == Status.FINISHED
+    # a second request that starts writing the same thing: its drafts come from the first's
+    second = seq(2, 3, max_tokens=20)
+    second.acceptance = 0.9
+    s.add(second)
+    complete(s, s.schedule(), [[40]])
+    complete(s, s.schedule(), [[41]])
+    step = s.schedule()
+    assert step.seqs[0].draft.tolist() == [42, 43]  # a match of 2: spec factor 1.0, two drafts

@@ -221,3 +221,37 @@ def test_drafts_under_a_grammar_keep_its_output_and_roll_back_what_was_refused(e
         after["spec_decode_num_draft_tokens_total"] > before["spec_decode_num_draft_tokens_total"]
     )
     assert after["kv_cache_usage_perc"] == 0
+
+
+@pytest.fixture(scope="module")
+def suffix_engine(tiny_chat_model, engines):
+    """A speculating engine on suffix decoding, beside the module's others."""
+    _, _, loop = engines
+    spec = SpeculativeConfig.parse(
+        '{"method": "suffix", "num_speculative_tokens": 6, "adaptive_draft_length": false}'
+    )
+    engine = Engine(_config(tiny_chat_model, spec))
+    loop.run(engine.start())
+    yield engine
+    loop.run(engine.stop())
+
+
+def test_suffix_decoding_keeps_greedy_tokens_and_drafts_from_earlier_outputs(
+    engines, suffix_engine
+):
+    plain, _, loop = engines
+    kwargs = dict(temperature=0, max_tokens=32, ignore_eos=True)
+    accepted = []
+    for round_ in range(2):  # the second round finds the first's outputs in the cache
+        before = _wait_idle(suffix_engine)
+        for i, prompt in enumerate(PROMPTS):
+            want = loop.run(collect(plain, request(prompt, rid=f"sp{round_}{i}", **kwargs)))
+            got = loop.run(collect(suffix_engine, request(prompt, rid=f"ss{round_}{i}", **kwargs)))
+            assert _tokens(got) == _tokens(want), prompt
+        after = _wait_idle(suffix_engine)
+        accepted.append(
+            after["spec_decode_num_accepted_tokens_total"]
+            - before["spec_decode_num_accepted_tokens_total"]
+        )
+    assert accepted[0] > 0 and accepted[1] > accepted[0]
+    assert _wait_idle(suffix_engine)["kv_cache_usage_perc"] == 0
