@@ -10,7 +10,13 @@ from stages import draft_policy
 from stages.draft_policy import StepCost, plan_drafts, update_acceptance
 from stages.rings import common as m
 from stages.scheduler import Scheduler, SchedulerConfig, Status
-from stages.speculation import SpeculativeConfig, propose_ngram
+from stages.speculation import (
+    SpeculativeConfig,
+    SuffixCache,
+    SuffixParams,
+    propose_ngram,
+    propose_suffix,
+)
 from tests.stages.test_scheduler import seq
 
 # -- config ----------------------------------------------------------------------------------------
@@ -245,8 +251,6 @@ def test_a_request_whose_drafts_are_in_flight_is_not_planned_again_until_they_ar
 
 # -- suffix decoding -------------------------------------------------------------------------------
 
-from stages.speculation import SuffixCache, SuffixParams, propose_suffix  # noqa: E402
-
 
 def _reference_suffix(haystack, context, k, params):
     """A depth-limited suffix trie, built as SuffixDecoding builds it (a node per substring of at
@@ -263,14 +267,14 @@ def _reference_suffix(haystack, context, k, params):
             node["n"] += 1
     context = list(context)
     best, node = 0, None
-    for m in range(min(depth - 1, len(context)), 0, -1):
+    for length in range(min(depth - 1, len(context)), 0, -1):
         walk = root
-        for t in context[len(context) - m :]:
+        for t in context[len(context) - length :]:
             walk = walk["kids"].get(t)
             if walk is None:
                 break
         if walk is not None:
-            best, node = m, walk
+            best, node = length, walk
             break
     if node is None:
         return [], 0.0
