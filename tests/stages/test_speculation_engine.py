@@ -174,10 +174,40 @@ def test_many_streams_with_aborts_logprobs_and_n_leave_every_block_free(engines)
             await anext(stream)
             await stream.aclose()
 
-        tasks = [full(i) for i in range(6)] + [leave(i) for i in range(6)]
+        async def stopped():  # a stop string, prompt logprobs and a grammar beside them
+            from stages.api import StructuredOutput
+
+            outs = await collect(
+                fast,
+                request(
+                    PROMPTS[2],
+                    rid="st",
+                    temperature=0,
+                    max_tokens=40,
+                    stop=["the"],
+                    prompt_logprobs=1,
+                ),
+            )
+            shaped = await collect(
+                fast,
+                request(
+                    PROMPTS[0],
+                    rid="gr",
+                    temperature=0,
+                    max_tokens=30,
+                    structured=StructuredOutput("regex", "(the |quick |fox )+"),
+                ),
+            )
+            return outs, shaped
+
+        tasks = [full(i) for i in range(6)] + [leave(i) for i in range(6)] + [stopped()]
         return await asyncio.gather(*tasks)
 
     results = loop.run(mixed())
+    stop_outs, shaped = results[-1]
+    assert "the" not in "".join(o.text for o in stop_outs)
+    assert stop_outs[0].prompt_logprobs is not None
+    assert shaped[-1].finish_reason in ("stop", "length")
     for i, outs in enumerate(results[:6]):
         ref = loop.run(
             collect(
@@ -255,3 +285,25 @@ def test_suffix_decoding_keeps_greedy_tokens_and_drafts_from_earlier_outputs(
         )
     assert accepted[0] > 0 and accepted[1] > accepted[0]
     assert _wait_idle(suffix_engine)["kv_cache_usage_perc"] == 0
+
+
+def test_a_stage_killed_mid_speculation_resumes_with_the_tokens_of_a_plain_run(engines):
+    import os
+    import signal
+
+    plain, fast, loop = engines
+    kwargs = dict(temperature=0, max_tokens=60, ignore_eos=True)
+    want = _tokens(loop.run(collect(plain, request(PROMPTS[1], rid="kp", **kwargs))))
+
+    async def killed_midway(stage: str):
+        stream = fast.generate(request(PROMPTS[1], rid=f"k{stage}", **kwargs))
+        outs = [await anext(stream) for _ in range(3)]
+        os.kill(fast.supervisor.pids()[stage], signal.SIGKILL)
+        outs += [out async for out in stream]
+        return outs
+
+    for stage in ("execute", "schedule"):
+        outs = loop.run(killed_midway(stage), timeout=180)
+        assert _tokens(outs) == want, stage
+        assert outs[-1].metrics is not None and outs[-1].metrics.num_recoveries == 1
+    assert _wait_idle(fast)["kv_cache_usage_perc"] == 0
