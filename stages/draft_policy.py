@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A request's acceptance starts here (one draft in two), so a new request tries speculation at once.
-PRIOR_ACCEPTANCE = 0.5
+# A request's acceptance starts here, optimistic (a proposal is an n-gram that did occur), so that
+# a new request tries speculation even where a step's tokens cost much, and learns its own.
+PRIOR_ACCEPTANCE = 0.75
 ACCEPTANCE_DECAY = 0.7  # weight of the past in each update: about the last three steps count
-# Acceptance never falls below this, so a request that stopped matching is tried again now and
-# then (its proposals change as the text goes on) and recovers within a few steps if it matches.
+# Acceptance never falls below this; and each step a request has a proposal but drafts none, it
+# drifts back toward the prior (RETRY_RATE of the way), so a request that stopped matching is
+# tried again every few dozen steps (its proposals change as the text goes on).
 MIN_ACCEPTANCE = 0.05
+RETRY_RATE = 0.05
 COST_DECAY = 0.97  # the step-time fit remembers about the last 30 steps
 
 
@@ -83,6 +86,11 @@ def update_acceptance(acceptance: float, num_drafted: int, num_accepted: int) ->
     observed = num_accepted / trials
     weight = ACCEPTANCE_DECAY**trials
     return max(MIN_ACCEPTANCE, weight * acceptance + (1.0 - weight) * observed)
+
+
+def undrafted(acceptance: float) -> float:
+    """A request's acceptance after a step in which it had a proposal and drafted none."""
+    return acceptance + RETRY_RATE * (PRIOR_ACCEPTANCE - acceptance)
 
 
 def plan_drafts(

@@ -406,6 +406,9 @@ class Scheduler:
             candidates=[(seq.acceptance, len(p)) for seq, p in proposals],
             pipelined=True,
         )
+        for (seq, _), n in zip(proposals, counts, strict=True):
+            if not n:
+                seq.acceptance = draft_policy.undrafted(seq.acceptance)
         return {seq.handle: p[:n] for (seq, p), n in zip(proposals, counts, strict=True) if n}
 
     def _drafts_could_pay(

@@ -136,8 +136,16 @@ def test_acceptance_follows_what_steps_accept():
     low = a
     for _ in range(10):
         low = update_acceptance(low, 4, 0)
-    assert low == draft_policy.MIN_ACCEPTANCE  # never zero: it is tried again now and then
+    assert low == draft_policy.MIN_ACCEPTANCE  # never zero
     assert update_acceptance(0.3, 0, 0) == 0.3
+    # steps with a proposal and no drafts bring it back toward the prior: it is tried again
+    cpu = StepCost(fixed_s=0.008, per_token_s=0.004, synced_gap_s=0.0005)  # tokens cost much
+    assert plan_drafts(cpu, 1, 1, [(a, 4)], pipelined=True) != [0]  # the prior tries
+    waited = 0
+    while plan_drafts(cpu, 1, 1, [(low, 4)], pipelined=True) == [0]:
+        low = draft_policy.undrafted(low)
+        waited += 1
+    assert 5 < waited < 60
 
 
 # -- the scheduler ---------------------------------------------------------------------------------
