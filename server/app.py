@@ -4,15 +4,17 @@ Handlers are module-level; what they share is the app's `OpenAIServing` (server.
 from __future__ import annotations
 
 import secrets
+import uuid
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Blueprint, Quart, Response, g, request
+from quart import Blueprint, Quart, Response, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from server.chat import collect_chat, stream_chat
 from server.completions import collect_completion, stream_completion
 from server.config import ServerConfig
+from server.cors import install_cors
 from server.drain import Drain, install_drain
 from server.errors import APIError, error_body, error_type_for, retry_after_header
 from server.openai_serving import (
@@ -44,6 +46,8 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
     drain = Drain(config.shutdown_timeout_s)
     app.extensions[EXTENSION] = OpenAIServing(engine, config, drain)
+    if config.allowed_origins is not None:
+        install_cors(app, config)  # first, so that preflights need no API key
     app.register_blueprint(routes)
     install_drain(app, drain)  # 503 with Retry-After while the server drains
     return app
@@ -68,9 +72,10 @@ async def authorize() -> None:
 
 @routes.after_app_request
 async def echo_request_id(response: Response) -> Response:
-    request_id = g.get("request_id") or request.headers.get("X-Request-Id")
-    if request_id:
-        response.headers["X-Request-Id"] = request_id
+    """vLLM's --enable-request-id-headers: X-Request-Id, the request's or a new one, on every
+    response; none without the flag."""
+    if openai_serving().config.enable_request_id_headers:
+        response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     return response
 
 
@@ -129,16 +134,19 @@ async def completions() -> Response:
 async def models() -> Response:
     serving = openai_serving()
     info = serving.engine.model_info
-    card = {
-        "id": serving.served_model_name,
-        "object": "model",
-        "created": info.created,
-        "owned_by": "pipeline-serve",
-        "root": info.model_path,
-        "parent": None,
-        "max_model_len": info.max_model_len,
-    }
-    return json_response({"object": "list", "data": [card]})
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": info.created,
+            "owned_by": "pipeline-serve",
+            "root": info.model_path,
+            "parent": None,
+            "max_model_len": info.max_model_len,
+        }
+        for name in serving.served_model_names
+    ]
+    return json_response({"object": "list", "data": cards})
 
 
 @routes.get("/health")
@@ -165,7 +173,7 @@ async def tokenize() -> Response:
         body = decode(raw, TokenizeRequest)
         serving.check_model(body.model)
         body.validate()
-        return engine.tokenize(body.prompt_value())
+        return engine.tokenize(serving.with_template_defaults(body.prompt_value()))
 
     try:
         tokens = await serving.in_worker(work)
