@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -17,6 +17,9 @@ from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.request_metrics import request_metrics_body
 from stages.api import EngineClient, EngineError, GenerateRequest, RequestMetrics, RequestOutput
+
+if TYPE_CHECKING:
+    from server.schemas import StreamOptions
 
 log = structlog.get_logger("server")
 
@@ -38,7 +41,7 @@ class ResponseContext:
     return_tokens_as_token_ids: bool = False  # the server's default for the request field
     response_role: str = "assistant"  # --response-role
 
-    def include_usage(self, stream_options: Any) -> tuple[bool, bool]:
+    def include_usage(self, stream_options: StreamOptions | None) -> tuple[bool, bool]:
         """Whether a stream ends with a usage chunk, and whether every chunk carries usage
         (vLLM's should_include_usage: the flag forces both)."""
         if self.force_include_usage:

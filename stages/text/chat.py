@@ -22,7 +22,7 @@ def render_chat(
     template_kwargs: Mapping[str, Any] | None = None,
     bos_token: str | None = None,
     eos_token: str | None = None,
-    content_format: str = "string",
+    content_format: str = "auto",
 ) -> str:
     """The prompt text for these messages; EngineError (400) for anything the request got wrong.
 
