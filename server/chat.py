@@ -137,10 +137,20 @@ class _Calls:
         return "tool_calls" if self.calls and reason in ("stop", "length") else reason
 
 
+def _response_role(ctx: ResponseContext, request: ChatCompletionRequest) -> str:
+    """--response-role after a generation prompt; else the role of the message continued."""
+    if request.add_generation_prompt:
+        return ctx.response_role
+    return str(request.messages[-1].get("role"))
+
+
 def stream_chat(
     ctx: ResponseContext, request: ChatCompletionRequest, choices: Sequence[Choice]
 ) -> AsyncGenerator[bytes, None]:
     top_n = request.top_logprobs or 0
+    include_usage, continuous_usage = ctx.include_usage(request.stream_options)
+    as_ids = ctx.tokens_as_ids(request.return_tokens_as_token_ids)
+    response_role = _response_role(ctx, request)
 
     def usage() -> bytes:
         return usage_event(_chunk(ctx, [], total_usage(choices, ctx)), ctx, choices[0].tracker)
@@ -148,7 +158,7 @@ def stream_chat(
     # A named tool_choice streams its call as OpenAI does: the first delta opens the call (id,
     # name), the following ones carry pieces of its arguments as the model writes them.
     named = request.named_tool
-    echo = request.echo_text
+    echo = request.echo_text(response_role)
 
     async def events(choice: Choice) -> AsyncIterator[bytes]:
         tracker, index = choice.tracker, choice.index
@@ -156,18 +166,16 @@ def stream_chat(
         call_open = False
 
         def usage_now() -> dict[str, int] | None:
-            return tracker.usage if request.continuous_usage else None
+            return tracker.usage if continuous_usage else None
 
         async for output in choice.chain():
             if output is choice.first:
-                role = _choice(index, {"role": request.response_role, "content": ""})
+                role = _choice(index, {"role": response_role, "content": ""})
                 no_output_yet = usage_body(tracker.num_prompt_tokens, 0)
-                yield sse(_chunk(ctx, [role], no_output_yet if request.continuous_usage else None))
+                yield sse(_chunk(ctx, [role], no_output_yet if continuous_usage else None))
                 if echo:
                     echoed = _choice(index, {"content": echo})
-                    yield sse(
-                        _chunk(ctx, [echoed], no_output_yet if request.continuous_usage else None)
-                    )
+                    yield sse(_chunk(ctx, [echoed], no_output_yet if continuous_usage else None))
             delta: dict[str, Any] = {}
             if output.reasoning and request.include_reasoning:
                 delta["reasoning_content"] = delta["reasoning"] = output.reasoning
@@ -189,9 +197,7 @@ def stream_chat(
                     delta["tool_calls"] = [_tool_call_piece(piece) for piece in taken]
             if delta or output.logprobs:
                 logprobs = (
-                    chat_logprobs(output.logprobs, top_n, request.return_tokens_as_token_ids)
-                    if output.logprobs
-                    else None
+                    chat_logprobs(output.logprobs, top_n, as_ids) if output.logprobs else None
                 )
                 yield sse(_chunk(ctx, [_choice(index, delta, logprobs)], usage_now()))
             if output.finish_reason is not None:
@@ -204,9 +210,9 @@ def stream_chat(
                 reason = calls.finish_reason(output.finish_reason)
                 finish_choice = _choice(index, {}, None, reason, output.stop_reason)
                 finish = _chunk(ctx, [finish_choice], usage_now())
-                yield finish_event(finish, ctx, tracker, request.include_usage)
+                yield finish_event(finish, ctx, tracker, include_usage)
 
-    return sse_stream(choices, events, usage if request.include_usage else None, ctx.request_id)
+    return sse_stream(choices, events, usage if include_usage else None, ctx.request_id)
 
 
 async def _collect_choice(
@@ -222,13 +228,13 @@ async def _collect_choice(
         calls.take(output.tool_calls)
         entries.extend(output.logprobs or ())
     texts.append(calls.release()[1])
+    as_ids = ctx.tokens_as_ids(request.return_tokens_as_token_ids)
     logprobs = (
-        chat_logprobs(entries, request.top_logprobs or 0, request.return_tokens_as_token_ids)
-        if request.logprobs
-        else None
+        chat_logprobs(entries, request.top_logprobs or 0, as_ids) if request.logprobs else None
     )
-    content: str | None = request.echo_text + "".join(texts)
-    message: dict[str, Any] = {"role": request.response_role, "content": content}
+    role = _response_role(ctx, request)
+    content: str | None = request.echo_text(role) + "".join(texts)
+    message: dict[str, Any] = {"role": role, "content": content}
     if calls.calls:
         # OpenAI's shape: content null when the reply is only calls
         message["content"] = content if content and content.strip() else None

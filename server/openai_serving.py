@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 import msgspec
-from quart import Response, current_app, g, request
+import structlog
+from quart import Response, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from server.config import ServerConfig
@@ -23,9 +24,11 @@ from server.errors import APIError
 from server.limits import body_too_large, check_json_depth
 from server.metrics import ServerMetrics
 from server.render import token_in_request
-from server.schemas import ChatCompletionRequest
+from server.schemas import ChatCompletionRequest, check_max_logprobs
 from server.serving import Choice, ResponseContext, Tracker, close_choices, start
-from stages.api import EngineClient, EngineError, GenerateRequest, SamplingParams
+from stages.api import ChatPrompt, EngineClient, EngineError, GenerateRequest, SamplingParams
+
+log = structlog.get_logger("server")
 
 RequestT = TypeVar("RequestT", bound=msgspec.Struct)
 T = TypeVar("T")
@@ -110,6 +113,7 @@ class OpenAIServing:
         "fingerprint",
         "metrics",
         "served_model_name",
+        "served_model_names",
     )
 
     def __init__(self, engine: EngineClient, config: ServerConfig, drain: Drain) -> None:
@@ -117,6 +121,7 @@ class OpenAIServing:
         self.config = config
         self.drain = drain
         self.served_model_name = config.served_model_name or engine.model_info.served_model_name
+        self.served_model_names = (self.served_model_name, *config.served_model_aliases)
         self.metrics = ServerMetrics(engine.stats, self.served_model_name)
         self.fingerprint = f"pipeline-serve-{server_version()}"
         self.api_key = config.api_key.encode() if config.api_key is not None else None
@@ -131,7 +136,9 @@ class OpenAIServing:
         return await anyio.to_thread.run_sync(work, limiter=self._workers)
 
     def check_model(self, name: str | None) -> str:
-        if name is None or name == self.served_model_name:
+        """The name responses report (the first served name, as in vLLM) for a request's
+        `model`, which may be any of the served names."""
+        if name is None or name in self.served_model_names:
             return self.served_model_name
         raise APIError(
             f"The model `{name}` does not exist.",
@@ -141,11 +148,30 @@ class OpenAIServing:
         )
 
     def request_id_for(self, body_request_id: str | None, prefix: str) -> str:
-        request_id = (
-            request.headers.get("X-Request-Id") or body_request_id or f"{prefix}-{uuid.uuid4().hex}"
-        )
-        g.request_id = request_id
-        return request_id
+        """vLLM's response id: the prefix, then the X-Request-Id header, the body's request_id
+        or a new one (`chatcmpl-<id>`, `cmpl-<id>`)."""
+        base = request.headers.get("X-Request-Id") or body_request_id or uuid.uuid4().hex
+        return f"{prefix}-{base}"
+
+    def with_template_defaults(self, prompt: T) -> T:
+        """A chat prompt with --default-chat-template-kwargs under its own chat_template_kwargs
+        (the request's win, as in vLLM); other prompts as they are."""
+        defaults = self.config.default_chat_template_kwargs
+        if not defaults or not isinstance(prompt, ChatPrompt):
+            return prompt
+        kwargs = {**defaults, **(prompt.chat_template_kwargs or {})}
+        return msgspec.structs.replace(prompt, chat_template_kwargs=kwargs)
+
+    def sampling_of(self, body: Any) -> SamplingParams:
+        """The body's sampling parameters, with the generation config's defaults for those the
+        body leaves unset (vLLM's default_sampling_params)."""
+        sampling: SamplingParams = body.sampling_params()
+        defaults = {
+            name: value
+            for name, value in self.config.default_sampling_params.items()
+            if getattr(body, name) is None
+        }
+        return msgspec.structs.replace(sampling, **defaults) if defaults else sampling
 
     def chat_parsers(self, body: ChatCompletionRequest) -> tuple[str | None, str | None]:
         """The server's reasoning parser, and its tool-call parser where the tools need it."""
@@ -168,6 +194,13 @@ class OpenAIServing:
         body, model, generate_request = await self.parse_generation(
             schema, id_prefix, prompt_of, parsers_of
         )
+        if self.config.enable_log_requests:
+            log.info(
+                "request received",
+                request_id=generate_request.request_id,
+                prompt=msgspec.to_builtins(generate_request.prompt),
+                params=msgspec.to_builtins(generate_request.sampling),
+            )
         return await self.generate(
             generate_request,
             model,
@@ -194,7 +227,9 @@ class OpenAIServing:
             body = decode(raw, schema)
             model = self.check_model(body.model)
             body.validate(vocab_size)
-            return body, model, prompt_of(body), body.sampling_params(), parsers_of(body)
+            check_max_logprobs(body, self.config.max_logprobs, vocab_size)
+            prompt = self.with_template_defaults(prompt_of(body))
+            return body, model, prompt, self.sampling_of(body), parsers_of(body)
 
         # A large body (thousands of messages, say) takes a while to parse and check.
         parsed = parse() if len(raw) <= INLINE_BODY_BYTES else await self.in_worker(parse)
@@ -251,6 +286,9 @@ class OpenAIServing:
             include_request_metrics=config.enable_per_request_metrics and n == 1,
             reasoning=generate_request.reasoning_parser is not None,
             prompt_tokens_details=config.enable_prompt_tokens_details,
+            force_include_usage=config.enable_force_include_usage,
+            return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+            response_role=config.response_role,
         )
         choices = await self.start_choices(generate_request, n)
         if stream:
@@ -276,7 +314,10 @@ class OpenAIServing:
                 generate_request.sampling, seed=None if seed is None else seed + i
             )
             requests.append(msgspec.structs.replace(generate_request, sampling=sampling))
-        trackers = [Tracker(self.metrics, r.request_id, r.arrival_ns) for r in requests]
+        log_outputs = self.config.enable_log_outputs
+        trackers = [
+            Tracker(self.metrics, r.request_id, r.arrival_ns, log_outputs) for r in requests
+        ]
         started = await asyncio.gather(
             *(start(self.engine, r, self.drain) for r in requests), return_exceptions=True
         )

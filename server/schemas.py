@@ -27,7 +27,7 @@ Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 TopK = Annotated[int, Meta(ge=-1)]
-LogprobCount = Annotated[int, Meta(ge=0, le=20)]
+LogprobCount = Annotated[int, Meta(ge=0)]  # at most --max-logprobs: check_max_logprobs
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 TokenId = Annotated[int, Meta(ge=0)]
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # the stages carry it as int32
@@ -72,7 +72,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     prompt_logprobs: LogprobCount | None = None  # vLLM: top-k logprobs of every prompt token
     allowed_token_ids: list[TokenId] | None = None  # vLLM: sample only among these
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last k; -1: fit
-    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
+    # vLLM: logprobs name tokens "token_id:N"; None: --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
     bad_words: list[str] | None = None  # vLLM: words the output must not contain
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (one of them per request)
@@ -167,19 +168,6 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             bad_words=tuple(w for w in self.bad_words or () if w.strip()),
         )
 
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    @property
-    def continuous_usage(self) -> bool:
-        # vLLM's rule: per-chunk usage only when the final usage chunk was asked for too.
-        return (
-            self.include_usage
-            and self.stream_options is not None
-            and (self.stream_options.continuous_usage_stats)
-        )
-
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
@@ -195,22 +183,17 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     include_reasoning: bool = True  # vLLM: False drops reasoning_content from the response
     echo: bool = False  # vLLM: the reply starts with the last message's content (same role)
 
-    @property
-    def response_role(self) -> str:
-        """The reply's role: the assistant's, or without a generation prompt the last message's
-        (vLLM's get_chat_request_role)."""
-        if self.add_generation_prompt:
-            return "assistant"
-        return str(self.messages[-1].get("role"))
-
-    @property
-    def echo_text(self) -> str:
-        """What `echo` puts ahead of the reply: the last message's content when its role is the
-        reply's (the assistant's start with continue_final_message), else nothing, as vLLM."""
-        last = _normalize_message(self.messages[-1])
-        if not self.echo or last.get("role") != self.response_role:
+    def echo_text(self, role: str) -> str:
+        """What `echo` puts ahead of the reply: the last message's content (text parts joined by
+        newlines) when its role is the reply's `role` (server.chat's: the assistant's start with
+        continue_final_message), else nothing, as vLLM."""
+        last = self.messages[-1]
+        if not self.echo or last.get("role") != role:
             return ""
-        return str(last.get("content") or "")
+        content = last.get("content") or ""
+        if isinstance(content, list):
+            return "\n".join(str(part.get("text", "")) for part in content)
+        return str(content)
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -345,7 +328,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
     def prompt(self) -> ChatPrompt:
         return ChatPrompt(
-            messages=[_normalize_message(m) for m in self.messages],
+            messages=self.messages,  # content parts reach the engine, which formats them
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             chat_template_kwargs=self.chat_template_kwargs,
@@ -433,7 +416,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     def prompt_value(self) -> ChatPrompt | TextPrompt:
         if self.messages is not None:
             return ChatPrompt(
-                messages=[_normalize_message(m) for m in self.messages],
+                messages=self.messages,
                 add_generation_prompt=self.add_generation_prompt,
                 continue_final_message=self.continue_final_message,
                 chat_template_kwargs=self.chat_template_kwargs,
@@ -449,6 +432,25 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
     def validate(self, vocab_size: int) -> None:
         _check_token_ids(self.tokens, vocab_size, "tokens")
+
+
+def check_max_logprobs(
+    body: ChatCompletionRequest | CompletionRequest, max_logprobs: int, vocab_size: int
+) -> None:
+    """vLLM's check of --max-logprobs (-1: the whole vocabulary) against what a request asks
+    for, sampled (top_logprobs, or logprobs on completions) and prompt logprobs alike."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    if isinstance(body, ChatCompletionRequest):
+        sampled = ("top_logprobs", body.top_logprobs)
+    else:
+        sampled = ("logprobs", body.logprobs)
+    for param, count in (sampled, ("prompt_logprobs", body.prompt_logprobs)):
+        if count is not None and count > limit:
+            kind = "prompt" if param == "prompt_logprobs" else "sample"
+            raise APIError(
+                f"Requested {kind} logprobs of {count}, which is greater than max allowed: {limit}",
+                param=param,
+            )
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -502,14 +504,6 @@ def _check_tool_call_arguments(calls: Any, param: str) -> None:
         arguments = function.get("arguments") if isinstance(function, dict) else None
         if isinstance(arguments, str):
             check_json_depth(arguments, f"{param}.tool_calls[{index}].function.arguments")
-
-
-def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Text content parts become one string (as vLLM does), which every chat template reads."""
-    content = message.get("content")
-    if isinstance(content, list):
-        return {**message, "content": "\n".join(part["text"] for part in content)}
-    return message
 
 
 def _parameters_schema(function: dict[str, Any]) -> dict[str, Any]:

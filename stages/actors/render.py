@@ -177,7 +177,9 @@ class RenderActor(AsyncActor):
         # Truncation keeps the end of a prompt of any length; otherwise what cannot fit is
         # refused before it is tokenized.
         bound = self.length_bound if s.truncate_prompt_tokens is None else None
-        ids = prompt_token_ids(self.bundle, request.prompt, bound)
+        ids = prompt_token_ids(
+            self.bundle, request.prompt, bound, self.ctx.config.chat_template_content_format
+        )
         if s.truncate_prompt_tokens is not None:
             # vLLM's truncation: the prompt's last k tokens (-1: as many as the model takes)
             keep = s.truncate_prompt_tokens
@@ -185,6 +187,10 @@ class RenderActor(AsyncActor):
                 keep = max(1, self.max_model_len - (s.max_tokens or 1))
             ids = ids[-keep:]
         max_tokens = check_lengths(len(ids), s.max_tokens, self.max_model_len)
+        default_max_tokens = self.ctx.config.default_max_tokens
+        if s.max_tokens is None and default_max_tokens is not None:
+            # the generation config's max_new_tokens, within the room left (as vLLM caps it)
+            max_tokens = min(max_tokens, default_max_tokens)
         for token in (*(s.logit_bias or {}), *(s.allowed_token_ids or ()), *s.stop_token_ids):
             if not 0 <= token < self.bundle.vocab_size:
                 raise EngineError(f"token id {token} is out of vocabulary", param="logit_bias")

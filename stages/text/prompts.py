@@ -92,9 +92,13 @@ def prompt_size(prompt: Prompt) -> int:
 
 
 def prompt_token_ids(
-    bundle: TokenizerBundle, prompt: Prompt, bound: LengthBound | None = None
+    bundle: TokenizerBundle,
+    prompt: Prompt,
+    bound: LengthBound | None = None,
+    content_format: str = "auto",
 ) -> list[int]:
-    """The prompt's token ids (the chat template applied); EngineError for a bad prompt, and for
+    """The prompt's token ids (the chat template applied, message content passed to it as
+    `content_format` says: stages.text.chat.render_chat); EngineError for a bad prompt, and for
     text past `bound` (which is then not tokenized)."""
     if isinstance(prompt, ChatPrompt):
         text = render_chat(
@@ -106,6 +110,7 @@ def prompt_token_ids(
             template_kwargs=prompt.chat_template_kwargs,
             bos_token=bundle.bos_token,
             eos_token=bundle.eos_token,
+            content_format=content_format,
         )
         if bound is not None:
             bound.check(text, "messages")
