@@ -435,6 +435,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
     except (OSError, ValueError) as error:
         parser.error(f"--generation-config {args.generation_config}: {error}")
     default_max_tokens = sampling_defaults.pop("max_tokens", None)
+    # vLLM's override_max_tokens: a generation config given as a directory, or an override,
+    # that sets max_new_tokens caps requests that set max_tokens too.
+    override_max_new_tokens = (args.override_generation_config or {}).get("max_new_tokens")
+    capped = args.generation_config not in ("auto", "vllm") or override_max_new_tokens is not None
+    max_tokens_cap = default_max_tokens if capped else None
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -490,6 +495,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "tokenizer": args.tokenizer,
         "chat_template": args.chat_template,
         "default_max_tokens": default_max_tokens,
+        "max_tokens_cap": max_tokens_cap,
     }
     engine_config = EngineConfig(
         model_path=args.model,

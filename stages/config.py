@@ -41,9 +41,14 @@ class EngineConfig:
     # (text parts joined), "openai" (a list of {"type": "text", "text": ...}) or "auto" (what
     # the template reads, stages.text.chat_template.detect_content_format).
     chat_template_content_format: str = "auto"
-    # max_tokens of a request that sets none (the generation config's max_new_tokens); it is
-    # capped by the room the prompt leaves, as vLLM caps it. None: all that room.
+    # max_tokens of a request that sets none (the generation config's max_new_tokens; a text
+    # completion's default is 16 instead, as its field's is in vLLM); it is capped by the room
+    # the prompt leaves, as vLLM caps it. None: all that room.
     default_max_tokens: int | None = None
+    # vLLM's override_max_tokens, the cap on every request's max_tokens, its own included: the
+    # max_new_tokens of --generation-config DIR, or with auto or vllm that of
+    # --override-generation-config. None: no cap.
+    max_tokens_cap: int | None = None
     max_model_len: int = 0  # 0: the model's context length
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512

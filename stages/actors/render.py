@@ -187,10 +187,12 @@ class RenderActor(AsyncActor):
                 keep = max(1, self.max_model_len - (s.max_tokens or 1))
             ids = ids[-keep:]
         max_tokens = check_lengths(len(ids), s.max_tokens, self.max_model_len)
-        default_max_tokens = self.ctx.config.default_max_tokens
-        if s.max_tokens is None and default_max_tokens is not None:
+        config = self.ctx.config
+        if s.max_tokens is None and config.default_max_tokens is not None:
             # the generation config's max_new_tokens, within the room left (as vLLM caps it)
-            max_tokens = min(max_tokens, default_max_tokens)
+            max_tokens = min(max_tokens, config.default_max_tokens)
+        if config.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, config.max_tokens_cap)
         for token in (*(s.logit_bias or {}), *(s.allowed_token_ids or ()), *s.stop_token_ids):
             if not 0 <= token < self.bundle.vocab_size:
                 raise EngineError(f"token id {token} is out of vocabulary", param="logit_bias")

@@ -132,7 +132,8 @@ def test_chat_template_file_with_content_parts(server):
 
 def test_generation_config_defaults(client):
     """temperature 0 from the generation config (greedy, so two runs agree) and max_tokens from
-    --override-generation-config's max_new_tokens, for requests that set neither."""
+    --override-generation-config's max_new_tokens, for requests that set neither, and as the
+    cap of those that do."""
     replies = [
         client.chat.completions.create(
             model="tiny",
@@ -144,13 +145,23 @@ def test_generation_config_defaults(client):
     assert [r.usage.completion_tokens for r in replies] == [GENERATION_MAX_TOKENS] * 2
     assert replies[0].choices[0].finish_reason == "length"
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    shorter = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello world!"}],
+        max_tokens=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert shorter.usage.completion_tokens == 3  # a request's own max_tokens comes first
+    # ... within vLLM's override_max_tokens: the max_new_tokens of a generation config given
+    # as a directory caps a request's own max_tokens, and completions' default of 16
     longer = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Hello world!"}],
         max_tokens=9,
         extra_body={"ignore_eos": True},
     )
-    assert longer.usage.completion_tokens == 9  # a request's own max_tokens wins
+    text = client.completions.create(model="tiny", prompt="Hello", extra_body={"ignore_eos": True})
+    assert longer.usage.completion_tokens == text.usage.completion_tokens == GENERATION_MAX_TOKENS
 
 
 def test_half_precision_serves(server, client):

@@ -236,5 +236,13 @@ def test_vllm_serving_flags(tmp_path: Path) -> None:
     assert not config.enable_log_requests and config.allowed_origins is None
     assert config.default_sampling_params == {"temperature": 0.6}
     assert engine_config.default_max_tokens == 9 and config.max_logprobs == 20
+    # vLLM's override_max_tokens: the checkpoint's own max_new_tokens caps no request's
+    # max_tokens; that of a directory's config or of an override does
+    assert engine_config.max_tokens_cap is None
+    engine_config = parse_args(["m", "--generation-config", str(tmp_path)])[1]
+    assert engine_config.default_max_tokens == engine_config.max_tokens_cap == 9
+    override = ["--override-generation-config", '{"max_new_tokens": 4}']
+    engine_config = parse_args([str(tmp_path), *override])[1]
+    assert engine_config.default_max_tokens == engine_config.max_tokens_cap == 4
     config, engine_config = parse_args([str(tmp_path), "--generation-config", "vllm"])
     assert config.default_sampling_params == {} and engine_config.default_max_tokens is None
