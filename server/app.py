@@ -105,7 +105,7 @@ async def chat_completions() -> Response:
     return await serving.generation_route(
         ChatCompletionRequest,
         "chatcmpl",
-        lambda body: body.prompt(),
+        serving.chat_prompt,
         stream_chat,
         collect_chat,
         serving.chat_parsers,
@@ -162,7 +162,7 @@ async def tokenize() -> Response:
     raw = await read_body()
 
     def work() -> list[int]:
-        body = decode(raw, TokenizeRequest)
+        body = decode(raw, TokenizeRequest, serving.unknown_fields)
         serving.check_model(body.model)
         body.validate()
         return engine.tokenize(body.prompt_value())
@@ -183,7 +183,7 @@ async def detokenize() -> Response:
     raw = await read_body()
 
     def work() -> str:
-        body = decode(raw, DetokenizeRequest)
+        body = decode(raw, DetokenizeRequest, serving.unknown_fields)
         serving.check_model(body.model)
         body.validate(engine.model_info.vocab_size)
         return engine.detokenize(body.tokens)

@@ -29,7 +29,7 @@ from server.serving import (
     usage_body,
     usage_event,
 )
-from stages.api import TokenLogprob, ToolCall
+from stages.api import RequestOutput, TokenLogprob, ToolCall
 from stages.text.parsers import forced_tool_calls, new_tool_call_id
 
 
@@ -140,11 +140,14 @@ def stream_chat(
         def usage_now() -> dict[str, int] | None:
             return tracker.usage if request.continuous_usage else None
 
+        ids = _TokenIds(request.return_token_ids)
         async for output in choice.chain():
             if output is choice.first:
                 role = _choice(index, {"role": "assistant", "content": ""})
                 no_output_yet = usage_body(tracker.num_prompt_tokens, 0)
-                yield sse(_chunk(ctx, [role], no_output_yet if request.continuous_usage else None))
+                first = _chunk(ctx, [role], no_output_yet if request.continuous_usage else None)
+                yield sse(_with_prompt(first, ctx, request, output))
+            ids.add(output.token_ids)
             delta: dict[str, Any] = {}
             if output.reasoning and request.include_reasoning:
                 delta["reasoning_content"] = delta["reasoning"] = output.reasoning
@@ -173,16 +176,18 @@ def stream_chat(
                     if output.logprobs
                     else None
                 )
-                yield sse(_chunk(ctx, [_choice(index, delta, logprobs)], usage_now()))
+                piece = ids.take(_choice(index, delta, logprobs))
+                yield sse(_chunk(ctx, [piece], usage_now()))
             if output.finish_reason is not None:
                 forced, held = calls.release() if named is None else ([], "")
                 if forced:
                     delta = {"tool_calls": [_tool_call(call, i) for i, call in enumerate(forced)]}
-                    yield sse(_chunk(ctx, [_choice(index, delta)], usage_now()))
+                    yield sse(_chunk(ctx, [ids.take(_choice(index, delta))], usage_now()))
                 elif held:
-                    yield sse(_chunk(ctx, [_choice(index, {"content": held})], usage_now()))
+                    piece = ids.take(_choice(index, {"content": held}))
+                    yield sse(_chunk(ctx, [piece], usage_now()))
                 reason = calls.finish_reason(output.finish_reason)
-                finish_choice = _choice(index, {}, None, reason, output.stop_reason)
+                finish_choice = ids.take(_choice(index, {}, None, reason, output.stop_reason))
                 finish = _chunk(ctx, [finish_choice], usage_now())
                 yield finish_event(finish, ctx, tracker, request.include_usage)
 
@@ -196,7 +201,9 @@ async def _collect_choice(
     reasoning: list[str] = []
     calls = _Calls(request)
     entries: list[TokenLogprob] = []
+    token_ids: list[int] = []
     async for output in choice.chain():
+        token_ids.extend(output.token_ids)
         texts.append(calls.hold(output.text))
         reasoning.append(output.reasoning)
         calls.take(output.tool_calls)
@@ -216,13 +223,16 @@ async def _collect_choice(
     if ctx.reasoning and request.include_reasoning:
         message["reasoning_content"] = message["reasoning"] = "".join(reasoning) or None
     tracker = choice.tracker
-    return {
+    body = {
         "index": choice.index,
         "message": message,
         "logprobs": logprobs,
         "finish_reason": calls.finish_reason(tracker.finish_reason),
         "stop_reason": tracker.stop_reason,
     }
+    if request.return_token_ids:
+        body["token_ids"] = token_ids
+    return body
 
 
 async def collect_chat(
@@ -244,4 +254,35 @@ async def collect_chat(
         )
     if ctx.include_request_metrics:
         response["metrics"] = choices[0].tracker.metrics_body()
-    return response
+    return _with_prompt(response, ctx, request, choices[0].first)
+
+
+def _with_prompt(
+    body: dict[str, Any], ctx: ResponseContext, request: ChatCompletionRequest, first: RequestOutput
+) -> dict[str, Any]:
+    """vLLM's extras about the prompt, on the response (or a stream's first chunk):
+    `prompt_token_ids` with return_token_ids, `prompt_text` with return_prompt_text."""
+    if request.return_token_ids:
+        body["prompt_token_ids"] = list(first.prompt_token_ids or ())
+    if request.return_prompt_text:
+        body["prompt_text"] = ctx.prompt_text
+    return body
+
+
+class _TokenIds:
+    """With return_token_ids, each streamed choice carries the ids of the tokens since the last
+    one (vLLM's `token_ids`): a token whose text is held back goes out with the next chunk, so the
+    chunks' ids add up to the whole output."""
+
+    def __init__(self, wanted: bool | None) -> None:
+        self.wanted = bool(wanted)
+        self._pending: list[int] = []
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        if self.wanted:
+            self._pending.extend(token_ids)
+
+    def take(self, choice: dict[str, Any]) -> dict[str, Any]:
+        if self.wanted:
+            choice["token_ids"], self._pending = self._pending, []
+        return choice

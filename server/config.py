@@ -25,3 +25,5 @@ class ServerConfig:
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content split out
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" works
+    # --trust-request-chat-template: a request's own chat_template is rendered (in the sandbox)
+    trust_request_chat_template: bool = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -31,8 +31,12 @@ LogprobCount = Annotated[int, Meta(ge=0, le=20)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 TokenId = Annotated[int, Meta(ge=0)]
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # the stages carry it as int32
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # vLLM's range: the sampler's int64
+# vLLM's cache_salt: 1 to 128 characters, none of which a cache backend's key could trip on
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]*$")]
 
 MAX_CHOICES = 16  # n: each choice is an engine request of its own
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -55,7 +59,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Bias] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     # vLLM's extras
     top_k: TopK | None = None
@@ -73,6 +77,17 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last k; -1: fit
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
     bad_words: list[str] | None = None  # vLLM: words the output must not contain
+    spaces_between_special_tokens: bool = True  # vLLM: kept special tokens stand apart
+    truncation_side: Literal["left", "right"] | None = None  # which end truncation cuts
+    return_token_ids: bool | None = None  # vLLM: prompt_token_ids and each choice's token_ids
+    cache_salt: CacheSalt | None = None  # vLLM: only requests with the same salt share the cache
+    # vLLM fields this server refuses (`_refuse_unsupported` says why)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # vLLM scores beams with it; no beams, no effect (as there)
+    thinking_token_budget: int | None = None
+    logprob_token_ids: list[TokenId] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (one of them per request)
     response_format: dict[str, Any] | None = None
@@ -102,7 +117,31 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             )
         return found[0] if found else None
 
+    def _refuse_unsupported(self) -> None:
+        """vLLM's fields that this server cannot honour: each a 400 that says so, never a 200
+        that ignores it."""
+        if self.use_beam_search:
+            raise APIError("beam search is not supported", param="use_beam_search")
+        if self.thinking_token_budget not in (None, -1):  # -1: unlimited, as in vLLM
+            raise APIError(
+                "thinking_token_budget is not supported (nothing here ends a reasoning section "
+                "early)",
+                param="thinking_token_budget",
+            )
+        if self.vllm_xargs:
+            raise APIError(
+                "vllm_xargs is not supported: this server has no custom logits processors to "
+                "read them",
+                param="vllm_xargs",
+            )
+        if self.kv_transfer_params:
+            raise APIError(
+                "kv_transfer_params is not supported: this server has no KV connector",
+                param="kv_transfer_params",
+            )
+
     def _validate_common(self, max_tokens: int | None, vocab_size: int) -> None:
+        self._refuse_unsupported()
         if self.n > MAX_CHOICES:
             raise APIError(f"n must be at most {MAX_CHOICES}", param="n")
         if self.prompt_logprobs is not None and self.stream:
@@ -163,7 +202,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             if self.allowed_token_ids is not None
             else None,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side or "left",
             bad_words=tuple(w for w in self.bad_words or () if w.strip()),
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 
     @property
@@ -192,6 +233,47 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM: False drops reasoning_content from the response
+    chat_template: str | None = None  # vLLM: the request's own (--trust-request-chat-template)
+    reasoning_effort: ReasoningEffort | None = None  # vLLM: a chat template variable
+    return_prompt_text: bool | None = None  # vLLM: the response carries the prompt's text
+
+    @property
+    def request_chat_template(self) -> str | None:
+        """The template the request brings, as `chat_template` or (as vLLM also reads it) in
+        `chat_template_kwargs`."""
+        if self.chat_template is not None:
+            return self.chat_template
+        kwargs = self.chat_template_kwargs or {}
+        given = kwargs.get("chat_template")
+        return given if isinstance(given, str) else None
+
+    def check_chat_template(self, trusted: bool) -> None:
+        """As vLLM: a request's own template runs only on a server that trusts its clients."""
+        brought = self.chat_template is not None or (
+            (self.chat_template_kwargs or {}).get("chat_template") is not None
+        )
+        if brought and not trusted:
+            raise APIError(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template.",
+                param="chat_template",
+            )
+        if brought and self.request_chat_template is None:
+            raise APIError(
+                "chat_template_kwargs.chat_template must be a string",
+                param="chat_template_kwargs",
+            )
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: the request's, and vLLM's `reasoning_effort` (which
+        also sets `enable_thinking`, unless the request set it)."""
+        kwargs = {
+            k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"
+        }
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs or None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -221,6 +303,12 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         self.structured()  # after the tools: a forced tool_choice reads them
 
     def _validate_tools(self) -> None:
+        if self.tools == []:
+            raise APIError(
+                "`tools` must not be an empty array. Either provide at least one tool or omit "
+                "the field entirely.",
+                param="tools",
+            )
         for index, tool in enumerate(self.tools or ()):
             function = tool.get("function")
             if (
@@ -329,8 +417,9 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             messages=[_normalize_message(m) for m in self.messages],
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
-            chat_template_kwargs=self.chat_template_kwargs,
+            chat_template_kwargs=self.template_kwargs(),
             tools=self.tools,
+            chat_template=self.request_chat_template,
         )
 
     def sampling_params(self) -> SamplingParams:
@@ -348,8 +437,11 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     logprobs: LogprobCount | None = None
     echo: bool = False
     add_special_tokens: bool = True
+    suffix: str | None = None  # refused, as vLLM does
 
     def validate(self, vocab_size: int) -> None:
+        if self.suffix is not None:
+            raise APIError("suffix is not currently supported", param="suffix")
         self._validate_common(self.max_tokens, vocab_size)
         self.structured()
         if isinstance(self.prompt, str):

@@ -34,6 +34,7 @@ class ResponseContext:
     include_request_metrics: bool
     reasoning: bool = False  # a reasoning parser runs on this request's output
     prompt_tokens_details: bool = False  # final usage says how many prompt tokens were cached
+    prompt_text: str | None = None  # the prompt's tokens as text, when the request asked for it
 
 
 def sse(payload: dict[str, Any]) -> bytes:

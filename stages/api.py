@@ -46,12 +46,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # with special tokens kept: a space each side
     logprobs: int | None = None  # None = no logprobs; k >= 0 = sampled token's plus top k
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     structured: StructuredOutput | None = None  # guided decoding: the output follows a grammar
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    truncate_prompt_tokens: int | None = None  # keep k of the prompt's tokens; -1: max_model_len
+    truncation_side: str = "left"  # left: keep the prompt's last k tokens; right: its first k
     bad_words: tuple[str, ...] = ()  # vLLM: words the output must not contain
 
 
@@ -61,6 +63,7 @@ class ChatPrompt(msgspec.Struct, frozen=True, tag="chat"):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None  # the request's own (--trust-request-chat-template)
 
 
 class TextPrompt(msgspec.Struct, frozen=True, tag="text"):
@@ -86,6 +89,8 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     # Output parsers (stages.text.parsers) the detokenize stage runs for this request, by name.
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    # vLLM's cache_salt: prefix-cache blocks are shared only among requests with the same salt.
+    cache_salt: str | None = None
 
 
 class ToolCall(msgspec.Struct, frozen=True, array_like=True):
