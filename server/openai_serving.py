@@ -205,6 +205,7 @@ class OpenAIServing:
             reasoning_parser=reasoning_parser,
             tool_call_parser=tool_call_parser,
             cache_salt=body.cache_salt,
+            return_prompt_token_ids=body.wants_prompt_token_ids,
         )
         return await self.generate(
             generate_request,

@@ -208,6 +208,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         )
 
     @property
+    def wants_prompt_token_ids(self) -> bool:
+        """Whether the response shows the prompt's tokens (the engine then sends them)."""
+        return bool(self.return_token_ids)
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -246,6 +251,10 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         kwargs = self.chat_template_kwargs or {}
         given = kwargs.get("chat_template")
         return given if isinstance(given, str) else None
+
+    @property
+    def wants_prompt_token_ids(self) -> bool:
+        return bool(self.return_token_ids or self.return_prompt_text)
 
     def check_chat_template(self, trusted: bool) -> None:
         """As vLLM: a request's own template runs only on a server that trusts its clients."""

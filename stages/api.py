@@ -91,6 +91,7 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     tool_call_parser: str | None = None
     # vLLM's cache_salt: prefix-cache blocks are shared only among requests with the same salt.
     cache_salt: str | None = None
+    return_prompt_token_ids: bool = False  # the first output carries the prompt's token ids
 
 
 class ToolCall(msgspec.Struct, frozen=True, array_like=True):

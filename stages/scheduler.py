@@ -79,6 +79,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the cache when last admitted
     num_registered: int = 0  # prompt blocks registered in the cache
     block_hashes: list[bytes] | None = None  # the prompt's, computed at first admission
+    cache_salt: str | None = None  # only requests with the same salt share cached blocks
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.prompt_ids)
@@ -297,7 +298,9 @@ class Scheduler:
 
     def _prompt_hashes(self, seq: Sequence) -> list[bytes]:
         if seq.block_hashes is None:
-            seq.block_hashes = prompt_block_hashes(seq.prompt_ids, self.blocks.block_size)
+            seq.block_hashes = prompt_block_hashes(
+                seq.prompt_ids, self.blocks.block_size, seq.cache_salt
+            )
         return seq.block_hashes
 
     def _count_prefix_lookup(self, seq: Sequence, cached: int) -> None:

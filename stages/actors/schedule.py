@@ -257,6 +257,7 @@ def _sequence(prompt: RenderedPrompt) -> Sequence:
         rendered=prompt.rendered,
         detok=prompt.detok,
         cacheable=request.cacheable,
+        cache_salt=request.cache_salt,
         render_start_ns=prompt.render_start_ns,
         rendered_ns=prompt.rendered_ns,
         output_ids=[] if resume is None else list(resume.output_ids),

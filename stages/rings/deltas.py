@@ -23,6 +23,7 @@ class DeltaExtra(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     # on a request's first delta, when asked for: the prompt's tokens from position 0, each with
     # its logprob (position 0 has none: rank 0) and top-k
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # on the first delta, when asked for
 
 
 PLAIN = DeltaExtra()  # a row with only a token and its text

@@ -24,6 +24,7 @@ class RenderedRequest(msgspec.Struct, frozen=True, array_like=True):
     bad_words: tuple[tuple[int, ...], ...] = ()  # each bad word's tokens, alone and after a space
     grammar: str = ""  # compiled llguidance grammar (stages.text.structured); "": unconstrained
     resume: Resume | None = None  # resubmitted after a stage failure: the outputs already sent
+    cache_salt: str | None = None  # mixed into the first prompt block's hash (prefix caching)
 
     @property
     def cacheable(self) -> bool:

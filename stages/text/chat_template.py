@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from functools import cache
+from functools import lru_cache
 from typing import Any
 
 import jinja2
@@ -41,7 +41,9 @@ def _strftime_now(format_string: str) -> str:
     return datetime.now().strftime(format_string)
 
 
-@cache
+# The model's template and a few of the requests' own (--trust-request-chat-template); bounded,
+# since clients choose the latter.
+@lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
@@ -52,7 +54,7 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateError as error:
-        raise ChatTemplateError(f"the model's chat template does not compile: {error}") from error
+        raise ChatTemplateError(f"the chat template does not compile: {error}") from error
 
 
 def render_chat(

@@ -47,6 +47,7 @@ def server(tmp_path_factory):
         "1",
         "--enable-per-request-metrics",
         "--enable-prompt-tokens-details",
+        "--trust-request-chat-template",
     ]
     with running_server(args, port, log_path) as process:
         yield port, process
@@ -489,6 +490,113 @@ def test_prefix_cache_counters_and_per_request_figure(server, client):
     *_, last = list(stream)
     assert last.usage.prompt_tokens_details.cached_tokens >= cached
     assert metric(port, "vllm:prefix_cache_queries_total") > 0
+
+
+def test_cache_salt_keeps_tenants_apart_in_the_prefix_cache(client):
+    """vLLM's cache_salt: the same prompt under another salt (or none) finds nothing cached; under
+    the same salt it does."""
+    system = "Salted system prompt, long enough to fill several KV blocks of sixteen. " * 3
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=1, extra_body=extra
+        )
+        return reply.model_extra["metrics"]["num_cached_prompt_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached("tenant-a") >= 32
+    assert cached(None) >= 32
+    with pytest.raises(openai.BadRequestError):
+        cached("")
+
+
+def test_truncation_side_token_ids_and_prompt_text(client):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    full = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, extra_body={"return_token_ids": True}
+    )
+    ids = full.choices[0].model_extra["prompt_token_ids"]
+    assert len(ids) == full.usage.prompt_tokens > 10 and len(set(ids[:5] + ids[-5:])) > 5
+    assert len(full.choices[0].model_extra["token_ids"]) == 1
+    for side, kept in (("left", ids[-5:]), ("right", ids[:5])):
+        reply = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=1,
+            extra_body={
+                "truncate_prompt_tokens": 5,
+                "truncation_side": side,
+                "return_token_ids": True,
+            },
+        )
+        assert reply.choices[0].model_extra["prompt_token_ids"] == kept, side
+    reply = chat(
+        client,
+        content="Paris",
+        max_tokens=1,
+        extra_body={"return_prompt_text": True, "return_token_ids": True},
+    )
+    assert (
+        reply.model_extra["prompt_text"]
+        == "<|im_start|>user\nParis<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert len(reply.model_extra["prompt_token_ids"]) == reply.usage.prompt_tokens
+
+
+def test_a_request_chat_template_renders_in_the_sandbox(client):
+    own = "{% for m in messages %}{{ m.role }}: {{ m.content }}|{{ effort }}{% endfor %}"
+    reply = chat(
+        client,
+        content="Paris",
+        max_tokens=1,
+        reasoning_effort="low",
+        extra_body={
+            "chat_template": "{{ reasoning_effort }}/" + own,
+            "chat_template_kwargs": {"effort": "e"},
+            "return_prompt_text": True,
+        },
+    )
+    assert reply.model_extra["prompt_text"] == "low/user: Paris|e"
+    with pytest.raises(openai.BadRequestError):
+        chat(client, max_tokens=1, extra_body={"chat_template": "{{ ().__class__ }}"})
+
+
+def test_spaces_between_special_tokens(client):
+    special = 1  # <|im_start|>, kept in the text when skip_special_tokens is false
+    texts = {}
+    for spaces in (True, False):
+        reply = client.completions.create(
+            model="tiny",
+            prompt="Hello",
+            max_tokens=6,
+            seed=3,
+            temperature=1,
+            extra_body={
+                "allowed_token_ids": [special, 40],
+                "ignore_eos": True,
+                "skip_special_tokens": False,
+                "spaces_between_special_tokens": spaces,
+                "return_token_ids": True,
+            },
+        )
+        texts[spaces] = reply.choices[0].text
+        token_ids = reply.choices[0].model_extra["token_ids"]
+    pieces = [
+        client.post("/../detokenize", body={"tokens": [t]}, cast_to=object)["prompt"]
+        for t in token_ids
+    ]
+    assert texts[False] == "".join(pieces)
+    runs: list[str] = []
+    for token, piece in zip(token_ids, pieces, strict=True):
+        if token == special or not runs or runs[-1] == "<|im_start|>":
+            runs.append(piece)
+        else:
+            runs[-1] += piece
+    assert texts[True] == " ".join(runs) and special in token_ids
 
 
 # Last: it stops the module's server.
