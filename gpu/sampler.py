@@ -6,6 +6,7 @@ by their temperature, filtered by top_k, top_p and min_p, and sampled.
 
 Logprobs (sampled token, top-k, ranks, prompt logprobs) are the log_softmax of the model's raw
 logits, before any of the above: what the model believes, as OpenAI and vLLM report by default.
+A row with vLLM's `logprob_token_ids` gets those tokens' logprobs in place of its top-k.
 A request with a seed draws its noise from a generator seeded by (seed, output index), so its
 tokens do not depend on which other requests share the batch.
 """
@@ -48,6 +49,9 @@ class SamplingArrays:
     allowed_token_ids: np.ndarray  # [S, Na] int32, -1 padded
     bad_token_ids: np.ndarray  # [S, Nx] int32, -1 padded
     stop_token_ids: np.ndarray  # [S, Ns] int32, -1 padded
+    # vLLM's logprob_token_ids: the tokens whose logprobs a row reports instead of its top-k (its
+    # num_logprobs is their count); a row of only -1 reports its top-k.
+    logprob_token_ids: np.ndarray  # [S, Nl] int32, -1 padded
     # vLLM's bad words of two tokens or more: per row a tuple of token tuples (None: none). A
     # word's last token is banned when the output ends with the rest of it.
     bad_words: np.ndarray  # [S] object
@@ -67,6 +71,7 @@ class SamplingArrays:
             allowed_token_ids=empty_ids,
             bad_token_ids=empty_ids,
             stop_token_ids=empty_ids,
+            logprob_token_ids=empty_ids,
             bad_words=np.empty(num_rows, object),
             token_bitmask=np.zeros((num_rows, 0), np.int32),
         )
@@ -108,6 +113,7 @@ class RequestSampling:
     stop_token_ids: np.ndarray  # [Ns] int32
     bad_token_ids: np.ndarray  # [Nx] int32: bad words of one token, banned outright
     bad_words: tuple[tuple[int, ...], ...] | None  # longer bad words, banned at their last token
+    logprob_token_ids: np.ndarray  # [Nl] int32; empty = the top-k
 
     @classmethod
     def of(
@@ -134,6 +140,7 @@ class RequestSampling:
             stop_token_ids=np.asarray(stop_token_ids, np.int32),
             bad_token_ids=np.array([w[0] for w in bad_words if len(w) == 1], np.int32),
             bad_words=tuple(w for w in bad_words if len(w) > 1) or None,
+            logprob_token_ids=np.asarray(params.logprob_token_ids or (), np.int32),
         )
 
     @property
@@ -161,6 +168,7 @@ def gather(
         if with_bad_words
         else np.empty(count, object),
         stop_token_ids=_padded([r.stop_token_ids for r in requests], np.int32, -1),
+        logprob_token_ids=_padded([r.logprob_token_ids for r in requests], np.int32, -1),
         token_bitmask=token_bitmask,
     )
 
@@ -382,4 +390,22 @@ def sample(
         chosen[index], ranks[index], top_ids[index], top_logprobs[index] = logprob_summary(
             raw_logprobs, token_ids[index], num_top
         )
+        _report_given_ids(
+            raw_logprobs, params.logprob_token_ids[wanted], wanted, top_ids, top_logprobs
+        )
     return SampleOutput(token_ids, chosen, ranks, top_ids, top_logprobs)
+
+
+def _report_given_ids(
+    raw_logprobs: torch.Tensor,  # [W, V] float32, the rows that want logprobs
+    given: np.ndarray,  # [W, Nl] int32, -1 padded: each row's logprob_token_ids
+    wanted: np.ndarray,  # [W] int64: those rows' indices in the batch
+    top_ids: torch.Tensor,  # [S, K] int64, K >= Nl where a row has ids (its num_logprobs)
+    top_logprobs: torch.Tensor,  # [S, K] float32
+) -> None:
+    """In place of their top-k, the rows with logprob_token_ids report exactly those tokens."""
+    for w in np.flatnonzero((given >= 0).any(axis=1)) if given.shape[1] else ():
+        ids = torch.from_numpy(given[w][given[w] >= 0].astype(np.int64))
+        row = int(wanted[w])
+        top_ids[row, : len(ids)] = ids
+        top_logprobs[row, : len(ids)] = raw_logprobs[w, ids]

@@ -123,7 +123,8 @@ class _Calls:
 def stream_chat(
     ctx: ResponseContext, request: ChatCompletionRequest, choices: Sequence[Choice]
 ) -> AsyncGenerator[bytes, None]:
-    top_n = request.top_logprobs or 0
+    top_n = request.top_logprob_count(request.top_logprobs or 0)
+    with_sampled = request.logprob_token_ids is not None
 
     def usage() -> bytes:
         return usage_event(_chunk(ctx, [], total_usage(choices, ctx)), ctx, choices[0].tracker)
@@ -172,7 +173,9 @@ def stream_chat(
                     ]
             if delta or output.logprobs:
                 logprobs = (
-                    chat_logprobs(output.logprobs, top_n, request.return_tokens_as_token_ids)
+                    chat_logprobs(
+                        output.logprobs, top_n, request.return_tokens_as_token_ids, with_sampled
+                    )
                     if output.logprobs
                     else None
                 )
@@ -210,7 +213,12 @@ async def _collect_choice(
         entries.extend(output.logprobs or ())
     texts.append(calls.release()[1])
     logprobs = (
-        chat_logprobs(entries, request.top_logprobs or 0, request.return_tokens_as_token_ids)
+        chat_logprobs(
+            entries,
+            request.top_logprob_count(request.top_logprobs or 0),
+            request.return_tokens_as_token_ids,
+            request.logprob_token_ids is not None,
+        )
         if request.logprobs
         else None
     )

@@ -70,9 +70,9 @@ class _Echo:
         if request.logprobs is not None:
             first_text = engine.detokenize(prompt_ids[:1]) if prompt_ids else ""
             as_ids = request.return_tokens_as_token_ids
-            self.logprobs = CompletionLogprobs(request.logprobs, 0, as_ids).prompt_entries(
-                first_text, first.prompt_logprobs or ()
-            )
+            self.logprobs = CompletionLogprobs(
+                request.top_logprob_count(request.logprobs), 0, as_ids
+            ).prompt_entries(first_text, first.prompt_logprobs or ())
 
 
 class _TokenIds:
@@ -122,7 +122,9 @@ def stream_completion(
         logprobs = None
         if request.logprobs is not None:
             logprobs = CompletionLogprobs(
-                request.logprobs, text_offset, request.return_tokens_as_token_ids
+                request.top_logprob_count(request.logprobs),
+                text_offset,
+                request.return_tokens_as_token_ids,
             )
         async for output in choice.chain():
             ids.add(output.token_ids)
@@ -152,7 +154,9 @@ async def _collect_choice(
     builder = None
     if request.logprobs is not None:
         builder = CompletionLogprobs(
-            request.logprobs, len(texts[0]) if texts else 0, request.return_tokens_as_token_ids
+            request.top_logprob_count(request.logprobs),
+            len(texts[0]) if texts else 0,
+            request.return_tokens_as_token_ids,
         )
     token_ids: list[int] = []
     async for output in choice.chain():

@@ -28,6 +28,8 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 TopK = Annotated[int, Meta(ge=-1)]
 LogprobCount = Annotated[int, Meta(ge=0, le=20)]
+# vLLM's logprob_token_ids: 1 to 128 ids (its MAX_LOGPROB_TOKEN_IDS)
+LogprobTokenIds = Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1, max_length=128)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 TokenId = Annotated[int, Meta(ge=0)]
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # the stages carry it as int32
@@ -80,12 +82,13 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool = True  # vLLM: kept special tokens stand apart
     truncation_side: Literal["left", "right"] | None = None  # which end truncation cuts
     return_token_ids: bool | None = None  # vLLM: prompt_token_ids and each choice's token_ids
+    # vLLM: the logprobs of these tokens at each position, in place of the top ones
+    logprob_token_ids: LogprobTokenIds | None = None
     cache_salt: CacheSalt | None = None  # vLLM: only requests with the same salt share the cache
     # vLLM fields this server refuses (`_refuse_unsupported` says why)
     use_beam_search: bool = False
     length_penalty: float = 1.0  # vLLM scores beams with it; no beams, no effect (as there)
     thinking_token_budget: int | None = None
-    logprob_token_ids: list[TokenId] | None = None
     vllm_xargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -171,6 +174,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise APIError("allowed_token_ids must not be empty", param="allowed_token_ids")
         _check_token_ids(self.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+        _check_token_ids(self.logprob_token_ids or (), vocab_size, "logprob_token_ids")
         if self.truncate_prompt_tokens == 0:
             raise APIError(
                 "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
@@ -178,6 +182,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         defaults = SamplingParams()
+        given = tuple(self.logprob_token_ids) if self.logprob_token_ids else None
+        if given is not None:
+            logprobs = len(given)  # their logprobs take the top-k's place
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             temperature=_or(self.temperature, defaults.temperature),
@@ -196,6 +203,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            logprob_token_ids=given,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             structured=self.structured(),
             allowed_token_ids=tuple(self.allowed_token_ids)
@@ -206,6 +214,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             bad_words=tuple(w for w in self.bad_words or () if w.strip()),
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
+
+    def top_logprob_count(self, asked: int) -> int:
+        """How many alternatives each logprob entry lists: those asked for, or every token of
+        logprob_token_ids (which take their place, as in vLLM)."""
+        return len(self.logprob_token_ids) if self.logprob_token_ids else asked
 
     @property
     def wants_prompt_token_ids(self) -> bool:
@@ -298,6 +311,11 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             _check_message(index, message)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise APIError(
+                "when using `logprob_token_ids`, `logprobs` must be set to true.",
+                param="logprob_token_ids",
+            )
         if self.add_generation_prompt and self.continue_final_message:
             raise APIError(
                 "add_generation_prompt and continue_final_message cannot both be true",
@@ -452,6 +470,11 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
         if self.suffix is not None:
             raise APIError("suffix is not currently supported", param="suffix")
         self._validate_common(self.max_tokens, vocab_size)
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            raise APIError(
+                "when using `logprob_token_ids`, `logprobs` must be set.",
+                param="logprob_token_ids",
+            )
         self.structured()
         if isinstance(self.prompt, str):
             if not self.prompt:

@@ -48,6 +48,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # with special tokens kept: a space each side
     logprobs: int | None = None  # None = no logprobs; k >= 0 = sampled token's plus top k
+    # vLLM's logprob_token_ids: these tokens' logprobs instead of the top k (logprobs = their count)
+    logprob_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None

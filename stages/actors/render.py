@@ -150,7 +150,8 @@ class RenderActor(AsyncActor):
                 keep = max(1, self.max_model_len - (s.max_tokens or 1))
             ids = truncate(ids, keep, s.truncation_side)
         max_tokens = check_lengths(len(ids), s.max_tokens, self.max_model_len)
-        for token in (*(s.logit_bias or {}), *(s.allowed_token_ids or ()), *s.stop_token_ids):
+        given = (*(s.logit_bias or {}), *(s.allowed_token_ids or ()), *(s.logprob_token_ids or ()))
+        for token in (*given, *s.stop_token_ids):
             if not 0 <= token < self.bundle.vocab_size:
                 raise EngineError(f"token id {token} is out of vocabulary", param="logit_bias")
         rendered = RenderedRequest(

@@ -599,6 +599,46 @@ def test_spaces_between_special_tokens(client):
     assert texts[True] == " ".join(runs) and special in token_ids
 
 
+def test_logprob_token_ids_report_the_tokens_asked_for(client):
+    as_ids = {"return_tokens_as_token_ids": True}
+    top = chat(
+        client, max_tokens=2, temperature=0, logprobs=True, top_logprobs=20, extra_body=as_ids
+    )
+    first = top.choices[0].logprobs.content[0]
+    scores = {int(alt.token.split(":")[1]): alt.logprob for alt in first.top_logprobs}
+    picked = [int(alt.token.split(":")[1]) for alt in first.top_logprobs[5:8]]  # not sampled
+    asked = chat(
+        client,
+        max_tokens=2,
+        temperature=0,
+        logprobs=True,
+        extra_body={"logprob_token_ids": picked, **as_ids},
+    )
+    assert asked.choices[0].message.content == top.choices[0].message.content
+    entry = asked.choices[0].logprobs.content[0]
+    assert entry.token == first.token and entry.logprob == pytest.approx(first.logprob, abs=1e-5)
+    # vLLM's shape: the sampled token, then the tokens asked for, in their order
+    assert [alt.token for alt in entry.top_logprobs] == [
+        entry.token,
+        *(f"token_id:{i}" for i in picked),
+    ]
+    for token_id, alt in zip(picked, entry.top_logprobs[1:], strict=True):
+        assert alt.logprob == pytest.approx(scores[token_id], abs=1e-5)
+    completion = client.completions.create(
+        model="tiny",
+        prompt="Hello",
+        max_tokens=1,
+        temperature=0,
+        logprobs=0,
+        extra_body={"logprob_token_ids": picked, **as_ids},
+    )
+    alternatives = completion.choices[0].logprobs.top_logprobs[0]
+    assert set(alternatives) >= {f"token_id:{i}" for i in picked}
+    for extra in ({"logprob_token_ids": picked}, {"logprob_token_ids": []}):
+        with pytest.raises(openai.BadRequestError):
+            chat(client, max_tokens=1, extra_body=extra)  # no logprobs / empty
+
+
 # Last: it stops the module's server.
 def test_sigterm_stops_every_process_and_leaves_no_names(server):
     port, process = server

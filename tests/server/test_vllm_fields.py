@@ -49,6 +49,11 @@ REFUSED = [
     (COMPLETIONS, completion(cache_salt=5), "cache_salt", ""),
     (CHAT, chat(truncation_side="middle", truncate_prompt_tokens=2), "truncation_side", ""),
     (CHAT, chat(reasoning_effort="extreme"), "reasoning_effort", ""),
+    (CHAT, chat(logprob_token_ids=[5]), "logprob_token_ids", "`logprobs` must be set"),
+    (COMPLETIONS, completion(logprob_token_ids=[5]), "logprob_token_ids", "must be set"),
+    (CHAT, chat(logprobs=True, logprob_token_ids=[]), "logprob_token_ids", ""),
+    (CHAT, chat(logprobs=True, logprob_token_ids=[1] * 129), "logprob_token_ids", ""),
+    (CHAT, chat(logprobs=True, logprob_token_ids=[1000]), "logprob_token_ids[0]", "vocabulary"),
     (CHAT, chat(chat_template=TEMPLATE), "chat_template", "--trust-request-chat-template"),
     (
         CHAT,
@@ -234,3 +239,18 @@ async def test_completion_return_token_ids(app: Quart, engine: FakeEngine) -> No
     assert choices[0]["prompt_token_ids"] == ids
     assert all("prompt_token_ids" not in c for c in choices[1:])
     assert [i for c in choices for i in c["token_ids"]] == ids
+
+
+async def test_logprob_token_ids_take_the_place_of_the_top_logprobs(
+    app: Quart, engine: FakeEngine
+) -> None:
+    body = chat(logprobs=True, top_logprobs=5, logprob_token_ids=[7, 8])
+    payload = await (await app.test_client().post(CHAT, json=body)).get_json()
+    sampling = engine.requests[-1].sampling
+    assert sampling.logprob_token_ids == (7, 8) and sampling.logprobs == 2
+    entry = payload["choices"][0]["logprobs"]["content"][0]
+    # the FakeEngine's alternatives are the sampled token and one more: the sampled one is
+    # listed first and once
+    assert [alt["token"] for alt in entry["top_logprobs"]] == [entry["token"], "alt0"]
+    await app.test_client().post(COMPLETIONS, json=completion(logprobs=0, logprob_token_ids=[3]))
+    assert engine.requests[-1].sampling.logprobs == 1
