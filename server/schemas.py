@@ -648,27 +648,56 @@ def _response_format(body: dict[str, Any] | None) -> StructuredOutput | None:
             )
         param = "response_format.json_schema.schema"
         return StructuredOutput("json", _schema_text(spec["schema"], param), param=param)
+    if kind == "structural_tag":
+        return _structural_tag(body, "response_format")
     raise APIError(
-        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        "response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+        f"got {kind!r}",
         param="response_format.type",
     )
 
 
+def _structural_tag(value: Any, param: str) -> StructuredOutput:
+    """vLLM's structural tag: {structures: [{begin, schema, end}], triggers} (render compiles
+    it, and says what is wrong with one that does not compile). xgrammar's newer form, a
+    `format` tree, has no llguidance equivalent here: a 400."""
+    if isinstance(value, str):
+        check_json_depth(value, param)
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise APIError(f"{param} is not valid JSON: {error}", param=param) from error
+    if not isinstance(value, dict):
+        raise APIError(f"{param} must be a structural tag object", param=param)
+    if "format" in value and "structures" not in value:
+        raise APIError(
+            "structural tags in the `format` form (xgrammar's) are not supported; give "
+            "`structures` ({begin, schema, end}) and `triggers`",
+            param=param,
+        )
+    tag = {"structures": value.get("structures"), "triggers": value.get("triggers")}
+    return StructuredOutput("structural_tag", json.dumps(tag), param=param)
+
+
 def _structured_outputs(body: dict[str, Any] | None) -> StructuredOutput | None:
-    """vLLM's `structured_outputs`: {json | regex | choice | grammar | json_object}."""
+    """vLLM's `structured_outputs`: {json | regex | choice | grammar | json_object |
+    structural_tag}."""
     if body is None:
         return None
     given = [
         key
-        for key in ("json", "regex", "choice", "grammar", "json_object")
+        for key in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
         if body.get(key) not in (None, False)
     ]
     if len(given) != 1:
         raise APIError(
-            "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+            "structured_outputs needs exactly one of json, regex, choice, grammar, json_object, "
+            "structural_tag",
             param="structured_outputs",
         )
     key = given[0]
+    if key == "structural_tag":
+        return _structural_tag(body[key], "structured_outputs.structural_tag")
     return _spec(key, body[key], f"structured_outputs.{key}")
 
 

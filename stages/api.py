@@ -19,8 +19,10 @@ import msgspec
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
     """A shape the output must take (stages.text.structured compiles it)."""
 
-    kind: str  # json | json_object | regex | choice | grammar
-    value: str = ""  # the JSON schema (as JSON text), regex, choices (a JSON list) or grammar
+    kind: str  # json | json_object | regex | choice | grammar | structural_tag
+    # the JSON schema (as JSON text), regex, choices (a JSON list), grammar, or structural tag
+    # (vLLM's {structures, triggers}, as JSON text)
+    value: str = ""
     param: str = "response_format"  # the request field it came from, named by errors
 
 

@@ -639,6 +639,22 @@ def test_logprob_token_ids_report_the_tokens_asked_for(client):
             chat(client, max_tokens=1, extra_body=extra)  # no logprobs / empty
 
 
+def test_structural_tag_compiles_in_render(client):
+    tag = {
+        "type": "structural_tag",
+        "structures": [
+            {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"},
+        ],
+        "triggers": ["<f"],
+    }
+    reply = chat(client, max_tokens=4, response_format=tag)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    tag["structures"][0]["begin"] = "<g>"  # starts with no trigger: render refuses it
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, max_tokens=4, response_format=tag)
+    assert "trigger" in info.value.message
+
+
 # Last: it stops the module's server.
 def test_sigterm_stops_every_process_and_leaves_no_names(server):
     port, process = server

@@ -54,6 +54,24 @@ REFUSED = [
     (CHAT, chat(logprobs=True, logprob_token_ids=[]), "logprob_token_ids", ""),
     (CHAT, chat(logprobs=True, logprob_token_ids=[1] * 129), "logprob_token_ids", ""),
     (CHAT, chat(logprobs=True, logprob_token_ids=[1000]), "logprob_token_ids[0]", "vocabulary"),
+    (
+        CHAT,
+        chat(response_format={"type": "structural_tag", "format": {"type": "const_string"}}),
+        "response_format",
+        "not supported",
+    ),
+    (
+        COMPLETIONS,
+        completion(structured_outputs={"structural_tag": "{not json"}),
+        "structured_outputs.structural_tag",
+        "not valid JSON",
+    ),
+    (
+        CHAT,
+        chat(structured_outputs={"structural_tag": "{}", "regex": "a"}),
+        "structured_outputs",
+        "exactly one",
+    ),
     (CHAT, chat(chat_template=TEMPLATE), "chat_template", "--trust-request-chat-template"),
     (
         CHAT,
@@ -254,3 +272,22 @@ async def test_logprob_token_ids_take_the_place_of_the_top_logprobs(
     assert [alt["token"] for alt in entry["top_logprobs"]] == [entry["token"], "alt0"]
     await app.test_client().post(COMPLETIONS, json=completion(logprobs=0, logprob_token_ids=[3]))
     assert engine.requests[-1].sampling.logprobs == 1
+
+
+STRUCTURES = {
+    "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
+    "triggers": ["<f"],
+}
+
+
+async def test_structural_tags_reach_the_engine(app: Quart, engine: FakeEngine) -> None:
+    body = chat(response_format={"type": "structural_tag", **STRUCTURES})
+    assert (await app.test_client().post(CHAT, json=body)).status_code == 200
+    structured = engine.requests[-1].sampling.structured
+    assert structured is not None and structured.kind == "structural_tag"
+    assert json.loads(structured.value) == STRUCTURES
+    body = completion(structured_outputs={"structural_tag": json.dumps(STRUCTURES)})
+    assert (await app.test_client().post(COMPLETIONS, json=body)).status_code == 200
+    structured = engine.requests[-1].sampling.structured
+    assert structured is not None and json.loads(structured.value) == STRUCTURES
+    assert structured.param == "structured_outputs.structural_tag"
