@@ -166,12 +166,14 @@ class OpenAIServing:
         return body.prompt()
 
     def chat_parsers(self, body: ChatCompletionRequest) -> tuple[str | None, str | None]:
-        """The server's reasoning parser, and its tool-call parser where the tools need it."""
+        """The server's reasoning parser (none for reasoning_effort "none", whose output vLLM
+        leaves whole as content), and its tool-call parser where the tools need it."""
         config = self.config
         tool_call_parser = body.tool_call_parser(
             config.tool_call_parser, config.enable_auto_tool_choice
         )
-        return config.reasoning_parser, tool_call_parser
+        reasoning_parser = None if body.reasoning_effort == "none" else config.reasoning_parser
+        return reasoning_parser, tool_call_parser
 
     async def generation_route(
         self,

@@ -291,3 +291,17 @@ async def test_structural_tags_reach_the_engine(app: Quart, engine: FakeEngine) 
     structured = engine.requests[-1].sampling.structured
     assert structured is not None and json.loads(structured.value) == STRUCTURES
     assert structured.param == "structured_outputs.structural_tag"
+
+
+async def test_reasoning_effort_none_leaves_the_output_whole(
+    make_app: Callable[..., Quart],
+) -> None:
+    """As vLLM: with reasoning_effort "none" nothing is split out as reasoning."""
+    app = make_app(reasoning_parser="qwen3")
+    text = "<think> pondering </think> the answer"
+    body = chat(messages=[{"role": "user", "content": text}])
+    split = (await (await app.test_client().post(CHAT, json=body)).get_json())["choices"][0]
+    assert split["message"]["reasoning_content"].strip() == "pondering"
+    whole = await app.test_client().post(CHAT, json={**body, "reasoning_effort": "none"})
+    message = (await whole.get_json())["choices"][0]["message"]
+    assert message["content"] == text and "reasoning_content" not in message
