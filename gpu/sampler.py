@@ -6,7 +6,9 @@ by their temperature, filtered by top_k, top_p and min_p, and sampled.
 
 Logprobs (sampled token, top-k, ranks, prompt logprobs) are the log_softmax of the model's raw
 logits, before any of the above: what the model believes, as OpenAI and vLLM report by default.
-A row with vLLM's `logprob_token_ids` gets those tokens' logprobs in place of its top-k.
+A row with vLLM's `logprob_token_ids` gets those tokens' logprobs in place of its top-k. A row
+with a forced token (vLLM's thinking_token_budget spent: the end of thinking) takes that token,
+with its logprob under the model's distribution.
 A request with a seed draws its noise from a generator seeded by (seed, output index), so its
 tokens do not depend on which other requests share the batch.
 """
@@ -52,6 +54,7 @@ class SamplingArrays:
     # vLLM's logprob_token_ids: the tokens whose logprobs a row reports instead of its top-k (its
     # num_logprobs is their count); a row of only -1 reports its top-k.
     logprob_token_ids: np.ndarray  # [S, Nl] int32, -1 padded
+    forced_token_ids: np.ndarray  # [S] int32: the token a row must take; -1 = sample
     # vLLM's bad words of two tokens or more: per row a tuple of token tuples (None: none). A
     # word's last token is banned when the output ends with the rest of it.
     bad_words: np.ndarray  # [S] object
@@ -72,6 +75,7 @@ class SamplingArrays:
             bad_token_ids=empty_ids,
             stop_token_ids=empty_ids,
             logprob_token_ids=empty_ids,
+            forced_token_ids=np.full(num_rows, -1, np.int32),
             bad_words=np.empty(num_rows, object),
             token_bitmask=np.zeros((num_rows, 0), np.int32),
         )
@@ -152,6 +156,7 @@ def gather(
     requests: Sequence[RequestSampling],
     token_bitmask: np.ndarray,  # [S, W] int32, or width 0 when no row has a grammar
     with_bad_words: bool = True,  # False: no row has bad words (their arrays are skipped)
+    forced_token_ids: np.ndarray | None = None,  # [S] int32, -1 = sample; None: no row forced
 ) -> SamplingArrays:
     """The step's rows, one per request in batch order."""
     rows = np.concatenate([r.row for r in requests]) if requests else np.zeros(0, ROW)
@@ -169,6 +174,9 @@ def gather(
         else np.empty(count, object),
         stop_token_ids=_padded([r.stop_token_ids for r in requests], np.int32, -1),
         logprob_token_ids=_padded([r.logprob_token_ids for r in requests], np.int32, -1),
+        forced_token_ids=np.full(count, -1, np.int32)
+        if forced_token_ids is None
+        else forced_token_ids,
         token_bitmask=token_bitmask,
     )
 
@@ -378,6 +386,8 @@ def sample(
             noise[i].exponential_(generator=row_generator)
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p (the Gumbel-max trick).
         token_ids[random_rows] = (probs / noise).argmax(dim=1)
+    forced = torch.from_numpy(params.forced_token_ids.astype(np.int64))
+    token_ids = torch.where(forced >= 0, forced, token_ids)
 
     num_top = max(0, int(params.num_logprobs.max(initial=-1)))
     rows = logits.shape[0]

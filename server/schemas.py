@@ -85,10 +85,12 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     # vLLM: the logprobs of these tokens at each position, in place of the top ones
     logprob_token_ids: LogprobTokenIds | None = None
     cache_salt: CacheSalt | None = None  # vLLM: only requests with the same salt share the cache
+    length_penalty: float = 1.0  # vLLM scores beams with it; no beams, no effect (as there)
+    # vLLM: tokens the reasoning may take before its end tag is forced (chat, with a reasoning
+    # parser); -1: unlimited
+    thinking_token_budget: int | None = None
     # vLLM fields this server refuses (`_refuse_unsupported` says why)
     use_beam_search: bool = False
-    length_penalty: float = 1.0  # vLLM scores beams with it; no beams, no effect (as there)
-    thinking_token_budget: int | None = None
     vllm_xargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -125,10 +127,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         that ignores it."""
         if self.use_beam_search:
             raise APIError("beam search is not supported", param="use_beam_search")
-        if self.thinking_token_budget not in (None, -1):  # -1: unlimited, as in vLLM
+        if self.thinking_token_budget is not None and self.thinking_token_budget < -1:
             raise APIError(
-                "thinking_token_budget is not supported (nothing here ends a reasoning section "
-                "early)",
+                "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
                 param="thinking_token_budget",
             )
         if self.vllm_xargs:
@@ -213,6 +214,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             truncation_side=self.truncation_side or "left",
             bad_words=tuple(w for w in self.bad_words or () if w.strip()),
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            thinking_token_budget=None
+            if self.thinking_token_budget in (None, -1)
+            else self.thinking_token_budget,
         )
 
     def top_logprob_count(self, asked: int) -> int:
@@ -469,6 +473,12 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     def validate(self, vocab_size: int) -> None:
         if self.suffix is not None:
             raise APIError("suffix is not currently supported", param="suffix")
+        if self.thinking_token_budget not in (None, -1):
+            raise APIError(
+                "thinking_token_budget is not supported on completions here: it needs the "
+                "reasoning parser that chat completions run (--reasoning-parser)",
+                param="thinking_token_budget",
+            )
         self._validate_common(self.max_tokens, vocab_size)
         if self.logprob_token_ids is not None and self.logprobs is None:
             raise APIError(

@@ -59,6 +59,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     truncate_prompt_tokens: int | None = None  # keep k of the prompt's tokens; -1: max_model_len
     truncation_side: str = "left"  # left: keep the prompt's last k tokens; right: its first k
     bad_words: tuple[str, ...] = ()  # vLLM: words the output must not contain
+    # vLLM: tokens the request may think for (inside its reasoning parser's tags) before the end
+    # tag is forced; None: no limit
+    thinking_token_budget: int | None = None
 
 
 class ChatPrompt(msgspec.Struct, frozen=True, tag="chat"):

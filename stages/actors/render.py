@@ -36,6 +36,7 @@ from stages.text.prompts import (
 )
 from stages.text.snapshot import tokenizer_of
 from stages.text.structured import GRAMMAR_STACK_BYTES, compile_grammar
+from stages.text.thinking import ThinkingBudget
 
 INLINE_PROMPT_CHARS = 32 * 1024  # about 8k tokens: milliseconds to template and tokenize
 RENDER_THREADS = 2
@@ -162,6 +163,7 @@ class RenderActor(AsyncActor):
             grammar="" if s.structured is None else compile_grammar(s.structured),
             resume=resume,
             cache_salt=request.cache_salt,
+            thinking=self.thinking_budget(request, ids),
         )
         detok = DetokParams(
             stop=s.stop,
@@ -192,6 +194,26 @@ class RenderActor(AsyncActor):
             prompt_ids=np.asarray(ids, np.int32),
             rendered=encoder.encode(rendered),
             detok=encoder.encode(detok),
+        )
+
+    def thinking_budget(self, request: GenerateRequest, ids: list[int]) -> ThinkingBudget | None:
+        """The request's thinking_token_budget with its reasoning parser's tags as tokens."""
+        budget = request.sampling.thinking_token_budget
+        if budget is None:
+            return None
+        if request.reasoning_parser is None:
+            raise EngineError(
+                "thinking_token_budget needs a reasoning parser (--reasoning-parser), whose "
+                "tags mark the thinking",
+                param="thinking_token_budget",
+            )
+        tags = REASONING_PARSERS[request.reasoning_parser]
+        return ThinkingBudget.of(
+            budget,
+            self.bundle.encode(tags.start, add_bos=False),
+            self.bundle.encode(tags.end, add_bos=False),
+            ids,
+            tags.starts_inside,
         )
 
 

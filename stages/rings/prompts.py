@@ -10,6 +10,7 @@ import numpy as np
 from pipeline.records import Record, Vocabulary
 from stages.api import SamplingParams
 from stages.rings.common import ABORT, Resume, Views
+from stages.text.thinking import ThinkingBudget
 
 
 class RenderedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -25,6 +26,7 @@ class RenderedRequest(msgspec.Struct, frozen=True, array_like=True):
     grammar: str = ""  # compiled llguidance grammar (stages.text.structured); "": unconstrained
     resume: Resume | None = None  # resubmitted after a stage failure: the outputs already sent
     cache_salt: str | None = None  # mixed into the first prompt block's hash (prefix caching)
+    thinking: ThinkingBudget | None = None  # thinking_token_budget, with the tags as tokens
 
     @property
     def cacheable(self) -> bool:

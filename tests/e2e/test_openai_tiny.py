@@ -639,6 +639,14 @@ def test_logprob_token_ids_report_the_tokens_asked_for(client):
             chat(client, max_tokens=1, extra_body=extra)  # no logprobs / empty
 
 
+def test_thinking_token_budget_needs_a_reasoning_parser(client):
+    # this server runs none (tests/stages/test_engine.py has the budget forcing the end tag)
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, max_tokens=2, extra_body={"thinking_token_budget": 3})
+    assert "--reasoning-parser" in info.value.message
+    assert chat(client, max_tokens=2, extra_body={"thinking_token_budget": -1}).choices
+
+
 def test_structural_tag_compiles_in_render(client):
     tag = {
         "type": "structural_tag",

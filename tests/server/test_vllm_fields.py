@@ -32,7 +32,7 @@ REFUSED = [
     # (route, body, param, words the message must say)
     (CHAT, chat(use_beam_search=True), "use_beam_search", "beam search is not supported"),
     (COMPLETIONS, completion(use_beam_search=True), "use_beam_search", "not supported"),
-    (CHAT, chat(thinking_token_budget=10), "thinking_token_budget", "not supported"),
+    (CHAT, chat(thinking_token_budget=-2), "thinking_token_budget", "non-negative integer"),
     (COMPLETIONS, completion(thinking_token_budget=0), "thinking_token_budget", "not supported"),
     (CHAT, chat(vllm_xargs={"k": 1}), "vllm_xargs", "not supported"),
     (CHAT, chat(kv_transfer_params={"do_remote_decode": True}), "kv_transfer_params", "KV"),
@@ -305,3 +305,16 @@ async def test_reasoning_effort_none_leaves_the_output_whole(
     whole = await app.test_client().post(CHAT, json={**body, "reasoning_effort": "none"})
     message = (await whole.get_json())["choices"][0]["message"]
     assert message["content"] == text and "reasoning_content" not in message
+
+
+async def test_thinking_token_budget_reaches_the_engine(
+    make_app: Callable[..., Quart], engine: FakeEngine
+) -> None:
+    app = make_app(reasoning_parser="deepseek_r1")
+    assert (
+        await app.test_client().post(CHAT, json=chat(thinking_token_budget=7))
+    ).status_code == 200
+    assert engine.requests[-1].sampling.thinking_token_budget == 7
+    assert engine.requests[-1].reasoning_parser == "deepseek_r1"  # whose tags mark the thinking
+    await app.test_client().post(CHAT, json=chat(thinking_token_budget=-1))  # unlimited
+    assert engine.requests[-1].sampling.thinking_token_budget is None
