@@ -207,6 +207,12 @@ class RenderActor(AsyncActor):
                 "tags mark the thinking",
                 param="thinking_token_budget",
             )
+        if request.sampling.structured is not None:
+            # the grammar holds from the first token here, so it would refuse the close tag
+            raise EngineError(
+                "thinking_token_budget cannot be combined with structured outputs",
+                param="thinking_token_budget",
+            )
         tags = REASONING_PARSERS[request.reasoning_parser]
         return ThinkingBudget.of(
             budget,

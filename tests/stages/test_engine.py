@@ -563,6 +563,11 @@ def test_thinking_token_budget_forces_the_end_of_thinking(engine_loop):
     unbudgeted = [t for o in loop.run(collect(engine, free)) for t in o.token_ids]
     assert unbudgeted[:4] == ids[:4] and unbudgeted[4 : 4 + len(end)] != end  # same seed
     without_parser = request(max_tokens=4, thinking_token_budget=4)
-    with pytest.raises(EngineError) as info:
-        loop.run(collect(engine, without_parser))
-    assert info.value.status == 400 and info.value.param == "thinking_token_budget"
+    with_grammar = replace(
+        budgeted,
+        sampling=replace(budgeted.sampling, structured=StructuredOutput("regex", "[a-z]+")),
+    )
+    for refused in (without_parser, with_grammar):
+        with pytest.raises(EngineError) as info:
+            loop.run(collect(engine, refused))
+        assert info.value.status == 400 and info.value.param == "thinking_token_budget"
