@@ -119,7 +119,7 @@ async def chat_completions() -> Response:
     return await serving.generation_route(
         ChatCompletionRequest,
         "chatcmpl",
-        lambda body: body.prompt(),
+        serving.chat_prompt,
         stream_chat,
         collect_chat,
         serving.chat_parsers,
@@ -161,7 +161,7 @@ async def render_chat_completion() -> Response:
     serving = openai_serving()
     return json_response(
         await serving.render_route(
-            ChatCompletionRequest, "chatcmpl", lambda body: body.prompt(), serving.chat_parsers
+            ChatCompletionRequest, "chatcmpl", serving.chat_prompt, serving.chat_parsers
         )
     )
 
@@ -229,7 +229,7 @@ async def tokenize() -> Response:
     raw = await read_body()
 
     def work() -> list[int]:
-        body = decode(raw, TokenizeRequest)
+        body = decode(raw, TokenizeRequest, serving.unknown_fields)
         serving.check_model(body.model)
         body.validate()
         return engine.tokenize(serving.with_template_defaults(body.prompt_value()))
@@ -251,7 +251,7 @@ async def detokenize() -> Response:
     raw = await read_body()
 
     def work() -> str:
-        body = decode(raw, DetokenizeRequest)
+        body = decode(raw, DetokenizeRequest, serving.unknown_fields)
         serving.check_model(body.model)
         body.validate(engine.model_info.vocab_size)
         return engine.detokenize(body.tokens)

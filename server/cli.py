@@ -265,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(reasoning from the first token), qwen3 (only inside the tags)",
     )
     parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat request's own chat_template (in the same sandbox as the model's); "
+        "without it such a request is a 400",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=_seconds,
         default=ServerConfig().shutdown_timeout_s,
@@ -472,6 +478,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         uvicorn_log_level=args.uvicorn_log_level,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")

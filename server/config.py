@@ -52,3 +52,5 @@ class ServerConfig:
     ssl_keyfile: str | None = None  # HTTPS with both
     ssl_certfile: str | None = None
     uvicorn_log_level: str = "info"  # Hypercorn's loggers (vLLM's flag name)
+    # --trust-request-chat-template: a request's own chat_template is rendered (in the sandbox)
+    trust_request_chat_template: bool = False

@@ -5,6 +5,8 @@ it per request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -86,13 +88,41 @@ async def read_body() -> bytes:
         raise body_too_large(limit) from None
 
 
-def decode(raw: bytes, kind: type[RequestT]) -> RequestT:
+class UnknownFields:
+    """Body fields no schema knows stay ignored (as in vLLM), but each name is logged once per
+    process at debug, so a client's misspelt or newer field can be found. Off unless the server
+    logs at debug: finding them parses the body's keys a second time."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()  # bodies are parsed on the loop and in worker threads
+
+    def note(self, raw: bytes, kind: type[msgspec.Struct]) -> None:
+        if not self.enabled:
+            return
+        try:
+            names = msgspec.json.decode(raw, type=dict[str, msgspec.Raw]).keys()
+        except msgspec.MsgspecError:
+            return
+        known = kind.__struct_encode_fields__
+        with self._lock:
+            new = [name for name in names if name not in known and name not in self._logged]
+            self._logged.update(new)
+        for name in new:
+            log.debug("unknown request field ignored", field=name, schema=kind.__name__)
+
+
+def decode(raw: bytes, kind: type[RequestT], unknown: UnknownFields | None = None) -> RequestT:
     """The JSON body as `kind`; APIError 400 for one nested too deep or malformed."""
     check_json_depth(raw)
     try:
-        return msgspec.json.decode(raw, type=kind)
+        body = msgspec.json.decode(raw, type=kind)
     except msgspec.MsgspecError as error:
         raise APIError.from_decode(error) from error
+    if unknown is not None:
+        unknown.note(raw, kind)
+    return body
 
 
 def openai_serving() -> OpenAIServing:
@@ -114,6 +144,7 @@ class OpenAIServing:
         "metrics",
         "served_model_name",
         "served_model_names",
+        "unknown_fields",
     )
 
     def __init__(self, engine: EngineClient, config: ServerConfig, drain: Drain) -> None:
@@ -125,6 +156,7 @@ class OpenAIServing:
         self.metrics = ServerMetrics(engine.stats, self.served_model_name)
         self.fingerprint = f"pipeline-serve-{server_version()}"
         self.api_key = config.api_key.encode() if config.api_key is not None else None
+        self.unknown_fields = UnknownFields(config.log_level == "debug")
         self._workers: anyio.CapacityLimiter | None = None  # made in the loop, at first use
 
     async def in_worker(self, work: Callable[[], T]) -> T:
@@ -173,13 +205,20 @@ class OpenAIServing:
         }
         return msgspec.structs.replace(sampling, **defaults) if defaults else sampling
 
+    def chat_prompt(self, body: ChatCompletionRequest) -> ChatPrompt:
+        """The chat body's prompt; a 400 for a template of its own unless the server trusts it."""
+        body.check_chat_template(self.config.trust_request_chat_template)
+        return body.prompt()
+
     def chat_parsers(self, body: ChatCompletionRequest) -> tuple[str | None, str | None]:
-        """The server's reasoning parser, and its tool-call parser where the tools need it."""
+        """The server's reasoning parser (none for reasoning_effort "none", whose output vLLM
+        leaves whole as content), and its tool-call parser where the tools need it."""
         config = self.config
         tool_call_parser = body.tool_call_parser(
             config.tool_call_parser, config.enable_auto_tool_choice
         )
-        return config.reasoning_parser, tool_call_parser
+        reasoning_parser = None if body.reasoning_effort == "none" else config.reasoning_parser
+        return reasoning_parser, tool_call_parser
 
     async def generation_route(
         self,
@@ -208,6 +247,7 @@ class OpenAIServing:
             body.n,
             lambda ctx, choices: stream_builder(ctx, body, choices),
             lambda ctx, choices: collector(ctx, body, choices),
+            with_prompt_text=getattr(body, "return_prompt_text", None) is True,  # chat only
         )
 
     async def parse_generation(
@@ -224,7 +264,7 @@ class OpenAIServing:
         vocab_size = self.engine.model_info.vocab_size
 
         def parse() -> tuple[Any, str, Any, SamplingParams, tuple[str | None, str | None]]:
-            body = decode(raw, schema)
+            body = decode(raw, schema, self.unknown_fields)
             model = self.check_model(body.model)
             body.validate(vocab_size)
             check_max_logprobs(body, self.config.max_logprobs, vocab_size)
@@ -242,6 +282,8 @@ class OpenAIServing:
             arrival_ns=arrival_ns,
             reasoning_parser=reasoning_parser,
             tool_call_parser=tool_call_parser,
+            cache_salt=body.cache_salt,
+            return_prompt_token_ids=body.wants_prompt_token_ids,
         )
         return body, model, generate_request
 
@@ -273,6 +315,7 @@ class OpenAIServing:
         n: int,
         stream_builder: StreamBuilder,
         collector: Collector,
+        with_prompt_text: bool = False,
     ) -> Response:
         if not self.engine.ready:
             raise APIError.from_engine(self.engine.not_ready_error)
@@ -291,6 +334,16 @@ class OpenAIServing:
             response_role=config.response_role,
         )
         choices = await self.start_choices(generate_request, n)
+        if with_prompt_text:
+            # The text of the tokens the model was fed: the chat template's output, truncated
+            # as the request asked. Decoding a long prompt takes a while: off the loop.
+            prompt_ids = list(choices[0].first.prompt_token_ids or ())
+            try:
+                text = await self.in_worker(lambda: self.engine.detokenize(prompt_ids))
+            except BaseException:
+                await close_choices(choices)
+                raise
+            ctx = dataclasses.replace(ctx, prompt_text=text)
         if stream:
             return Response(
                 stream_builder(ctx, choices),

@@ -40,6 +40,7 @@ class ResponseContext:
     force_include_usage: bool = False  # --enable-force-include-usage
     return_tokens_as_token_ids: bool = False  # the server's default for the request field
     response_role: str = "assistant"  # --response-role
+    prompt_text: str | None = None  # the prompt's tokens as text, when the request asked for it
 
     def include_usage(self, stream_options: StreamOptions | None) -> tuple[bool, bool]:
         """Whether a stream ends with a usage chunk, and whether every chunk carries usage

@@ -647,6 +647,8 @@ def _output(request_id: str, batch: deltas.DeltaBatch, row: int) -> RequestOutpu
     prompt_ids, prompt_logprobs = None, None
     if extra.prompt_logprobs is not None:
         prompt_ids, prompt_logprobs = _prompt_logprobs(extra.prompt_logprobs)
+    if extra.prompt_token_ids is not None:
+        prompt_ids = extra.prompt_token_ids
     token = batch.token_ids[row]
     return RequestOutput(
         request_id=request_id,

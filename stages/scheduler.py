@@ -104,6 +104,7 @@ class Sequence:
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_histogram: list[int] = field(default_factory=list)  # [i]: steps that accepted i drafts
+    cache_salt: str | None = None  # only requests with the same salt share cached blocks
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.prompt_ids)
@@ -428,7 +429,9 @@ class Scheduler:
 
     def _prompt_hashes(self, seq: Sequence) -> list[bytes]:
         if seq.block_hashes is None:
-            seq.block_hashes = prompt_block_hashes(seq.prompt_ids, self.blocks.block_size)
+            seq.block_hashes = prompt_block_hashes(
+                seq.prompt_ids, self.blocks.block_size, seq.cache_salt
+            )
         return seq.block_hashes
 
     def _count_prefix_lookup(self, seq: Sequence, cached: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from datetime import datetime
-from functools import cache
+from functools import lru_cache
 from typing import Any
 
 import jinja2
@@ -51,7 +51,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
     )
 
 
-@cache
+# The model's template and a few of the requests' own (--trust-request-chat-template); bounded,
+# since clients choose the latter.
+@lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     env = _environment()
     env.filters["tojson"] = _tojson
@@ -60,7 +62,7 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateError as error:
-        raise ChatTemplateError(f"the model's chat template does not compile: {error}") from error
+        raise ChatTemplateError(f"the chat template does not compile: {error}") from error
 
 
 def render_chat(
@@ -101,7 +103,7 @@ def resolve_content_format(content_format: str, template: str) -> str:
     return detect_content_format(template) if content_format == "auto" else content_format
 
 
-@cache
+@lru_cache(maxsize=16)  # bounded as _compile is
 def detect_content_format(template: str) -> str:
     """vLLM's detection: "openai" (content as a list of parts) when the template loops over a
     message's content (`{% for part in message['content'] %}`, through any variable set from
