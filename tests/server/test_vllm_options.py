@@ -45,6 +45,7 @@ def engine() -> FakeEngine:
 def test_several_served_model_names(engine: FakeEngine) -> None:
     with serving(engine, served_model_name="first", served_model_aliases=("second",)) as (_, c):
         assert [m.id for m in c.models.list().data] == ["first", "second"]
+        assert c.models.retrieve("second").id == "second"
         # any name is accepted; responses report the first, as vLLM's do
         assert c.chat.completions.create(model="second", messages=MESSAGES).model == "first"
         assert c.completions.create(model="first", prompt="a b").model == "first"
@@ -67,6 +68,31 @@ def test_response_role(engine: FakeEngine) -> None:
             extra_body={"add_generation_prompt": False, "continue_final_message": True},
         )
         assert continued.choices[0].message.role == "assistant"
+        # echo goes by that role: the continued message's content comes first ...
+        echoed = client.chat.completions.create(
+            model="fake-model",
+            messages=[*MESSAGES, {"role": "assistant", "content": "four five"}],
+            extra_body={
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+                "echo": True,
+            },
+        )
+        echoed_content = echoed.choices[0].message.content
+        assert echoed_content == "four five" + continued.choices[0].message.content
+        # ... and after a generation prompt the reply is --response-role's, which the last
+        # message (the user's) does not have, so nothing is echoed
+        plain = client.chat.completions.create(
+            model="fake-model", messages=MESSAGES, extra_body={"echo": True}
+        )
+        assert plain.choices[0].message.content == reply.choices[0].message.content
+    # a reply in the last message's role echoes it, whichever role --response-role names
+    with serving(engine, response_role="user") as (_, client):
+        echoed = client.chat.completions.create(
+            model="fake-model", messages=MESSAGES, extra_body={"echo": True}
+        )
+        assert echoed.choices[0].message.role == "user"
+        assert echoed.choices[0].message.content.startswith(MESSAGES[-1]["content"])
 
 
 def test_default_chat_template_kwargs_under_the_requests(engine: FakeEngine) -> None:
