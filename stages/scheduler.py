@@ -96,7 +96,8 @@ class Sequence:
     num_registered: int = 0  # prompt blocks registered in the cache
     block_hashes: list[bytes] | None = None  # the prompt's, computed at first admission
     # Speculative decoding: whether drafts may be proposed for it (not with a grammar: drafts
-    # would have to be checked against it), its acceptance so far (stages.draft_policy), and what
+    # would have to be checked against it; not with a thinking budget, whose close tag execute
+    # forces one sampled token at a time), its acceptance so far (stages.draft_policy), and what
     # its steps verified: steps with drafts, drafts, accepted, and steps by drafts accepted.
     can_draft: bool = True
     acceptance: float = draft_policy.PRIOR_ACCEPTANCE
