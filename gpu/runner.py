@@ -31,13 +31,13 @@ from stages.text.checkpoint import ModelConfig, load_model_config, resolve_kv_ca
 
 log = structlog.get_logger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NO_IDS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(slots=True, frozen=True)
 class RunnerConfig:
-    dtype: str = "float32"  # "float32" or "bfloat16": weights, activations and KV cache
+    dtype: str = "float32"  # float32, bfloat16 or float16: weights, activations and KV cache
     kv_cache_bytes: int = 256 * 1024 * 1024
     block_size: int = DEFAULT_BLOCK_SIZE
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default

@@ -6,6 +6,9 @@ by their temperature, filtered by top_k, top_p and min_p, and sampled.
 
 Logprobs (sampled token, top-k, ranks, prompt logprobs) are the log_softmax of the model's raw
 logits, before any of the above: what the model believes, as OpenAI and vLLM report by default.
+A row with vLLM's `logprob_token_ids` gets those tokens' logprobs in place of its top-k. A row
+with a forced token (vLLM's thinking_token_budget spent: the end of thinking) takes that token,
+with its logprob under the model's distribution.
 A request with a seed draws its noise from a generator seeded by (seed, output index), so its
 tokens do not depend on which other requests share the batch.
 """
@@ -48,6 +51,10 @@ class SamplingArrays:
     allowed_token_ids: np.ndarray  # [S, Na] int32, -1 padded
     bad_token_ids: np.ndarray  # [S, Nx] int32, -1 padded
     stop_token_ids: np.ndarray  # [S, Ns] int32, -1 padded
+    # vLLM's logprob_token_ids: the tokens whose logprobs a row reports instead of its top-k (its
+    # num_logprobs is their count); a row of only -1 reports its top-k.
+    logprob_token_ids: np.ndarray  # [S, Nl] int32, -1 padded
+    forced_token_ids: np.ndarray  # [S] int32: the token a row must take; -1 = sample
     # vLLM's bad words of two tokens or more: per row a tuple of token tuples (None: none). A
     # word's last token is banned when the output ends with the rest of it.
     bad_words: np.ndarray  # [S] object
@@ -67,6 +74,8 @@ class SamplingArrays:
             allowed_token_ids=empty_ids,
             bad_token_ids=empty_ids,
             stop_token_ids=empty_ids,
+            logprob_token_ids=empty_ids,
+            forced_token_ids=np.full(num_rows, -1, np.int32),
             bad_words=np.empty(num_rows, object),
             token_bitmask=np.zeros((num_rows, 0), np.int32),
         )
@@ -108,6 +117,7 @@ class RequestSampling:
     stop_token_ids: np.ndarray  # [Ns] int32
     bad_token_ids: np.ndarray  # [Nx] int32: bad words of one token, banned outright
     bad_words: tuple[tuple[int, ...], ...] | None  # longer bad words, banned at their last token
+    logprob_token_ids: np.ndarray  # [Nl] int32; empty = the top-k
 
     @classmethod
     def of(
@@ -134,6 +144,7 @@ class RequestSampling:
             stop_token_ids=np.asarray(stop_token_ids, np.int32),
             bad_token_ids=np.array([w[0] for w in bad_words if len(w) == 1], np.int32),
             bad_words=tuple(w for w in bad_words if len(w) > 1) or None,
+            logprob_token_ids=np.asarray(params.logprob_token_ids or (), np.int32),
         )
 
     @property
@@ -145,6 +156,7 @@ def gather(
     requests: Sequence[RequestSampling],
     token_bitmask: np.ndarray,  # [S, W] int32, or width 0 when no row has a grammar
     with_bad_words: bool = True,  # False: no row has bad words (their arrays are skipped)
+    forced_token_ids: np.ndarray | None = None,  # [S] int32, -1 = sample; None: no row forced
 ) -> SamplingArrays:
     """The step's rows, one per request in batch order."""
     rows = np.concatenate([r.row for r in requests]) if requests else np.zeros(0, ROW)
@@ -161,6 +173,10 @@ def gather(
         if with_bad_words
         else np.empty(count, object),
         stop_token_ids=_padded([r.stop_token_ids for r in requests], np.int32, -1),
+        logprob_token_ids=_padded([r.logprob_token_ids for r in requests], np.int32, -1),
+        forced_token_ids=np.full(count, -1, np.int32)
+        if forced_token_ids is None
+        else forced_token_ids,
         token_bitmask=token_bitmask,
     )
 
@@ -370,6 +386,8 @@ def sample(
             noise[i].exponential_(generator=row_generator)
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p (the Gumbel-max trick).
         token_ids[random_rows] = (probs / noise).argmax(dim=1)
+    forced = torch.from_numpy(params.forced_token_ids.astype(np.int64))
+    token_ids = torch.where(forced >= 0, forced, token_ids)
 
     num_top = max(0, int(params.num_logprobs.max(initial=-1)))
     rows = logits.shape[0]
@@ -381,6 +399,9 @@ def sample(
         index = torch.from_numpy(wanted)
         chosen[index], ranks[index], top_ids[index], top_logprobs[index] = logprob_summary(
             raw_logprobs, token_ids[index], num_top
+        )
+        _report_given_ids(
+            raw_logprobs, params.logprob_token_ids[wanted], wanted, top_ids, top_logprobs
         )
     return SampleOutput(token_ids, chosen, ranks, top_ids, top_logprobs)
 
@@ -408,3 +429,18 @@ def verify(
         accepted[row] = count - 1 if matches.all() else int(np.argmin(matches))
         start += count
     return accepted
+
+
+def _report_given_ids(
+    raw_logprobs: torch.Tensor,  # [W, V] float32, the rows that want logprobs
+    given: np.ndarray,  # [W, Nl] int32, -1 padded: each row's logprob_token_ids
+    wanted: np.ndarray,  # [W] int64: those rows' indices in the batch
+    top_ids: torch.Tensor,  # [S, K] int64, K >= Nl where a row has ids (its num_logprobs)
+    top_logprobs: torch.Tensor,  # [S, K] float32
+) -> None:
+    """In place of their top-k, the rows with logprob_token_ids report exactly those tokens."""
+    for w in np.flatnonzero((given >= 0).any(axis=1)) if given.shape[1] else ():
+        ids = torch.from_numpy(given[w][given[w] >= 0].astype(np.int64))
+        row = int(wanted[w])
+        top_ids[row, : len(ids)] = ids
+        top_logprobs[row, : len(ids)] = raw_logprobs[w, ids]

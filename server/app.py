@@ -5,15 +5,17 @@ Handlers are module-level; what they share is the app's `OpenAIServing` (server.
 from __future__ import annotations
 
 import secrets
+import uuid
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Blueprint, Quart, Response, current_app, g, request
+from quart import Blueprint, Quart, Response, current_app, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from server.chat import collect_chat, stream_chat
 from server.completions import collect_completion, stream_completion
 from server.config import ServerConfig
+from server.cors import install_cors
 from server.drain import Drain, install_drain
 from server.errors import APIError, error_body, error_type_for, retry_after_header
 from server.openai_serving import (
@@ -46,6 +48,8 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
     drain = Drain(config.shutdown_timeout_s)
     app.extensions[EXTENSION] = OpenAIServing(engine, config, drain)
+    if config.allowed_origins is not None:
+        install_cors(app, config)  # first, so that preflights need no API key
     app.register_blueprint(routes)
     install_drain(app, drain)  # 503 with Retry-After while the server drains
     return app
@@ -76,9 +80,10 @@ async def authorize() -> None:
 
 @routes.after_app_request
 async def echo_request_id(response: Response) -> Response:
-    request_id = g.get("request_id") or request.headers.get("X-Request-Id")
-    if request_id:
-        response.headers["X-Request-Id"] = request_id
+    """vLLM's --enable-request-id-headers: X-Request-Id, the request's or a new one, on every
+    response; none without the flag."""
+    if openai_serving().config.enable_request_id_headers:
+        response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     return response
 
 
@@ -114,7 +119,7 @@ async def chat_completions() -> Response:
     return await serving.generation_route(
         ChatCompletionRequest,
         "chatcmpl",
-        lambda body: body.prompt(),
+        serving.chat_prompt,
         stream_chat,
         collect_chat,
         serving.chat_parsers,
@@ -135,10 +140,10 @@ async def completions() -> Response:
     )
 
 
-def _model_card(serving: OpenAIServing) -> dict[str, object]:
+def _model_card(serving: OpenAIServing, name: str) -> dict[str, object]:
     info = serving.engine.model_info
     return {
-        "id": serving.served_model_name,
+        "id": name,
         "object": "model",
         "created": info.created,
         "owned_by": "pipeline-serve",
@@ -156,7 +161,7 @@ async def render_chat_completion() -> Response:
     serving = openai_serving()
     return json_response(
         await serving.render_route(
-            ChatCompletionRequest, "chatcmpl", lambda body: body.prompt(), serving.chat_parsers
+            ChatCompletionRequest, "chatcmpl", serving.chat_prompt, serving.chat_parsers
         )
     )
 
@@ -171,16 +176,19 @@ async def render_completion() -> Response:
 
 @routes.get("/v1/models")
 async def models() -> Response:
-    return json_response({"object": "list", "data": [_model_card(openai_serving())]})
+    serving = openai_serving()
+    cards = [_model_card(serving, name) for name in serving.served_model_names]
+    return json_response({"object": "list", "data": cards})
 
 
 @routes.get("/v1/models/<path:model_id>")
 async def model(model_id: str) -> Response:
-    """One served model's card (the OpenAI client's `models.retrieve`); 404 for any other name.
-    A path, since Hugging Face names have a slash in them (`HuggingFaceTB/SmolLM2-135M`)."""
+    """The card of a served name, the first or a further --served-model-name (the OpenAI
+    client's `models.retrieve`); 404 for any other name. A path, since Hugging Face names have a
+    slash in them (`HuggingFaceTB/SmolLM2-135M`)."""
     serving = openai_serving()
     serving.check_model(model_id)
-    return json_response(_model_card(serving))
+    return json_response(_model_card(serving, model_id))
 
 
 # vLLM's /ping (SageMaker's probe) answers as /health, to GET and POST alike.
@@ -221,10 +229,10 @@ async def tokenize() -> Response:
     raw = await read_body()
 
     def work() -> list[int]:
-        body = decode(raw, TokenizeRequest)
+        body = decode(raw, TokenizeRequest, serving.unknown_fields)
         serving.check_model(body.model)
         body.validate()
-        return engine.tokenize(body.prompt_value())
+        return engine.tokenize(serving.with_template_defaults(body.prompt_value()))
 
     try:
         tokens = await serving.in_worker(work)
@@ -243,7 +251,7 @@ async def detokenize() -> Response:
     raw = await read_body()
 
     def work() -> str:
-        body = decode(raw, DetokenizeRequest)
+        body = decode(raw, DetokenizeRequest, serving.unknown_fields)
         serving.check_model(body.model)
         body.validate(engine.model_info.vocab_size)
         return engine.detokenize(body.tokens)

@@ -31,7 +31,7 @@ from server.serving import (
     usage_body,
     usage_event,
 )
-from stages.api import TokenLogprob, ToolCall, ToolCallDelta
+from stages.api import RequestOutput, TokenLogprob, ToolCall, ToolCallDelta
 from stages.text.parsers import forced_tool_calls, new_tool_call_id
 
 
@@ -137,10 +137,21 @@ class _Calls:
         return "tool_calls" if self.calls and reason in ("stop", "length") else reason
 
 
+def _response_role(ctx: ResponseContext, request: ChatCompletionRequest) -> str:
+    """--response-role after a generation prompt; else the role of the message continued."""
+    if request.add_generation_prompt:
+        return ctx.response_role
+    return str(request.messages[-1].get("role"))
+
+
 def stream_chat(
     ctx: ResponseContext, request: ChatCompletionRequest, choices: Sequence[Choice]
 ) -> AsyncGenerator[bytes, None]:
-    top_n = request.top_logprobs or 0
+    top_n = request.top_logprob_count(request.top_logprobs or 0)
+    with_sampled = request.logprob_token_ids is not None
+    include_usage, continuous_usage = ctx.include_usage(request.stream_options)
+    as_ids = ctx.tokens_as_ids(request.return_tokens_as_token_ids)
+    response_role = _response_role(ctx, request)
 
     def usage() -> bytes:
         return usage_event(_chunk(ctx, [], total_usage(choices, ctx)), ctx, choices[0].tracker)
@@ -148,7 +159,7 @@ def stream_chat(
     # A named tool_choice streams its call as OpenAI does: the first delta opens the call (id,
     # name), the following ones carry pieces of its arguments as the model writes them.
     named = request.named_tool
-    echo = request.echo_text
+    echo = request.echo_text(response_role)
 
     async def events(choice: Choice) -> AsyncIterator[bytes]:
         tracker, index = choice.tracker, choice.index
@@ -156,18 +167,19 @@ def stream_chat(
         call_open = False
 
         def usage_now() -> dict[str, int] | None:
-            return tracker.usage if request.continuous_usage else None
+            return tracker.usage if continuous_usage else None
 
+        ids = _TokenIds(request.return_token_ids)
         async for output in choice.chain():
             if output is choice.first:
-                role = _choice(index, {"role": request.response_role, "content": ""})
+                role = _choice(index, {"role": response_role, "content": ""})
                 no_output_yet = usage_body(tracker.num_prompt_tokens, 0)
-                yield sse(_chunk(ctx, [role], no_output_yet if request.continuous_usage else None))
+                first = _chunk(ctx, [role], no_output_yet if continuous_usage else None)
+                yield sse(_with_prompt(first, ctx, request, output))
                 if echo:
                     echoed = _choice(index, {"content": echo})
-                    yield sse(
-                        _chunk(ctx, [echoed], no_output_yet if request.continuous_usage else None)
-                    )
+                    yield sse(_chunk(ctx, [echoed], no_output_yet if continuous_usage else None))
+            ids.add(output.token_ids)
             delta: dict[str, Any] = {}
             if output.reasoning and request.include_reasoning:
                 delta["reasoning_content"] = delta["reasoning"] = output.reasoning
@@ -189,24 +201,26 @@ def stream_chat(
                     delta["tool_calls"] = [_tool_call_piece(piece) for piece in taken]
             if delta or output.logprobs:
                 logprobs = (
-                    chat_logprobs(output.logprobs, top_n, request.return_tokens_as_token_ids)
+                    chat_logprobs(output.logprobs, top_n, as_ids, with_sampled)
                     if output.logprobs
                     else None
                 )
-                yield sse(_chunk(ctx, [_choice(index, delta, logprobs)], usage_now()))
+                piece = ids.take(_choice(index, delta, logprobs))
+                yield sse(_chunk(ctx, [piece], usage_now()))
             if output.finish_reason is not None:
                 forced, held = calls.release() if named is None else ([], "")
                 if forced:
                     delta = {"tool_calls": [_tool_call_piece(piece) for piece in forced]}
-                    yield sse(_chunk(ctx, [_choice(index, delta)], usage_now()))
+                    yield sse(_chunk(ctx, [ids.take(_choice(index, delta))], usage_now()))
                 elif held:
-                    yield sse(_chunk(ctx, [_choice(index, {"content": held})], usage_now()))
+                    piece = ids.take(_choice(index, {"content": held}))
+                    yield sse(_chunk(ctx, [piece], usage_now()))
                 reason = calls.finish_reason(output.finish_reason)
-                finish_choice = _choice(index, {}, None, reason, output.stop_reason)
+                finish_choice = ids.take(_choice(index, {}, None, reason, output.stop_reason))
                 finish = _chunk(ctx, [finish_choice], usage_now())
-                yield finish_event(finish, ctx, tracker, request.include_usage)
+                yield finish_event(finish, ctx, tracker, include_usage)
 
-    return sse_stream(choices, events, usage if request.include_usage else None, ctx.request_id)
+    return sse_stream(choices, events, usage if include_usage else None, ctx.request_id)
 
 
 async def _collect_choice(
@@ -216,19 +230,28 @@ async def _collect_choice(
     reasoning: list[str] = []
     calls = _Calls(request)
     entries: list[TokenLogprob] = []
+    token_ids: list[int] = []
     async for output in choice.chain():
+        token_ids.extend(output.token_ids)
         texts.append(calls.hold(output.text))
         reasoning.append(output.reasoning)
         calls.take(output.tool_calls)
         entries.extend(output.logprobs or ())
     texts.append(calls.release()[1])
+    as_ids = ctx.tokens_as_ids(request.return_tokens_as_token_ids)
     logprobs = (
-        chat_logprobs(entries, request.top_logprobs or 0, request.return_tokens_as_token_ids)
+        chat_logprobs(
+            entries,
+            request.top_logprob_count(request.top_logprobs or 0),
+            as_ids,
+            request.logprob_token_ids is not None,
+        )
         if request.logprobs
         else None
     )
-    content: str | None = request.echo_text + "".join(texts)
-    message: dict[str, Any] = {"role": request.response_role, "content": content}
+    role = _response_role(ctx, request)
+    content: str | None = request.echo_text(role) + "".join(texts)
+    message: dict[str, Any] = {"role": role, "content": content}
     if calls.calls:
         # OpenAI's shape: content null when the reply is only calls
         message["content"] = content if content and content.strip() else None
@@ -236,13 +259,16 @@ async def _collect_choice(
     if ctx.reasoning and request.include_reasoning:
         message["reasoning_content"] = message["reasoning"] = "".join(reasoning) or None
     tracker = choice.tracker
-    return {
+    body = {
         "index": choice.index,
         "message": message,
         "logprobs": logprobs,
         "finish_reason": calls.finish_reason(tracker.finish_reason),
         "stop_reason": tracker.stop_reason,
     }
+    if request.return_token_ids:
+        body["token_ids"] = token_ids
+    return body
 
 
 async def collect_chat(
@@ -264,4 +290,35 @@ async def collect_chat(
         )
     if ctx.include_request_metrics:
         response["metrics"] = choices[0].tracker.metrics_body()
-    return response
+    return _with_prompt(response, ctx, request, choices[0].first)
+
+
+def _with_prompt(
+    body: dict[str, Any], ctx: ResponseContext, request: ChatCompletionRequest, first: RequestOutput
+) -> dict[str, Any]:
+    """vLLM's extras about the prompt, on the response (or a stream's first chunk):
+    `prompt_token_ids` with return_token_ids, `prompt_text` with return_prompt_text."""
+    if request.return_token_ids:
+        body["prompt_token_ids"] = list(first.prompt_token_ids or ())
+    if request.return_prompt_text:
+        body["prompt_text"] = ctx.prompt_text
+    return body
+
+
+class _TokenIds:
+    """With return_token_ids, each streamed choice carries the ids of the tokens since the last
+    one (vLLM's `token_ids`): a token whose text is held back goes out with the next chunk, so the
+    chunks' ids add up to the whole output."""
+
+    def __init__(self, wanted: bool | None) -> None:
+        self.wanted = bool(wanted)
+        self._pending: list[int] = []
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        if self.wanted:
+            self._pending.extend(token_ids)
+
+    def take(self, choice: dict[str, Any]) -> dict[str, Any]:
+        if self.wanted:
+            choice["token_ids"], self._pending = self._pending, []
+        return choice

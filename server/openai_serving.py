@@ -5,6 +5,8 @@ it per request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -14,7 +16,8 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 import msgspec
-from quart import Response, current_app, g, request
+import structlog
+from quart import Response, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from server.config import ServerConfig
@@ -23,9 +26,11 @@ from server.errors import APIError
 from server.limits import body_too_large, check_json_depth
 from server.metrics import ServerMetrics
 from server.render import token_in_request
-from server.schemas import ChatCompletionRequest
+from server.schemas import ChatCompletionRequest, check_max_logprobs
 from server.serving import Choice, ResponseContext, Tracker, close_choices, start
-from stages.api import EngineClient, EngineError, GenerateRequest, SamplingParams
+from stages.api import ChatPrompt, EngineClient, EngineError, GenerateRequest, SamplingParams
+
+log = structlog.get_logger("server")
 
 RequestT = TypeVar("RequestT", bound=msgspec.Struct)
 T = TypeVar("T")
@@ -83,13 +88,41 @@ async def read_body() -> bytes:
         raise body_too_large(limit) from None
 
 
-def decode(raw: bytes, kind: type[RequestT]) -> RequestT:
+class UnknownFields:
+    """Body fields no schema knows stay ignored (as in vLLM), but each name is logged once per
+    process at debug, so a client's misspelt or newer field can be found. Off unless the server
+    logs at debug: finding them parses the body's keys a second time."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()  # bodies are parsed on the loop and in worker threads
+
+    def note(self, raw: bytes, kind: type[msgspec.Struct]) -> None:
+        if not self.enabled:
+            return
+        try:
+            names = msgspec.json.decode(raw, type=dict[str, msgspec.Raw]).keys()
+        except msgspec.MsgspecError:
+            return
+        known = kind.__struct_encode_fields__
+        with self._lock:
+            new = [name for name in names if name not in known and name not in self._logged]
+            self._logged.update(new)
+        for name in new:
+            log.debug("unknown request field ignored", field=name, schema=kind.__name__)
+
+
+def decode(raw: bytes, kind: type[RequestT], unknown: UnknownFields | None = None) -> RequestT:
     """The JSON body as `kind`; APIError 400 for one nested too deep or malformed."""
     check_json_depth(raw)
     try:
-        return msgspec.json.decode(raw, type=kind)
+        body = msgspec.json.decode(raw, type=kind)
     except msgspec.MsgspecError as error:
         raise APIError.from_decode(error) from error
+    if unknown is not None:
+        unknown.note(raw, kind)
+    return body
 
 
 def openai_serving() -> OpenAIServing:
@@ -110,6 +143,8 @@ class OpenAIServing:
         "fingerprint",
         "metrics",
         "served_model_name",
+        "served_model_names",
+        "unknown_fields",
     )
 
     def __init__(self, engine: EngineClient, config: ServerConfig, drain: Drain) -> None:
@@ -117,9 +152,11 @@ class OpenAIServing:
         self.config = config
         self.drain = drain
         self.served_model_name = config.served_model_name or engine.model_info.served_model_name
+        self.served_model_names = (self.served_model_name, *config.served_model_aliases)
         self.metrics = ServerMetrics(engine.stats, self.served_model_name)
         self.fingerprint = f"pipeline-serve-{server_version()}"
         self.api_key = config.api_key.encode() if config.api_key is not None else None
+        self.unknown_fields = UnknownFields(config.log_level == "debug")
         self._workers: anyio.CapacityLimiter | None = None  # made in the loop, at first use
 
     async def in_worker(self, work: Callable[[], T]) -> T:
@@ -131,7 +168,9 @@ class OpenAIServing:
         return await anyio.to_thread.run_sync(work, limiter=self._workers)
 
     def check_model(self, name: str | None) -> str:
-        if name is None or name == self.served_model_name:
+        """The name responses report (the first served name, as in vLLM) for a request's
+        `model`, which may be any of the served names."""
+        if name is None or name in self.served_model_names:
             return self.served_model_name
         raise APIError(
             f"The model `{name}` does not exist.",
@@ -141,19 +180,45 @@ class OpenAIServing:
         )
 
     def request_id_for(self, body_request_id: str | None, prefix: str) -> str:
-        request_id = (
-            request.headers.get("X-Request-Id") or body_request_id or f"{prefix}-{uuid.uuid4().hex}"
-        )
-        g.request_id = request_id
-        return request_id
+        """vLLM's response id: the prefix, then the X-Request-Id header, the body's request_id
+        or a new one (`chatcmpl-<id>`, `cmpl-<id>`)."""
+        base = request.headers.get("X-Request-Id") or body_request_id or uuid.uuid4().hex
+        return f"{prefix}-{base}"
+
+    def with_template_defaults(self, prompt: T) -> T:
+        """A chat prompt with --default-chat-template-kwargs under its own chat_template_kwargs
+        (the request's win, as in vLLM); other prompts as they are."""
+        defaults = self.config.default_chat_template_kwargs
+        if not defaults or not isinstance(prompt, ChatPrompt):
+            return prompt
+        kwargs = {**defaults, **(prompt.chat_template_kwargs or {})}
+        return msgspec.structs.replace(prompt, chat_template_kwargs=kwargs)
+
+    def sampling_of(self, body: Any) -> SamplingParams:
+        """The body's sampling parameters, with the generation config's defaults for those the
+        body leaves unset (vLLM's default_sampling_params)."""
+        sampling: SamplingParams = body.sampling_params()
+        defaults = {
+            name: value
+            for name, value in self.config.default_sampling_params.items()
+            if getattr(body, name) is None
+        }
+        return msgspec.structs.replace(sampling, **defaults) if defaults else sampling
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> ChatPrompt:
+        """The chat body's prompt; a 400 for a template of its own unless the server trusts it."""
+        body.check_chat_template(self.config.trust_request_chat_template)
+        return body.prompt()
 
     def chat_parsers(self, body: ChatCompletionRequest) -> tuple[str | None, str | None]:
-        """The server's reasoning parser, and its tool-call parser where the tools need it."""
+        """The server's reasoning parser (none for reasoning_effort "none", whose output vLLM
+        leaves whole as content), and its tool-call parser where the tools need it."""
         config = self.config
         tool_call_parser = body.tool_call_parser(
             config.tool_call_parser, config.enable_auto_tool_choice
         )
-        return config.reasoning_parser, tool_call_parser
+        reasoning_parser = None if body.reasoning_effort == "none" else config.reasoning_parser
+        return reasoning_parser, tool_call_parser
 
     async def generation_route(
         self,
@@ -168,6 +233,13 @@ class OpenAIServing:
         body, model, generate_request = await self.parse_generation(
             schema, id_prefix, prompt_of, parsers_of
         )
+        if self.config.enable_log_requests:
+            log.info(
+                "request received",
+                request_id=generate_request.request_id,
+                prompt=msgspec.to_builtins(generate_request.prompt),
+                params=msgspec.to_builtins(generate_request.sampling),
+            )
         return await self.generate(
             generate_request,
             model,
@@ -175,6 +247,7 @@ class OpenAIServing:
             body.n,
             lambda ctx, choices: stream_builder(ctx, body, choices),
             lambda ctx, choices: collector(ctx, body, choices),
+            with_prompt_text=getattr(body, "return_prompt_text", None) is True,  # chat only
         )
 
     async def parse_generation(
@@ -191,10 +264,12 @@ class OpenAIServing:
         vocab_size = self.engine.model_info.vocab_size
 
         def parse() -> tuple[Any, str, Any, SamplingParams, tuple[str | None, str | None]]:
-            body = decode(raw, schema)
+            body = decode(raw, schema, self.unknown_fields)
             model = self.check_model(body.model)
             body.validate(vocab_size)
-            return body, model, prompt_of(body), body.sampling_params(), parsers_of(body)
+            check_max_logprobs(body, self.config.max_logprobs, vocab_size)
+            prompt = self.with_template_defaults(prompt_of(body))
+            return body, model, prompt, self.sampling_of(body), parsers_of(body)
 
         # A large body (thousands of messages, say) takes a while to parse and check.
         parsed = parse() if len(raw) <= INLINE_BODY_BYTES else await self.in_worker(parse)
@@ -207,6 +282,8 @@ class OpenAIServing:
             arrival_ns=arrival_ns,
             reasoning_parser=reasoning_parser,
             tool_call_parser=tool_call_parser,
+            cache_salt=body.cache_salt,
+            return_prompt_token_ids=body.wants_prompt_token_ids,
         )
         return body, model, generate_request
 
@@ -238,6 +315,7 @@ class OpenAIServing:
         n: int,
         stream_builder: StreamBuilder,
         collector: Collector,
+        with_prompt_text: bool = False,
     ) -> Response:
         if not self.engine.ready:
             raise APIError.from_engine(self.engine.not_ready_error)
@@ -251,8 +329,21 @@ class OpenAIServing:
             include_request_metrics=config.enable_per_request_metrics and n == 1,
             reasoning=generate_request.reasoning_parser is not None,
             prompt_tokens_details=config.enable_prompt_tokens_details,
+            force_include_usage=config.enable_force_include_usage,
+            return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+            response_role=config.response_role,
         )
         choices = await self.start_choices(generate_request, n)
+        if with_prompt_text:
+            # The text of the tokens the model was fed: the chat template's output, truncated
+            # as the request asked. Decoding a long prompt takes a while: off the loop.
+            prompt_ids = list(choices[0].first.prompt_token_ids or ())
+            try:
+                text = await self.in_worker(lambda: self.engine.detokenize(prompt_ids))
+            except BaseException:
+                await close_choices(choices)
+                raise
+            ctx = dataclasses.replace(ctx, prompt_text=text)
         if stream:
             return Response(
                 stream_builder(ctx, choices),
@@ -276,7 +367,10 @@ class OpenAIServing:
                 generate_request.sampling, seed=None if seed is None else seed + i
             )
             requests.append(msgspec.structs.replace(generate_request, sampling=sampling))
-        trackers = [Tracker(self.metrics, r.request_id, r.arrival_ns) for r in requests]
+        log_outputs = self.config.enable_log_outputs
+        trackers = [
+            Tracker(self.metrics, r.request_id, r.arrival_ns, log_outputs) for r in requests
+        ]
         started = await asyncio.gather(
             *(start(self.engine, r, self.drain) for r in requests), return_exceptions=True
         )

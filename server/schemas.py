@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -27,13 +27,19 @@ Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 TopK = Annotated[int, Meta(ge=-1)]
-LogprobCount = Annotated[int, Meta(ge=0, le=20)]
+LogprobCount = Annotated[int, Meta(ge=0)]  # at most --max-logprobs: check_max_logprobs
+# vLLM's logprob_token_ids: 1 to 128 ids (its MAX_LOGPROB_TOKEN_IDS)
+LogprobTokenIds = Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1, max_length=128)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 TokenId = Annotated[int, Meta(ge=0)]
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # the stages carry it as int32
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # vLLM's range: the sampler's int64
+# vLLM's cache_salt: 1 to 128 characters, none of which a cache backend's key could trip on
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]*$")]
 
 MAX_CHOICES = 16  # n: each choice is an engine request of its own
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -56,7 +62,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Bias] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     user: str | None = None
     # vLLM's extras
     top_k: TopK | None = None
@@ -72,8 +78,23 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     prompt_logprobs: LogprobCount | None = None  # vLLM: top-k logprobs of every prompt token
     allowed_token_ids: list[TokenId] | None = None  # vLLM: sample only among these
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last k; -1: fit
-    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
+    # vLLM: logprobs name tokens "token_id:N"; None: --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
     bad_words: list[str] | None = None  # vLLM: words the output must not contain
+    spaces_between_special_tokens: bool = True  # vLLM: kept special tokens stand apart
+    truncation_side: Literal["left", "right"] | None = None  # which end truncation cuts
+    return_token_ids: bool | None = None  # vLLM: prompt_token_ids and each choice's token_ids
+    # vLLM: the logprobs of these tokens at each position, in place of the top ones
+    logprob_token_ids: LogprobTokenIds | None = None
+    cache_salt: CacheSalt | None = None  # vLLM: only requests with the same salt share the cache
+    length_penalty: float = 1.0  # vLLM scores beams with it; no beams, no effect (as there)
+    # vLLM: tokens the reasoning may take before its end tag is forced (chat, with a reasoning
+    # parser); -1: unlimited
+    thinking_token_budget: int | None = None
+    # vLLM fields this server refuses (`_refuse_unsupported` says why)
+    use_beam_search: bool = False
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (one of them per request)
     response_format: dict[str, Any] | None = None
@@ -103,7 +124,30 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             )
         return found[0] if found else None
 
+    def _refuse_unsupported(self) -> None:
+        """vLLM's fields that this server cannot honour: each a 400 that says so, never a 200
+        that ignores it."""
+        if self.use_beam_search:
+            raise APIError("beam search is not supported", param="use_beam_search")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < -1:
+            raise APIError(
+                "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
+                param="thinking_token_budget",
+            )
+        if self.vllm_xargs:
+            raise APIError(
+                "vllm_xargs is not supported: this server has no custom logits processors to "
+                "read them",
+                param="vllm_xargs",
+            )
+        if self.kv_transfer_params:
+            raise APIError(
+                "kv_transfer_params is not supported: this server has no KV connector",
+                param="kv_transfer_params",
+            )
+
     def _validate_common(self, max_tokens: int | None, vocab_size: int) -> None:
+        self._refuse_unsupported()
         if self.n > MAX_CHOICES:
             raise APIError(f"n must be at most {MAX_CHOICES}", param="n")
         if self.prompt_logprobs is not None and self.stream:
@@ -133,6 +177,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise APIError("allowed_token_ids must not be empty", param="allowed_token_ids")
         _check_token_ids(self.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+        _check_token_ids(self.logprob_token_ids or (), vocab_size, "logprob_token_ids")
         if self.truncate_prompt_tokens == 0:
             raise APIError(
                 "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
@@ -140,6 +185,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         defaults = SamplingParams()
+        given = tuple(self.logprob_token_ids) if self.logprob_token_ids else None
+        if given is not None:
+            logprobs = len(given)  # their logprobs take the top-k's place
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             temperature=_or(self.temperature, defaults.temperature),
@@ -158,27 +206,30 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            logprob_token_ids=given,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             structured=self.structured(),
             allowed_token_ids=tuple(self.allowed_token_ids)
             if self.allowed_token_ids is not None
             else None,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side or "left",
             bad_words=tuple(w for w in self.bad_words or () if w.strip()),
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            thinking_token_budget=None
+            if self.thinking_token_budget in (None, -1)
+            else self.thinking_token_budget,
         )
 
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def top_logprob_count(self, asked: int) -> int:
+        """How many alternatives each logprob entry lists: those asked for, or every token of
+        logprob_token_ids (which take their place, as in vLLM)."""
+        return len(self.logprob_token_ids) if self.logprob_token_ids else asked
 
     @property
-    def continuous_usage(self) -> bool:
-        # vLLM's rule: per-chunk usage only when the final usage chunk was asked for too.
-        return (
-            self.include_usage
-            and self.stream_options is not None
-            and (self.stream_options.continuous_usage_stats)
-        )
+    def wants_prompt_token_ids(self) -> bool:
+        """Whether the response shows the prompt's tokens (the engine then sends them)."""
+        return bool(self.return_token_ids)
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -194,23 +245,63 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM: False drops reasoning_content from the response
     echo: bool = False  # vLLM: the reply starts with the last message's content (same role)
+    chat_template: str | None = None  # vLLM: the request's own (--trust-request-chat-template)
+    reasoning_effort: ReasoningEffort | None = None  # vLLM: a chat template variable
+    return_prompt_text: bool | None = None  # vLLM: the response carries the prompt's text
 
-    @property
-    def response_role(self) -> str:
-        """The reply's role: the assistant's, or without a generation prompt the last message's
-        (vLLM's get_chat_request_role)."""
-        if self.add_generation_prompt:
-            return "assistant"
-        return str(self.messages[-1].get("role"))
-
-    @property
-    def echo_text(self) -> str:
-        """What `echo` puts ahead of the reply: the last message's content when its role is the
-        reply's (the assistant's start with continue_final_message), else nothing, as vLLM."""
-        last = _normalize_message(self.messages[-1])
-        if not self.echo or last.get("role") != self.response_role:
+    def echo_text(self, role: str) -> str:
+        """What `echo` puts ahead of the reply: the last message's content (text parts joined by
+        newlines) when its role is the reply's `role` (server.chat's: the assistant's start with
+        continue_final_message), else nothing, as vLLM."""
+        last = self.messages[-1]
+        if not self.echo or last.get("role") != role:
             return ""
-        return str(last.get("content") or "")
+        content = last.get("content") or ""
+        if isinstance(content, list):
+            return "\n".join(str(part.get("text", "")) for part in content)
+        return str(content)
+
+    @property
+    def request_chat_template(self) -> str | None:
+        """The template the request brings, as `chat_template` or (as vLLM also reads it) in
+        `chat_template_kwargs`."""
+        if self.chat_template is not None:
+            return self.chat_template
+        kwargs = self.chat_template_kwargs or {}
+        given = kwargs.get("chat_template")
+        return given if isinstance(given, str) else None
+
+    @property
+    def wants_prompt_token_ids(self) -> bool:
+        return bool(self.return_token_ids or self.return_prompt_text)
+
+    def check_chat_template(self, trusted: bool) -> None:
+        """As vLLM: a request's own template runs only on a server that trusts its clients."""
+        brought = self.chat_template is not None or (
+            (self.chat_template_kwargs or {}).get("chat_template") is not None
+        )
+        if brought and not trusted:
+            raise APIError(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template.",
+                param="chat_template",
+            )
+        if brought and self.request_chat_template is None:
+            raise APIError(
+                "chat_template_kwargs.chat_template must be a string",
+                param="chat_template_kwargs",
+            )
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: the request's, and vLLM's `reasoning_effort` (which
+        also sets `enable_thinking`, unless the request set it)."""
+        kwargs = {
+            k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"
+        }
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs or None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -226,6 +317,11 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             _check_message(index, message)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise APIError(
+                "when using `logprob_token_ids`, `logprobs` must be set to true.",
+                param="logprob_token_ids",
+            )
         if self.add_generation_prompt and self.continue_final_message:
             raise APIError(
                 "add_generation_prompt and continue_final_message cannot both be true",
@@ -240,6 +336,12 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         self.structured()  # after the tools: a forced tool_choice reads them
 
     def _validate_tools(self) -> None:
+        if self.tools == []:
+            raise APIError(
+                "`tools` must not be an empty array. Either provide at least one tool or omit "
+                "the field entirely.",
+                param="tools",
+            )
         for index, tool in enumerate(self.tools or ()):
             function = tool.get("function")
             if (
@@ -345,11 +447,12 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
     def prompt(self) -> ChatPrompt:
         return ChatPrompt(
-            messages=[_normalize_message(m) for m in self.messages],
+            messages=self.messages,  # content parts reach the engine, which formats them
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
-            chat_template_kwargs=self.chat_template_kwargs,
+            chat_template_kwargs=self.template_kwargs(),
             tools=self.tools,
+            chat_template=self.request_chat_template,
         )
 
     def sampling_params(self) -> SamplingParams:
@@ -367,13 +470,27 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     logprobs: LogprobCount | None = None
     echo: bool = False
     add_special_tokens: bool = True
+    suffix: str | None = None  # refused, as vLLM does
 
     @property
     def effective_max_tokens(self) -> int:
         return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     def validate(self, vocab_size: int) -> None:
+        if self.suffix is not None:
+            raise APIError("suffix is not currently supported", param="suffix")
+        if self.thinking_token_budget not in (None, -1):
+            raise APIError(
+                "thinking_token_budget is not supported on completions here: it needs the "
+                "reasoning parser that chat completions run (--reasoning-parser)",
+                param="thinking_token_budget",
+            )
         self._validate_common(self.effective_max_tokens, vocab_size)
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            raise APIError(
+                "when using `logprob_token_ids`, `logprobs` must be set.",
+                param="logprob_token_ids",
+            )
         self.structured()
         if isinstance(self.prompt, str):
             if not self.prompt:
@@ -433,7 +550,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     def prompt_value(self) -> ChatPrompt | TextPrompt:
         if self.messages is not None:
             return ChatPrompt(
-                messages=[_normalize_message(m) for m in self.messages],
+                messages=self.messages,
                 add_generation_prompt=self.add_generation_prompt,
                 continue_final_message=self.continue_final_message,
                 chat_template_kwargs=self.chat_template_kwargs,
@@ -449,6 +566,25 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
     def validate(self, vocab_size: int) -> None:
         _check_token_ids(self.tokens, vocab_size, "tokens")
+
+
+def check_max_logprobs(
+    body: ChatCompletionRequest | CompletionRequest, max_logprobs: int, vocab_size: int
+) -> None:
+    """vLLM's check of --max-logprobs (-1: the whole vocabulary) against what a request asks
+    for, sampled (top_logprobs, or logprobs on completions) and prompt logprobs alike."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    if isinstance(body, ChatCompletionRequest):
+        sampled = ("top_logprobs", body.top_logprobs)
+    else:
+        sampled = ("logprobs", body.logprobs)
+    for param, count in (sampled, ("prompt_logprobs", body.prompt_logprobs)):
+        if count is not None and count > limit:
+            kind = "prompt" if param == "prompt_logprobs" else "sample"
+            raise APIError(
+                f"Requested {kind} logprobs of {count}, which is greater than max allowed: {limit}",
+                param=param,
+            )
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -504,14 +640,6 @@ def _check_tool_call_arguments(calls: Any, param: str) -> None:
             check_json_depth(arguments, f"{param}.tool_calls[{index}].function.arguments")
 
 
-def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Text content parts become one string (as vLLM does), which every chat template reads."""
-    content = message.get("content")
-    if isinstance(content, list):
-        return {**message, "content": "\n".join(part["text"] for part in content)}
-    return message
-
-
 def _parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
     parameters = function.get("parameters")
     return parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}
@@ -547,27 +675,56 @@ def _response_format(body: dict[str, Any] | None) -> StructuredOutput | None:
             )
         param = "response_format.json_schema.schema"
         return StructuredOutput("json", _schema_text(spec["schema"], param), param=param)
+    if kind == "structural_tag":
+        return _structural_tag(body, "response_format")
     raise APIError(
-        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        "response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+        f"got {kind!r}",
         param="response_format.type",
     )
 
 
+def _structural_tag(value: Any, param: str) -> StructuredOutput:
+    """vLLM's structural tag: {structures: [{begin, schema, end}], triggers} (render compiles
+    it, and says what is wrong with one that does not compile). xgrammar's newer form, a
+    `format` tree, has no llguidance equivalent here: a 400."""
+    if isinstance(value, str):
+        check_json_depth(value, param)
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise APIError(f"{param} is not valid JSON: {error}", param=param) from error
+    if not isinstance(value, dict):
+        raise APIError(f"{param} must be a structural tag object", param=param)
+    if "format" in value and "structures" not in value:
+        raise APIError(
+            "structural tags in the `format` form (xgrammar's) are not supported; give "
+            "`structures` ({begin, schema, end}) and `triggers`",
+            param=param,
+        )
+    tag = {"structures": value.get("structures"), "triggers": value.get("triggers")}
+    return StructuredOutput("structural_tag", json.dumps(tag), param=param)
+
+
 def _structured_outputs(body: dict[str, Any] | None) -> StructuredOutput | None:
-    """vLLM's `structured_outputs`: {json | regex | choice | grammar | json_object}."""
+    """vLLM's `structured_outputs`: {json | regex | choice | grammar | json_object |
+    structural_tag}."""
     if body is None:
         return None
     given = [
         key
-        for key in ("json", "regex", "choice", "grammar", "json_object")
+        for key in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
         if body.get(key) not in (None, False)
     ]
     if len(given) != 1:
         raise APIError(
-            "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+            "structured_outputs needs exactly one of json, regex, choice, grammar, json_object, "
+            "structural_tag",
             param="structured_outputs",
         )
     key = given[0]
+    if key == "structural_tag":
+        return _structural_tag(body[key], "structured_outputs.structural_tag")
     return _spec(key, body[key], f"structured_outputs.{key}")
 
 

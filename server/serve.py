@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.typing import ASGIFramework, ASGIReceiveCallable, ASGISendCallable, Scope
 from quart import Quart
 
 from server.config import ServerConfig
@@ -34,15 +35,36 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def hypercorn_config(listening_fd: int) -> HypercornConfig:
+def hypercorn_config(listening_fd: int, config: ServerConfig) -> HypercornConfig:
     hypercorn = HypercornConfig()
     hypercorn.bind = [f"fd://{listening_fd}"]
+    hypercorn.root_path = config.root_path  # ASGI root_path (see under_root_path)
+    if config.ssl_certfile is not None:  # HTTPS, on the same listening socket
+        hypercorn.certfile = config.ssl_certfile
+        hypercorn.keyfile = config.ssl_keyfile
     hypercorn.backlog = BACKLOG
     hypercorn.accesslog = None  # the app logs each request it finishes, with its request id
     # A Logger (not a path) makes Hypercorn log through the process's handlers, once.
     hypercorn.errorlog = logging.getLogger("hypercorn.error")
     hypercorn.graceful_timeout = FINAL_WRITE_GRACE_S
     return hypercorn
+
+
+def under_root_path(app: ASGIFramework, root_path: str) -> ASGIFramework:
+    """The app behind a proxy that serves it under `root_path` (--root-path): a request path
+    is served with or without the prefix. Paths the proxy stripped get it back, as uvicorn puts
+    it back for vLLM, and Quart takes it off again (an ASGI path includes the root path)."""
+    if not root_path:
+        return app
+
+    async def asgi(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        if scope["type"] in ("http", "websocket"):
+            path = scope["path"]
+            if path != root_path and not path.startswith(root_path + "/"):
+                scope = {**scope, "path": root_path + path}  # type: ignore[assignment]
+        await app(scope, receive, send)
+
+    return asgi
 
 
 async def serve_app(
@@ -65,4 +87,8 @@ async def serve_app(
         await drain.run(FINAL_WRITE_GRACE_S)
 
     # Hypercorn takes the descriptor over (it wraps it in a socket of its own and closes that).
-    await serve(app, hypercorn_config(sock.detach()), shutdown_trigger=drained)
+    await serve(
+        under_root_path(app, config.root_path),
+        hypercorn_config(sock.detach(), config),
+        shutdown_trigger=drained,
+    )

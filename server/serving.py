@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -17,6 +17,9 @@ from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.request_metrics import request_metrics_body
 from stages.api import EngineClient, EngineError, GenerateRequest, RequestMetrics, RequestOutput
+
+if TYPE_CHECKING:
+    from server.schemas import StreamOptions
 
 log = structlog.get_logger("server")
 
@@ -34,6 +37,23 @@ class ResponseContext:
     include_request_metrics: bool
     reasoning: bool = False  # a reasoning parser runs on this request's output
     prompt_tokens_details: bool = False  # final usage says how many prompt tokens were cached
+    force_include_usage: bool = False  # --enable-force-include-usage
+    return_tokens_as_token_ids: bool = False  # the server's default for the request field
+    response_role: str = "assistant"  # --response-role
+    prompt_text: str | None = None  # the prompt's tokens as text, when the request asked for it
+
+    def include_usage(self, stream_options: StreamOptions | None) -> tuple[bool, bool]:
+        """Whether a stream ends with a usage chunk, and whether every chunk carries usage
+        (vLLM's should_include_usage: the flag forces both)."""
+        if self.force_include_usage:
+            return True, True
+        if stream_options is None or not stream_options.include_usage:
+            return False, False
+        # vLLM's rule: per-chunk usage only when the final usage chunk was asked for too.
+        return True, bool(stream_options.continuous_usage_stats)
+
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        return self.return_tokens_as_token_ids if requested is None else requested
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -51,11 +71,15 @@ def usage_body(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]
 class Tracker:
     """Follows one request's outputs: usage so far, finish, and the server-wide metrics."""
 
-    def __init__(self, metrics: ServerMetrics, request_id: str, arrival_ns: int) -> None:
+    def __init__(
+        self, metrics: ServerMetrics, request_id: str, arrival_ns: int, log_outputs: bool = False
+    ) -> None:
         self._metrics = metrics
         self._request_id = request_id
         self._arrival_ns = arrival_ns
         self._last_output_ns: int | None = None
+        # --enable-log-outputs: the text and token ids, logged when the request finishes
+        self._output: tuple[list[str], list[int]] | None = ([], []) if log_outputs else None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
@@ -76,6 +100,9 @@ class Tracker:
             gap_s = (now_ns - self._last_output_ns) / 1e9
         self._metrics.observe_tokens(len(output.token_ids), gap_s)
         self._last_output_ns = now_ns
+        if self._output is not None:
+            self._output[0].append(output.text)
+            self._output[1].extend(output.token_ids)
         if output.finish_reason is not None:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
@@ -104,6 +131,15 @@ class Tracker:
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=self.num_output_tokens,
         )
+        if self._output is not None:
+            texts, token_ids = self._output
+            log.info(
+                "response generated",
+                request_id=self._request_id,
+                output="".join(texts),
+                output_token_ids=token_ids,
+                finish_reason=reason,
+            )
         self._metrics.observe_finish(
             reason,
             (time.monotonic_ns() - self._arrival_ns) / 1e9,

@@ -19,8 +19,10 @@ import msgspec
 class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
     """A shape the output must take (stages.text.structured compiles it)."""
 
-    kind: str  # json | json_object | regex | choice | grammar
-    value: str = ""  # the JSON schema (as JSON text), regex, choices (a JSON list) or grammar
+    kind: str  # json | json_object | regex | choice | grammar | structural_tag
+    # the JSON schema (as JSON text), regex, choices (a JSON list), grammar, or structural tag
+    # (vLLM's {structures, triggers}, as JSON text)
+    value: str = ""
     param: str = "response_format"  # the request field it came from, named by errors
 
 
@@ -46,13 +48,20 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # with special tokens kept: a space each side
     logprobs: int | None = None  # None = no logprobs; k >= 0 = sampled token's plus top k
+    # vLLM's logprob_token_ids: these tokens' logprobs instead of the top k (logprobs = their count)
+    logprob_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     structured: StructuredOutput | None = None  # guided decoding: the output follows a grammar
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
+    truncate_prompt_tokens: int | None = None  # keep k of the prompt's tokens; -1: max_model_len
+    truncation_side: str = "left"  # left: keep the prompt's last k tokens; right: its first k
     bad_words: tuple[str, ...] = ()  # vLLM: words the output must not contain
+    # vLLM: tokens the request may think for (inside its reasoning parser's tags) before the end
+    # tag is forced; None: no limit
+    thinking_token_budget: int | None = None
 
 
 class ChatPrompt(msgspec.Struct, frozen=True, tag="chat"):
@@ -61,6 +70,7 @@ class ChatPrompt(msgspec.Struct, frozen=True, tag="chat"):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None  # the request's own (--trust-request-chat-template)
 
 
 class TextPrompt(msgspec.Struct, frozen=True, tag="text"):
@@ -86,6 +96,9 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     # Output parsers (stages.text.parsers) the detokenize stage runs for this request, by name.
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    # vLLM's cache_salt: prefix-cache blocks are shared only among requests with the same salt.
+    cache_salt: str | None = None
+    return_prompt_token_ids: bool = False  # the first output carries the prompt's token ids
 
 
 class ToolCall(msgspec.Struct, frozen=True, array_like=True):

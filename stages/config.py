@@ -5,9 +5,14 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from stages.speculation import SpeculativeConfig
-from stages.text.checkpoint import kv_block_bytes_for, resolve_kv_cache_dtype
+from stages.text.checkpoint import (
+    kv_block_bytes_for,
+    load_generation_config,
+    resolve_kv_cache_dtype,
+)
 from stages.text.snapshot import model_config_of
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,6 +32,23 @@ def default_model_path() -> str:
 class EngineConfig:
     model_path: str
     served_model_name: str = ""
+    # --tokenizer: a Hugging Face directory or GGUF file to take the tokenizer (and its chat
+    # template) from instead of the model's; empty: the model's own.
+    tokenizer: str = ""
+    # --chat-template, as text (the CLI read the file): replaces the tokenizer's template.
+    chat_template: str | None = None
+    # --chat-template-content-format: how a message's content reaches the template; "string"
+    # (text parts joined), "openai" (a list of {"type": "text", "text": ...}) or "auto" (what
+    # the template reads, stages.text.chat_template.detect_content_format).
+    chat_template_content_format: str = "auto"
+    # max_tokens of a request that sets none (the generation config's max_new_tokens; a text
+    # completion's default is 16 instead, as its field's is in vLLM); it is capped by the room
+    # the prompt leaves, as vLLM caps it. None: all that room.
+    default_max_tokens: int | None = None
+    # vLLM's override_max_tokens, the cap on every request's max_tokens, its own included: the
+    # max_new_tokens of --generation-config DIR, or with auto or vllm that of
+    # --override-generation-config. None: no cap.
+    max_tokens_cap: int | None = None
     max_model_len: int = 0  # 0: the model's context length
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
@@ -62,7 +84,45 @@ class EngineConfig:
     stage_restart_window_s: float = 300.0
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# The sampling defaults a generation config may set (Hugging Face names, as vLLM takes them),
+# each with the type the request field has.
+GENERATION_CONFIG_PARAMS: dict[str, type] = {
+    "repetition_penalty": float,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "max_new_tokens": int,
+}
+
+
+def generation_defaults(
+    generation_config: str, model_path: str, override: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """vLLM's `get_diff_sampling_param`: the defaults for what a request leaves unset, from the
+    checkpoint's generation config ("auto"), none ("vllm") or the one in a directory, updated by
+    --override-generation-config; max_new_tokens comes back as max_tokens. ValueError for a
+    value that is not a number."""
+    if generation_config == "vllm":
+        config: dict[str, Any] = {}
+    elif generation_config == "auto":
+        config = load_generation_config(model_path)
+    elif os.path.isdir(generation_config):
+        config = load_generation_config(generation_config)
+    else:
+        raise ValueError("not auto, vllm or a directory")
+    config = {**config, **(override or {})}
+    defaults: dict[str, Any] = {}
+    for name, kind in GENERATION_CONFIG_PARAMS.items():
+        value = config.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        defaults["max_tokens" if name == "max_new_tokens" else name] = kind(value)
+    return defaults
 
 
 def resolve_max_model_len(config: EngineConfig) -> int:

@@ -45,8 +45,7 @@ from stages.rings import common, deltas, plan, prompts, requests, results, token
 from stages.scheduler import GAUGES
 from stages.text.checkpoint import load_model_config
 from stages.text.prompts import prompt_token_ids
-from stages.text.snapshot import write_snapshot
-from stages.text.tokenizer import load_tokenizer
+from stages.text.snapshot import tokenizer_of, write_snapshot
 
 log = structlog.get_logger("stages.engine")
 
@@ -156,7 +155,7 @@ class Engine:
     """Supervises the pipeline and serves requests through it."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.bundle = load_tokenizer(config.model_path)
+        self.bundle = tokenizer_of(config)  # --tokenizer and --chat-template applied
         self.max_model_len = resolve_max_model_len(config)
         self.num_blocks = num_kv_blocks(config)
         if self.num_blocks * config.block_size < self.max_model_len:
@@ -541,7 +540,9 @@ class Engine:
                 )
 
     def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
-        return prompt_token_ids(self.bundle, prompt)
+        return prompt_token_ids(
+            self.bundle, prompt, content_format=self.config.chat_template_content_format
+        )
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         bad = [t for t in token_ids if not 0 <= t < self.bundle.vocab_size]
@@ -646,6 +647,8 @@ def _output(request_id: str, batch: deltas.DeltaBatch, row: int) -> RequestOutpu
     prompt_ids, prompt_logprobs = None, None
     if extra.prompt_logprobs is not None:
         prompt_ids, prompt_logprobs = _prompt_logprobs(extra.prompt_logprobs)
+    if extra.prompt_token_ids is not None:
+        prompt_ids = extra.prompt_token_ids
     token = batch.token_ids[row]
     return RequestOutput(
         request_id=request_id,

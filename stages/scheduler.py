@@ -95,8 +95,11 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the cache when last admitted
     num_registered: int = 0  # prompt blocks registered in the cache
     block_hashes: list[bytes] | None = None  # the prompt's, computed at first admission
-    # Speculative decoding: its acceptance so far (stages.draft_policy), and what its steps
-    # verified: steps with drafts, drafts, accepted, and steps by drafts accepted.
+    # Speculative decoding: whether drafts may be proposed for it (not with a thinking budget,
+    # whose close tag execute forces one sampled token at a time), its acceptance so far
+    # (stages.draft_policy), and what its steps verified: steps with drafts, drafts, accepted, and
+    # steps by drafts accepted.
+    can_draft: bool = True
     acceptance: float = draft_policy.PRIOR_ACCEPTANCE
     spec_steps: int = 0
     spec_drafted: int = 0
@@ -105,6 +108,7 @@ class Sequence:
     # A step in flight verifies drafts of it: where its tokens stand after that step is unknown
     # (1 to 1 + drafts more), so no other step plans it until the result is back.
     drafts_in_flight: bool = False
+    cache_salt: str | None = None  # only requests with the same salt share cached blocks
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.prompt_ids)
@@ -357,7 +361,7 @@ class Scheduler:
         """Prompt lookup over the tokens known so far, capped so that every draft could be emitted
         (max_tokens, max_model_len)."""
         spec = self.config.speculative
-        if spec is None:
+        if spec is None or not seq.can_draft:
             return np.zeros(0, np.int32)
         num_outputs = len(seq.output_ids) + seq.pending_outputs
         room = min(
@@ -473,7 +477,9 @@ class Scheduler:
 
     def _prompt_hashes(self, seq: Sequence) -> list[bytes]:
         if seq.block_hashes is None:
-            seq.block_hashes = prompt_block_hashes(seq.prompt_ids, self.blocks.block_size)
+            seq.block_hashes = prompt_block_hashes(
+                seq.prompt_ids, self.blocks.block_size, seq.cache_salt
+            )
         return seq.block_hashes
 
     def _count_prefix_lookup(self, seq: Sequence, cached: int) -> None:

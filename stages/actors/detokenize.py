@@ -138,6 +138,9 @@ class DetokenizeActor(AsyncActor):
                 scores = state.prompt_scores
                 prompt_logprobs = tuple(scores[p] for p in sorted(scores))
                 state.prompt_scores = None
+            prompt_ids = None
+            if state.params.prompt_token_ids and not state.prompt_ids_sent:
+                prompt_ids, state.prompt_ids_sent = state.params.prompt_token_ids, True
             out_rows.append((handle, final, num_prompt, num_output, token))
             texts.append(text)
             # Most rows are a token and its text: only the others carry an encoded extra.
@@ -148,6 +151,7 @@ class DetokenizeActor(AsyncActor):
                 and not reasoning
                 and not tool_calls
                 and prompt_logprobs is None
+                and prompt_ids is None
             ):
                 extras.append(None)
             else:
@@ -160,6 +164,7 @@ class DetokenizeActor(AsyncActor):
                         tuple(tool_calls),
                         prompt_logprobs,
                         num_reasoning_tokens,
+                        prompt_ids,
                     )
                 )
         if not out_rows:

@@ -26,6 +26,7 @@ from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
 from stages.rings.plan import PlannedStep
 from stages.rings.prompts import RenderedRequest
 from stages.text.structured import GRAMMAR_STACK_BYTES
+from stages.text.thinking import ThinkingTracker
 
 if TYPE_CHECKING:
     import llguidance
@@ -67,6 +68,7 @@ class ExecuteActor(SyncActor):
         self.sampling: dict[int, RequestSampling] = {}
         self.last_token: dict[int, int] = {}
         self.with_bad_words: set[int] = set()  # steps without them skip building their arrays
+        self.thinking: dict[int, ThinkingTracker] = {}  # requests with a thinking_token_budget
         # Built now (~0.25 s and ~30 MB for a 49k vocabulary), not at the first structured-output
         # request: llguidance holds the GIL while it builds its tokenizer, which would stop every
         # running stream that long, even from a worker thread.
@@ -143,6 +145,7 @@ class ExecuteActor(SyncActor):
             self.sampling.pop(handle, None)
             self.last_token.pop(handle, None)
             self.with_bad_words.discard(handle)
+            self.thinking.pop(handle, None)
             building = self.building.pop(handle, None)
             if building is not None:  # aborted before its matcher was done
                 building.cancel()
@@ -160,6 +163,12 @@ class ExecuteActor(SyncActor):
             self.sampling[handle] = sampling
             if sampling.has_bad_words:
                 self.with_bad_words.add(handle)
+            if request.thinking is not None:
+                tracker = ThinkingTracker(request.thinking)
+                for token in () if request.resume is None else request.resume.output_ids:
+                    tracker.forced()
+                    tracker.consume(token)
+                self.thinking[handle] = tracker
             if request.grammar and handle not in self.grammars:
                 raise RuntimeError(f"request {handle} was planned before its grammar matcher")
 
@@ -195,7 +204,12 @@ class ExecuteActor(SyncActor):
             slot_mapping=step.slot_mapping,
             prompt_lens=seqs["prompt_len"].astype(np.int32),
             sample=seqs["sample"].astype(bool),
-            sampling=gather(requests, bitmask, bool(self.with_bad_words)),
+            sampling=gather(
+                requests,
+                bitmask,
+                bool(self.with_bad_words),
+                self.forced_tokens(handles, seqs["sample"]) if self.thinking else None,
+            ),
             prompt_logprobs=np.array([r.prompt_logprobs for r in requests], np.int32),
             num_draft=num_draft if num_draft.any() else None,
             draft_bitmask=draft_bitmask,
@@ -224,18 +238,33 @@ class ExecuteActor(SyncActor):
                 pieces.append(np.repeat(bitmask[row : row + 1], drafts + 1, axis=0))
         return np.concatenate(pieces)
 
+    def forced_tokens(self, handles: np.ndarray, sample: np.ndarray) -> np.ndarray:  # -> [S] int32
+        """Per row the token its thinking budget forces (the end tag's, once spent), or -1. Such
+        rows draft nothing (schedule's can_draft), so a row's one sampled token is the forced one."""
+        forced = np.full(len(handles), -1, np.int32)
+        for row, (handle, samples) in enumerate(
+            zip(handles.tolist(), sample.tolist(), strict=True)
+        ):
+            tracker = self.thinking.get(handle)
+            if samples and tracker is not None:
+                forced[row] = tracker.forced()
+        return forced
+
     def advance(self, handles: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray) -> None:
         """Remember each row's last sampled token (the next plan may name it -1); feed the
-        grammars every token a row emitted."""
+        grammars and the thinking budgets every token a row emitted."""
         grammars = self.grammars if len(self.grammars) else None
         tokens = sampled.tolist()
         at = 0
         for handle, count in zip(handles.tolist(), num_tokens.tolist(), strict=True):
+            tracker = self.thinking.get(handle)
             for token in tokens[at : at + count]:
                 if token >= 0:
                     self.last_token[handle] = token
                     if grammars is not None:
                         grammars.consume(handle, token)
+                    if tracker is not None:
+                        tracker.consume(token)
             at += count
 
 

@@ -35,9 +35,11 @@ from stages.text.prompts import (
     check_lengths,
     prompt_size,
     prompt_token_ids,
+    truncate,
 )
 from stages.text.snapshot import tokenizer_of
 from stages.text.structured import GRAMMAR_STACK_BYTES, compile_grammar
+from stages.text.thinking import ThinkingBudget
 
 INLINE_PROMPT_CHARS = 32 * 1024  # about 8k tokens: milliseconds to template and tokenize
 RENDER_THREADS = 2
@@ -174,18 +176,27 @@ class RenderActor(AsyncActor):
             raise EngineError(f"unknown reasoning parser {request.reasoning_parser!r}")
         if request.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise EngineError(f"unknown tool-call parser {request.tool_call_parser!r}")
-        # Truncation keeps the end of a prompt of any length; otherwise what cannot fit is
+        # Truncation keeps k tokens of a prompt of any length; otherwise what cannot fit is
         # refused before it is tokenized.
         bound = self.length_bound if s.truncate_prompt_tokens is None else None
-        ids = prompt_token_ids(self.bundle, request.prompt, bound)
+        ids = prompt_token_ids(
+            self.bundle, request.prompt, bound, self.ctx.config.chat_template_content_format
+        )
         if s.truncate_prompt_tokens is not None:
-            # vLLM's truncation: the prompt's last k tokens (-1: as many as the model takes)
+            # vLLM's truncation: k of the prompt's tokens (-1: as many as the model takes)
             keep = s.truncate_prompt_tokens
             if keep < 0:  # what leaves room for max_tokens (or for one token)
                 keep = max(1, self.max_model_len - (s.max_tokens or 1))
-            ids = ids[-keep:]
+            ids = truncate(ids, keep, s.truncation_side)
         max_tokens = check_lengths(len(ids), s.max_tokens, self.max_model_len)
-        for token in (*(s.logit_bias or {}), *(s.allowed_token_ids or ()), *s.stop_token_ids):
+        config = self.ctx.config
+        if s.max_tokens is None and config.default_max_tokens is not None:
+            # the generation config's max_new_tokens, within the room left (as vLLM caps it)
+            max_tokens = min(max_tokens, config.default_max_tokens)
+        if config.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, config.max_tokens_cap)
+        given = (*(s.logit_bias or {}), *(s.allowed_token_ids or ()), *(s.logprob_token_ids or ()))
+        for token in (*given, *s.stop_token_ids):
             if not 0 <= token < self.bundle.vocab_size:
                 raise EngineError(f"token id {token} is out of vocabulary", param="logit_bias")
         rendered = RenderedRequest(
@@ -195,6 +206,8 @@ class RenderActor(AsyncActor):
             bad_words=bad_word_ids(self.bundle, s.bad_words),
             grammar="" if s.structured is None else compile_grammar(s.structured),
             resume=resume,
+            cache_salt=request.cache_salt,
+            thinking=self.thinking_budget(request, ids),
         )
         detok = DetokParams(
             stop=s.stop,
@@ -202,6 +215,9 @@ class RenderActor(AsyncActor):
             # Tool-call markup is often special tokens (Qwen's <tool_call>): keep it for the parser,
             # as vLLM's tool parsers do.
             skip_special_tokens=s.skip_special_tokens and request.tool_call_parser is None,
+            # Only the client's own choice to keep special tokens sets them apart with spaces.
+            spaces_between_special_tokens=s.spaces_between_special_tokens
+            and not s.skip_special_tokens,
             num_logprobs=-1 if s.logprobs is None else s.logprobs,
             num_prompt_logprobs=-1 if s.prompt_logprobs is None else s.prompt_logprobs,
             reasoning_parser=request.reasoning_parser,
@@ -209,6 +225,9 @@ class RenderActor(AsyncActor):
             reasoning_starts_inside=request.reasoning_parser is not None
             and prompt_opens_reasoning(self.bundle.decode(ids[-8:]), request.reasoning_parser),
             replay_ids=() if resume is None else resume.output_ids,
+            prompt_token_ids=tuple(ids)
+            if request.return_prompt_token_ids and resume is None
+            else (),
         )
         return RenderedPrompt(
             handle=handle,
@@ -219,6 +238,32 @@ class RenderActor(AsyncActor):
             prompt_ids=np.asarray(ids, np.int32),
             rendered=encoder.encode(rendered),
             detok=encoder.encode(detok),
+        )
+
+    def thinking_budget(self, request: GenerateRequest, ids: list[int]) -> ThinkingBudget | None:
+        """The request's thinking_token_budget with its reasoning parser's tags as tokens."""
+        budget = request.sampling.thinking_token_budget
+        if budget is None:
+            return None
+        if request.reasoning_parser is None:
+            raise EngineError(
+                "thinking_token_budget needs a reasoning parser (--reasoning-parser), whose "
+                "tags mark the thinking",
+                param="thinking_token_budget",
+            )
+        if request.sampling.structured is not None:
+            # the grammar holds from the first token here, so it would refuse the close tag
+            raise EngineError(
+                "thinking_token_budget cannot be combined with structured outputs",
+                param="thinking_token_budget",
+            )
+        tags = REASONING_PARSERS[request.reasoning_parser]
+        return ThinkingBudget.of(
+            budget,
+            self.bundle.encode(tags.start, add_bos=False),
+            self.bundle.encode(tags.end, add_bos=False),
+            ids,
+            tags.starts_inside,
         )
 
 

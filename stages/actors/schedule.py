@@ -302,6 +302,10 @@ def _sequence(prompt: RenderedPrompt) -> Sequence:
         rendered=prompt.rendered,
         detok=prompt.detok,
         cacheable=request.cacheable,
+        # No drafts with a thinking budget (execute forces the end tag one sampled token at a
+        # time); a grammar's drafts are checked against it in execute.
+        can_draft=request.thinking is None,
+        cache_salt=request.cache_salt,
         render_start_ns=prompt.render_start_ns,
         rendered_ns=prompt.rendered_ns,
         output_ids=[] if resume is None else list(resume.output_ids),

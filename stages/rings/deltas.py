@@ -25,6 +25,7 @@ class DeltaExtra(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     # on a request's final delta, with a reasoning parser: its output tokens inside the reasoning
     num_reasoning_tokens: int = 0
+    prompt_token_ids: tuple[int, ...] | None = None  # on the first delta, when asked for
 
 
 PLAIN = DeltaExtra()  # a row with only a token and its text

@@ -11,6 +11,7 @@ import numpy as np
 from pipeline.records import Record, Vocabulary
 from stages.api import SamplingParams
 from stages.rings.common import ABORT, RESET_PREFIX_CACHE, Resume, Views
+from stages.text.thinking import ThinkingBudget
 
 
 class RenderedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -25,6 +26,8 @@ class RenderedRequest(msgspec.Struct, frozen=True, array_like=True):
     bad_words: tuple[tuple[int, ...], ...] = ()  # each bad word's tokens, alone and after a space
     grammar: str = ""  # compiled llguidance grammar (stages.text.structured); "": unconstrained
     resume: Resume | None = None  # resubmitted after a stage failure: the outputs already sent
+    cache_salt: str | None = None  # mixed into the first prompt block's hash (prefix caching)
+    thinking: ThinkingBudget | None = None  # thinking_token_budget, with the tags as tokens
 
     @property
     def cacheable(self) -> bool:

@@ -19,6 +19,7 @@ class DetokParams(msgspec.Struct, frozen=True):
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = False  # a kept special token stands apart by a space
     num_logprobs: int = -1  # < 0: none
     num_prompt_logprobs: int = -1  # < 0: none
     reasoning_parser: str | None = None  # stages.text.parsers names
@@ -27,6 +28,8 @@ class DetokParams(msgspec.Struct, frozen=True):
     # Resubmitted after a stage failure: the outputs already streamed, replayed through the text
     # state without being emitted again.
     replay_ids: tuple[int, ...] = ()
+    # The prompt's ids, for the first delta, when the request asked for them (return_token_ids).
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 _detok_decoder = msgspec.msgpack.Decoder(DetokParams)

@@ -214,3 +214,35 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, quantization: str | 
     if kv_cache_dtype == "auto":
         return "bfloat16" if quantization is not None else dtype
     return kv_cache_dtype
+
+
+# What a checkpoint recommends to sample with, named as in generation_config.json; a GGUF file
+# carries the same values (when its converter wrote them) under llama.cpp's general.sampling.*.
+GENERATION_CONFIG_FILE = "generation_config.json"
+_GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def load_generation_config(path: str) -> dict[str, Any]:
+    """The generation config of a Hugging Face directory (its generation_config.json; {} when it
+    has none) or of a `.gguf` file (its general.sampling.* metadata, under the HF names)."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        reader = open_gguf(path)
+        return {
+            name: _field(reader, key)
+            for key, name in _GGUF_SAMPLING_KEYS.items()
+            if reader.fields.get(key) is not None
+        }
+    config_path = os.path.join(path, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        return {}
+    with open(config_path, encoding="utf-8") as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise UnsupportedModelError(f"{config_path} does not hold a JSON object")
+    return raw

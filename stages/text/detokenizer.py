@@ -23,10 +23,14 @@ class TextState:
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
     held: str = ""  # decoded text not yet emitted: it might begin a stop string
+    # What the last shown token was (None before any): with spaces_between_special_tokens, a
+    # special token and its neighbours are set apart by one space, as HF's detokenizer joins them.
+    last_special: bool | None = None
     busy_ns: int = 0  # time spent on this request here
     parser: OutputParser | None = None  # reasoning / tool calls, when the request asked for them
     # prompt logprobs by position, gathered over the prefill chunks until the first delta
     prompt_scores: dict[int, TokenLogprob] | None = None
+    prompt_ids_sent: bool = False  # the first delta carried the prompt's ids (when asked for)
 
     def __post_init__(self) -> None:
         p = self.params
@@ -94,6 +98,11 @@ class Detokenizer:
         if is_stop_token and not params.include_stop_str_in_output:
             show = False
         if show:
+            special = token in self.special_ids
+            if params.spaces_between_special_tokens:
+                if state.last_special is not None and (special or state.last_special):
+                    text += state.decoder.decode(b"", final=True) + " "
+                state.last_special = special
             text += state.decoder.decode(self.token_bytes[token])
         if finish != FINISH_NONE:
             text += state.decoder.decode(b"", final=True)

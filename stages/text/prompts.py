@@ -88,17 +88,22 @@ def prompt_size(prompt: Prompt) -> int:
     if isinstance(prompt, TokensPrompt):
         return len(prompt.token_ids)
     tools = len(json.dumps(prompt.tools)) if prompt.tools else 0
-    return tools + sum(len(str(m.get("content") or "")) for m in prompt.messages)
+    template = len(prompt.chat_template or "")  # a request's own is compiled before it renders
+    return template + tools + sum(len(str(m.get("content") or "")) for m in prompt.messages)
 
 
 def prompt_token_ids(
-    bundle: TokenizerBundle, prompt: Prompt, bound: LengthBound | None = None
+    bundle: TokenizerBundle,
+    prompt: Prompt,
+    bound: LengthBound | None = None,
+    content_format: str = "auto",
 ) -> list[int]:
-    """The prompt's token ids (the chat template applied); EngineError for a bad prompt, and for
+    """The prompt's token ids (the chat template applied, message content passed to it as
+    `content_format` says: stages.text.chat.render_chat); EngineError for a bad prompt, and for
     text past `bound` (which is then not tokenized)."""
     if isinstance(prompt, ChatPrompt):
         text = render_chat(
-            bundle.chat_template,
+            prompt.chat_template or bundle.chat_template,
             prompt.messages,
             add_generation_prompt=prompt.add_generation_prompt,
             continue_final_message=prompt.continue_final_message,
@@ -106,6 +111,7 @@ def prompt_token_ids(
             template_kwargs=prompt.chat_template_kwargs,
             bos_token=bundle.bos_token,
             eos_token=bundle.eos_token,
+            content_format=content_format,
         )
         if bound is not None:
             bound.check(text, "messages")
@@ -134,6 +140,14 @@ def bad_word_ids(bundle: TokenizerBundle, words: Sequence[str]) -> tuple[tuple[i
             if ids:
                 sequences[ids] = None
     return tuple(sequences)
+
+
+def truncate(ids: list[int], keep: int, side: str) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens ("left" cuts the start,
+    the default) or its first ("right" cuts the end)."""
+    if len(ids) <= keep:
+        return ids
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 def check_lengths(num_prompt: int, max_tokens: int | None, max_model_len: int) -> int:

@@ -8,6 +8,7 @@ comes back sooner. The files live in a directory the engine owns and removes at 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +35,13 @@ def write_snapshot(directory: str, bundle: TokenizerBundle, model: ModelConfig) 
 
 
 def tokenizer_of(config: EngineConfig) -> TokenizerBundle:
-    """The model's tokenizer: from the engine's snapshot when there is one."""
+    """The model's tokenizer: from the engine's snapshot when there is one, else from
+    --tokenizer or the model, with --chat-template in place of its template."""
     if not config.snapshot_dir:
-        return load_tokenizer(config.model_path)
+        bundle = load_tokenizer(config.tokenizer or config.model_path)
+        if config.chat_template is None:
+            return bundle
+        return dataclasses.replace(bundle, chat_template=config.chat_template)
     from tokenizers import Tokenizer
 
     with open(os.path.join(config.snapshot_dir, _TOKENIZER_FILE), "rb") as f:

@@ -25,7 +25,7 @@ from stages.api import EngineError, StructuredOutput
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the type stubs only
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # Compile time grows faster than the grammar (100,000 choices took render 33 s and execute 16 s;
 # 10,000 take about 0.15 s each on a 49k vocabulary, a 256 KiB schema about as long): larger specs
 # are the client's 400. Real ones are far smaller.
@@ -98,7 +98,36 @@ def _grammar(spec: StructuredOutput) -> str:
     if kind == "grammar":
         # Lark, as llguidance takes it; GBNF (llama.cpp's grammars) is converted.
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(value))
+    if kind == "structural_tag":
+        return _structural_tag(json.loads(value))
     raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def _structural_tag(spec: object) -> str:
+    """vLLM's structural tag (`structures` of {begin, schema, end} and their `triggers`), as
+    vLLM's guidance backend compiles it: free text, in which each trigger opens its structure, a
+    JSON schema between its begin and end strings."""
+    if not isinstance(spec, dict):
+        raise ValueError("a structural tag must be an object")
+    triggers, structures = spec.get("triggers"), spec.get("structures")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("triggers must be a list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structures must be a non-empty list")
+    tags = []
+    for structure in structures:
+        if not isinstance(structure, dict):
+            raise ValueError("each structure must be {begin, schema, end}")
+        begin, end, schema = structure.get("begin"), structure.get("end"), structure.get("schema")
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise ValueError("each structure needs begin and end strings")
+        if not isinstance(schema, dict):
+            raise ValueError("each structure needs a JSON schema object")
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"the begin {begin!r} starts with none of the triggers {triggers}")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
+    return llguidance.StructTag.to_grammar(tags)
 
 
 class GrammarMatchers:

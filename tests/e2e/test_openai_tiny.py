@@ -47,6 +47,7 @@ def server(tmp_path_factory):
         "1",
         "--enable-per-request-metrics",
         "--enable-prompt-tokens-details",
+        "--trust-request-chat-template",
     ]
     with running_server(args, port, log_path) as process:
         yield port, process
@@ -608,6 +609,177 @@ def test_reset_prefix_cache_over_http(server, client):
     assert http_post(port, "/reset_prefix_cache") == (200, b"")
     assert cached_tokens() == 0
     assert cached_tokens() > 0
+
+
+def test_cache_salt_keeps_tenants_apart_in_the_prefix_cache(client):
+    """vLLM's cache_salt: the same prompt under another salt (or none) finds nothing cached; under
+    the same salt it does."""
+    system = "Salted system prompt, long enough to fill several KV blocks of sixteen. " * 3
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=1, extra_body=extra
+        )
+        return reply.model_extra["metrics"]["num_cached_prompt_tokens"]
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached("tenant-a") >= 32
+    assert cached(None) >= 32
+    with pytest.raises(openai.BadRequestError):
+        cached("")
+
+
+def test_truncation_side_token_ids_and_prompt_text(client):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    full = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, extra_body={"return_token_ids": True}
+    )
+    ids = full.choices[0].model_extra["prompt_token_ids"]
+    assert len(ids) == full.usage.prompt_tokens > 10 and len(set(ids[:5] + ids[-5:])) > 5
+    assert len(full.choices[0].model_extra["token_ids"]) == 1
+    for side, kept in (("left", ids[-5:]), ("right", ids[:5])):
+        reply = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=1,
+            extra_body={
+                "truncate_prompt_tokens": 5,
+                "truncation_side": side,
+                "return_token_ids": True,
+            },
+        )
+        assert reply.choices[0].model_extra["prompt_token_ids"] == kept, side
+    reply = chat(
+        client,
+        content="Paris",
+        max_tokens=1,
+        extra_body={"return_prompt_text": True, "return_token_ids": True},
+    )
+    assert (
+        reply.model_extra["prompt_text"]
+        == "<|im_start|>user\nParis<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert len(reply.model_extra["prompt_token_ids"]) == reply.usage.prompt_tokens
+
+
+def test_a_request_chat_template_renders_in_the_sandbox(client):
+    own = "{% for m in messages %}{{ m.role }}: {{ m.content }}|{{ effort }}{% endfor %}"
+    reply = chat(
+        client,
+        content="Paris",
+        max_tokens=1,
+        reasoning_effort="low",
+        extra_body={
+            "chat_template": "{{ reasoning_effort }}/" + own,
+            "chat_template_kwargs": {"effort": "e"},
+            "return_prompt_text": True,
+        },
+    )
+    assert reply.model_extra["prompt_text"] == "low/user: Paris|e"
+    with pytest.raises(openai.BadRequestError):
+        chat(client, max_tokens=1, extra_body={"chat_template": "{{ ().__class__ }}"})
+
+
+def test_spaces_between_special_tokens(client):
+    special = 1  # <|im_start|>, kept in the text when skip_special_tokens is false
+    texts = {}
+    for spaces in (True, False):
+        reply = client.completions.create(
+            model="tiny",
+            prompt="Hello",
+            max_tokens=6,
+            seed=3,
+            temperature=1,
+            extra_body={
+                "allowed_token_ids": [special, 40],
+                "ignore_eos": True,
+                "skip_special_tokens": False,
+                "spaces_between_special_tokens": spaces,
+                "return_token_ids": True,
+            },
+        )
+        texts[spaces] = reply.choices[0].text
+        token_ids = reply.choices[0].model_extra["token_ids"]
+    pieces = [
+        client.post("/../detokenize", body={"tokens": [t]}, cast_to=object)["prompt"]
+        for t in token_ids
+    ]
+    assert texts[False] == "".join(pieces)
+    runs: list[str] = []
+    for token, piece in zip(token_ids, pieces, strict=True):
+        if token == special or not runs or runs[-1] == "<|im_start|>":
+            runs.append(piece)
+        else:
+            runs[-1] += piece
+    assert texts[True] == " ".join(runs) and special in token_ids
+
+
+def test_logprob_token_ids_report_the_tokens_asked_for(client):
+    as_ids = {"return_tokens_as_token_ids": True}
+    top = chat(
+        client, max_tokens=2, temperature=0, logprobs=True, top_logprobs=20, extra_body=as_ids
+    )
+    first = top.choices[0].logprobs.content[0]
+    scores = {int(alt.token.split(":")[1]): alt.logprob for alt in first.top_logprobs}
+    picked = [int(alt.token.split(":")[1]) for alt in first.top_logprobs[5:8]]  # not sampled
+    asked = chat(
+        client,
+        max_tokens=2,
+        temperature=0,
+        logprobs=True,
+        extra_body={"logprob_token_ids": picked, **as_ids},
+    )
+    assert asked.choices[0].message.content == top.choices[0].message.content
+    entry = asked.choices[0].logprobs.content[0]
+    assert entry.token == first.token and entry.logprob == pytest.approx(first.logprob, abs=1e-5)
+    # vLLM's shape: the sampled token, then the tokens asked for, in their order
+    assert [alt.token for alt in entry.top_logprobs] == [
+        entry.token,
+        *(f"token_id:{i}" for i in picked),
+    ]
+    for token_id, alt in zip(picked, entry.top_logprobs[1:], strict=True):
+        assert alt.logprob == pytest.approx(scores[token_id], abs=1e-5)
+    completion = client.completions.create(
+        model="tiny",
+        prompt="Hello",
+        max_tokens=1,
+        temperature=0,
+        logprobs=0,
+        extra_body={"logprob_token_ids": picked, **as_ids},
+    )
+    alternatives = completion.choices[0].logprobs.top_logprobs[0]
+    assert set(alternatives) >= {f"token_id:{i}" for i in picked}
+    for extra in ({"logprob_token_ids": picked}, {"logprob_token_ids": []}):
+        with pytest.raises(openai.BadRequestError):
+            chat(client, max_tokens=1, extra_body=extra)  # no logprobs / empty
+
+
+def test_thinking_token_budget_needs_a_reasoning_parser(client):
+    # this server runs none (tests/stages/test_engine.py has the budget forcing the end tag)
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, max_tokens=2, extra_body={"thinking_token_budget": 3})
+    assert "--reasoning-parser" in info.value.message
+    assert chat(client, max_tokens=2, extra_body={"thinking_token_budget": -1}).choices
+
+
+def test_structural_tag_compiles_in_render(client):
+    tag = {
+        "type": "structural_tag",
+        "structures": [
+            {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"},
+        ],
+        "triggers": ["<f"],
+    }
+    reply = chat(client, max_tokens=4, response_format=tag)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    tag["structures"][0]["begin"] = "<g>"  # starts with no trigger: render refuses it
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, max_tokens=4, response_format=tag)
+    assert "trigger" in info.value.message
 
 
 # Last: it stops the module's server.

@@ -199,24 +199,27 @@ def test_free_forgets_requests(llama_runner):
     assert llama_runner.tracked_request_ids == {11}
 
 
-def test_bfloat16_runner_stays_close_to_float32(tiny_models):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runner_stays_close_to_float32(tiny_models, dtype):
     prompt = np.random.default_rng(3).integers(3, 128, 9).tolist()
     logprobs = {}
-    for dtype in ("float32", "bfloat16"):
+    for run_dtype in ("float32", dtype):
         runner = ModelRunner.from_path(
             str(tiny_models["mistral"]),
-            RunnerConfig(dtype=dtype, kv_cache_bytes=1 << 20, block_size=4),
+            RunnerConfig(dtype=run_dtype, kv_cache_bytes=1 << 20, block_size=4),
         )
-        assert runner.kv_cache.layers[0][0].dtype == getattr(torch, dtype)
+        # weights, activations and the KV cache in that dtype (--dtype half runs float16)
+        assert runner.kv_cache.layers[0][0].dtype == getattr(torch, run_dtype)
+        assert runner.model.model.embed_tokens.weight.dtype == getattr(torch, run_dtype)
         request = Request(1, prompt, 1, prompt_logprobs=0)
         generate(runner, [request])
-        logprobs[dtype] = np.array(request.results[0]["prompt_logprobs"])
-    assert np.abs(logprobs["float32"] - logprobs["bfloat16"]).max() < 0.05
+        logprobs[run_dtype] = np.array(request.results[0]["prompt_logprobs"])
+    assert np.abs(logprobs["float32"] - logprobs[dtype]).max() < 0.05
 
 
 def test_unknown_dtype_is_rejected(tiny_models):
-    with pytest.raises(ValueError, match="float16"):
-        ModelRunner.from_path(str(tiny_models["llama"]), RunnerConfig(dtype="float16"))
+    with pytest.raises(ValueError, match="float64"):
+        ModelRunner.from_path(str(tiny_models["llama"]), RunnerConfig(dtype="float64"))
 
 
 def _prompt_logprobs(path: str, config: RunnerConfig, prompt: list[int]) -> np.ndarray:

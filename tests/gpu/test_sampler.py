@@ -297,3 +297,35 @@ def test_sampling_rows_come_from_the_request_parameters_by_name():
     assert arrays.stop_token_ids.tolist() == [[0, -1], [0, 2]]
     assert arrays.bad_token_ids.tolist() == [[-1], [4]]
     assert arrays.bad_words[0] is None and arrays.bad_words[1] == ((6, 7),)
+
+
+def test_logprob_token_ids_take_the_top_k_place():
+    """vLLM's logprob_token_ids: a row reports exactly those tokens' logprobs (of the raw
+    distribution, in the order given); the other rows keep their top-k."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5))
+    params = SamplingArrays.defaults(
+        3,
+        num_logprobs=np.array([3, 2, -1], np.int32),
+        logprob_token_ids=ids([[9, 2, 4], [], []]),
+    )
+    out = sample(logits, params, histories(3))
+    raw = torch.log_softmax(logits, dim=1)
+    assert out.top_ids[0].tolist() == [9, 2, 4]
+    torch.testing.assert_close(out.top_logprobs[0], raw[0, [9, 2, 4]])
+    assert out.top_ids[1, :2].tolist() == raw[1].topk(2).indices.tolist()
+    assert out.token_ids.tolist() == logits.argmax(dim=1).tolist()  # sampling is untouched
+
+
+def test_a_forced_token_is_taken_with_its_own_logprob():
+    """A spent thinking budget forces the end tag's token, whatever the sampler would pick."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(6))
+    params = SamplingArrays.defaults(
+        2,
+        num_logprobs=np.array([0, 0], np.int32),
+        forced_token_ids=np.array([11, -1], np.int32),
+        temperature=np.array([1.0, 0.0], np.float32),
+    )
+    out = sample(logits, params, histories(2), torch.Generator().manual_seed(0))
+    assert out.token_ids.tolist() == [11, int(logits[1].argmax())]
+    raw = torch.log_softmax(logits, dim=1)
+    torch.testing.assert_close(out.logprobs[0], raw[0, 11])

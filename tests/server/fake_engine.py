@@ -35,6 +35,13 @@ MAX_MODEL_LEN = 64
 VOCAB_SIZE = 1000
 
 
+def _text(content: object) -> str:
+    """A message's text, its content parts joined as the engine's string format joins them."""
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
+    return str(content or "")
+
+
 @dataclass
 class FakeEngine:
     token_delay_s: float = 0.0
@@ -98,7 +105,7 @@ class FakeEngine:
         for message in prompt.messages:
             if BAD_TEMPLATE in str(message.get("content")):
                 raise EngineError("chat template error: bad message", param="messages")
-            words += [f"{message['role']}:", *str(message.get("content") or "").split()]
+            words += [f"{message['role']}:", *_text(message.get("content")).split()]
         if prompt.add_generation_prompt:
             words.append("assistant:")
         return words
@@ -106,7 +113,7 @@ class FakeEngine:
     def _reply_words(self, request: GenerateRequest) -> list[str]:
         prompt = request.prompt
         if isinstance(prompt, ChatPrompt):
-            return str(prompt.messages[-1].get("content") or "").split()
+            return _text(prompt.messages[-1].get("content")).split()
         if isinstance(prompt, TextPrompt):
             return prompt.text.split()
         return self.detokenize(prompt.token_ids).split()

@@ -125,8 +125,124 @@ def test_parse_bytes(text: str, expected: int) -> None:
         ["m", "--reasoning-parser", "o1"],
         ["m", "--shutdown-timeout", "-1"],
         ["m", "--shutdown-timeout", "soon"],
+        ["/m/a.gguf", "--model", "/m/b.gguf"],  # two models
+        ["m", "--max-logprobs", "-2"],
+        ["m", "--allowed-origins", "https://a.example"],  # not JSON
+        ["m", "--allowed-origins", '{"a": 1}'],  # not a list
+        ["m", "--default-chat-template-kwargs", "[1]"],  # not an object
+        ["m", "--override-generation-config", '{"temperature": "hot"}'],
+        ["m", "--generation-config", "/nonexistent/dir"],
+        ["m", "--chat-template", "/nonexistent/template.jinja"],  # path-like, missing
+        ["m", "--chat-template-content-format", "xml"],
+        ["m", "--enable-log-outputs"],  # needs --enable-log-requests
+        ["m", "--enable-log-requests", "--disable-log-requests"],
+        ["m", "--ssl-keyfile", "key.pem"],  # needs --ssl-certfile
+        ["m", "--root-path", "api"],
+        ["m", "--root-path", "/api/"],
+        ["m", "--uvicorn-log-level", "loud"],
     ],
 )
 def test_bad_flags_exit(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "/m/x.gguf"],  # as `vllm serve MODEL`
+        ["serve", "--model", "/m/x.gguf"],
+        ["--model", "/m/x.gguf"],
+        ["/m/x.gguf"],
+        ["serve", "/m/x.gguf", "--model", "/m/x.gguf"],
+    ],
+)
+def test_serve_subcommand_and_model_flag(argv: list[str]) -> None:
+    config, engine_config = parse_args(argv)
+    assert engine_config.model_path == "/m/x.gguf"
+    assert config.served_model_name == "x"
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert parse_args(["m", "--chat-template", str(template)])[1].chat_template == (
+        "{{ messages[0]['content'] }}"
+    )
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert parse_args(["m", "--chat-template", inline])[1].chat_template == inline
+    assert parse_args(["m"])[1].chat_template is None
+
+
+def test_vllm_serving_flags(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "max_new_tokens": 9}')
+    config, engine_config = parse_args(
+        [
+            "serve", str(tmp_path),
+            "--tokenizer", "/t/tokenizer-dir",
+            "--served-model-name", "first", "second", "third",
+            "--chat-template-content-format", "openai",
+            "--response-role", "bot",
+            "--default-chat-template-kwargs", '{"enable_thinking": false}',
+            "--override-generation-config", '{"top_k": 5}',
+            "--max-logprobs", "-1",
+            "--return-tokens-as-token-ids",
+            "--enable-force-include-usage",
+            "--enable-request-id-headers",
+            "--enable-log-requests",
+            "--enable-log-outputs",
+            "--allowed-origins", '["https://a.example"]',
+            "--allowed-methods", '["GET", "POST"]',
+            "--allowed-headers", '["authorization"]',
+            "--allow-credentials",
+            "--root-path", "/llm",
+            "--ssl-keyfile", "key.pem",
+            "--ssl-certfile", "cert.pem",
+            "--uvicorn-log-level", "warning",
+            "--dtype", "half",
+        ]
+    )  # fmt: skip
+    assert config == ServerConfig(
+        served_model_name="first",
+        served_model_aliases=("second", "third"),
+        response_role="bot",
+        default_chat_template_kwargs={"enable_thinking": False},
+        default_sampling_params={"temperature": 0.6, "top_k": 5},
+        max_logprobs=-1,
+        return_tokens_as_token_ids=True,
+        enable_force_include_usage=True,
+        enable_request_id_headers=True,
+        enable_log_requests=True,
+        enable_log_outputs=True,
+        allowed_origins=("https://a.example",),
+        allowed_methods=("GET", "POST"),
+        allowed_headers=("authorization",),
+        allow_credentials=True,
+        root_path="/llm",
+        ssl_keyfile="key.pem",
+        ssl_certfile="cert.pem",
+        uvicorn_log_level="warning",
+    )
+    assert engine_config == EngineConfig(
+        model_path=str(tmp_path),
+        served_model_name="first",
+        tokenizer="/t/tokenizer-dir",
+        chat_template_content_format="openai",
+        default_max_tokens=9,  # max_new_tokens: render caps requests without max_tokens
+        dtype="float16",
+    )
+    # vLLM's defaults: no request logs, the generation config applied, 20 logprobs, no CORS
+    config, engine_config = parse_args([str(tmp_path), "--disable-log-requests"])
+    assert not config.enable_log_requests and config.allowed_origins is None
+    assert config.default_sampling_params == {"temperature": 0.6}
+    assert engine_config.default_max_tokens == 9 and config.max_logprobs == 20
+    # vLLM's override_max_tokens: the checkpoint's own max_new_tokens caps no request's
+    # max_tokens; that of a directory's config or of an override does
+    assert engine_config.max_tokens_cap is None
+    engine_config = parse_args(["m", "--generation-config", str(tmp_path)])[1]
+    assert engine_config.default_max_tokens == engine_config.max_tokens_cap == 9
+    override = ["--override-generation-config", '{"max_new_tokens": 4}']
+    engine_config = parse_args([str(tmp_path), *override])[1]
+    assert engine_config.default_max_tokens == engine_config.max_tokens_cap == 4
+    config, engine_config = parse_args([str(tmp_path), "--generation-config", "vllm"])
+    assert config.default_sampling_params == {} and engine_config.default_max_tokens is None

@@ -276,21 +276,64 @@ def test_error_mid_stream(client: openai.OpenAI) -> None:
     assert client.chat.completions.create(model="fake-model", messages=MESSAGES).choices
 
 
-def test_x_request_id(server: LiveServer, client: openai.OpenAI, engine: FakeEngine) -> None:
+def test_request_ids_are_prefixed_as_vllm_prefixes_them(
+    server: LiveServer, client: openai.OpenAI, engine: FakeEngine
+) -> None:
+    """X-Request-Id, else the body's request_id, else a new id, after chatcmpl- or cmpl-; no
+    X-Request-Id in the answer without --enable-request-id-headers."""
     raw = client.chat.completions.with_raw_response.create(
         model="fake-model", messages=MESSAGES, extra_headers={"X-Request-Id": "req-123"}
     )
-    assert raw.headers["x-request-id"] == "req-123"
-    assert raw.parse().id == "req-123"
-    assert engine.requests[-1].request_id == "req-123"
+    assert "x-request-id" not in raw.headers
+    assert raw.parse().id == "chatcmpl-req-123"
+    assert engine.requests[-1].request_id == "chatcmpl-req-123"
     completion = client.chat.completions.create(
         model="fake-model", messages=MESSAGES, extra_body={"request_id": "body-7"}
     )
-    assert completion.id == "body-7"
+    assert completion.id == "chatcmpl-body-7"
+    both = client.chat.completions.create(
+        model="fake-model",
+        messages=MESSAGES,
+        extra_body={"request_id": "body-8"},
+        extra_headers={"X-Request-Id": "header-8"},
+    )
+    assert both.id == "chatcmpl-header-8"
+    text = client.completions.create(
+        model="fake-model", prompt="x", extra_headers={"X-Request-Id": "t-1"}
+    )
+    assert text.id == "cmpl-t-1"
     generated = client.completions.create(model="fake-model", prompt="x")
-    assert generated.id.startswith("cmpl-")
-    status, headers, _ = raw_request(server, "GET", "/v1/models", headers={"X-Request-Id": "m-1"})
-    assert (status, headers["x-request-id"]) == (200, "m-1")
+    assert generated.id.startswith("cmpl-") and len(generated.id) == len("cmpl-") + 32
+    stream = client.chat.completions.create(
+        model="fake-model", messages=MESSAGES, stream=True, extra_body={"request_id": "s-1"}
+    )
+    assert {chunk.id for chunk in stream} == {"chatcmpl-s-1"}
+
+
+def test_enable_request_id_headers(engine: FakeEngine) -> None:
+    """--enable-request-id-headers: every answer has X-Request-Id, the request's or a new one."""
+    config = ServerConfig(
+        host="127.0.0.1", port=free_port(), api_key=API_KEY, enable_request_id_headers=True
+    )
+    with (
+        LiveServer(create_app(engine, config), config) as live,
+        openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0) as client,
+    ):
+        raw = client.chat.completions.with_raw_response.create(
+            model="fake-model", messages=MESSAGES, extra_headers={"X-Request-Id": "req-123"}
+        )
+        assert raw.headers["x-request-id"] == "req-123"
+        assert raw.parse().id == "chatcmpl-req-123"
+        fresh = client.chat.completions.with_raw_response.create(
+            model="fake-model", messages=MESSAGES
+        )
+        assert len(fresh.headers["x-request-id"]) == 32
+        status, headers, _ = raw_request(live, "GET", "/v1/models", headers={"X-Request-Id": "m-1"})
+        assert (status, headers["x-request-id"]) == (200, "m-1")
+        status, headers, _ = raw_request(
+            live, "GET", "/v1/nowhere", headers={"X-Request-Id": "e-1"}
+        )
+        assert (status, headers["x-request-id"]) == (404, "e-1")
 
 
 def test_disconnect_aborts(server: LiveServer, engine: FakeEngine) -> None:
@@ -309,10 +352,10 @@ def test_disconnect_aborts(server: LiveServer, engine: FakeEngine) -> None:
     assert response.readline().startswith(b"data: ")
     connection.close()
     deadline = time.monotonic() + 5
-    while "leaver" not in engine.aborted and time.monotonic() < deadline:
+    while "chatcmpl-leaver" not in engine.aborted and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert "leaver" in engine.aborted
-    assert "leaver" not in engine.finished
+    assert "chatcmpl-leaver" in engine.aborted
+    assert "chatcmpl-leaver" not in engine.finished
 
 
 def test_health_follows_engine_readiness(server: LiveServer, engine: FakeEngine) -> None:
@@ -412,13 +455,13 @@ def test_disconnect_before_a_non_streaming_answer_aborts(
         {"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "impatient"},
     )
     deadline = time.monotonic() + 5
-    while not any(r.request_id == "impatient" for r in engine.requests):
+    while not any(r.request_id == "chatcmpl-impatient" for r in engine.requests):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     connection.close()
-    while "impatient" not in engine.aborted and time.monotonic() < deadline:
+    while "chatcmpl-impatient" not in engine.aborted and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert "impatient" in engine.aborted
+    assert "chatcmpl-impatient" in engine.aborted
 
 
 def test_concurrent_streams_keep_their_own_text(client: openai.OpenAI, engine: FakeEngine) -> None:

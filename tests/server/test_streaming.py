@@ -158,7 +158,8 @@ async def test_sampling_params_reach_the_engine(make_app, engine: FakeEngine) ->
     )
     prompt = request.prompt
     assert isinstance(prompt, ChatPrompt)
-    assert prompt.messages == [{"role": "user", "content": "hi\nthere"}]
+    # content parts reach the engine as given; render formats them for the template
+    assert prompt.messages == body["messages"]
     assert prompt.add_generation_prompt is False
     assert prompt.chat_template_kwargs == {"enable_thinking": False}
     assert prompt.tools == [{"type": "function", "function": {"name": "f"}}]

@@ -649,3 +649,34 @@ def test_reasoning_tokens_are_counted_in_the_detokenize_stage(engine_loop):
     assert "".join(o.reasoning for o in outs) == text[start:end]
     plain = loop.run(collect(engine, request(temperature=0, max_tokens=4)))
     assert plain[-1].num_reasoning_tokens == 0  # no reasoning parser
+
+
+def test_thinking_token_budget_forces_the_end_of_thinking(engine_loop):
+    """vLLM's thinking_token_budget: after that many tokens inside the reasoning parser's tags,
+    the close tag's tokens are forced; the reasoning then ends and the content begins."""
+    engine, loop = engine_loop
+    end = engine.bundle.encode("</think>", add_bos=False)
+    budgeted = replace(
+        request(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, thinking_token_budget=4),
+        reasoning_parser="deepseek_r1",  # the output begins inside the thinking
+    )
+    outs = loop.run(collect(engine, budgeted))
+    ids = [t for o in outs for t in o.token_ids]
+    assert ids[4 : 4 + len(end)] == end and len(ids) == 12
+    reasoning = "".join(o.reasoning for o in outs)
+    assert reasoning == engine.bundle.decode(ids[:4], skip_special_tokens=True)
+    assert "".join(o.text for o in outs) == engine.bundle.decode(
+        ids[4 + len(end) :], skip_special_tokens=True
+    )
+    free = replace(budgeted, sampling=replace(budgeted.sampling, thinking_token_budget=None))
+    unbudgeted = [t for o in loop.run(collect(engine, free)) for t in o.token_ids]
+    assert unbudgeted[:4] == ids[:4] and unbudgeted[4 : 4 + len(end)] != end  # same seed
+    without_parser = request(max_tokens=4, thinking_token_budget=4)
+    with_grammar = replace(
+        budgeted,
+        sampling=replace(budgeted.sampling, structured=StructuredOutput("regex", "[a-z]+")),
+    )
+    for refused in (without_parser, with_grammar):
+        with pytest.raises(EngineError) as info:
+            loop.run(collect(engine, refused))
+        assert info.value.status == 400 and info.value.param == "thinking_token_budget"

@@ -292,3 +292,32 @@ def test_a_preempted_request_comes_back_through_the_cache():
     step, _ = run_step(s)
     assert [(x.seq.handle, x.start) for x in step.seqs] == [(2, 20)]  # its prompt from the cache
     assert two.num_cached_tokens == 20
+
+
+def test_requests_share_cached_blocks_only_under_the_same_salt():
+    """vLLM's cache_salt: the salt is in the first block's hash, so the whole chain differs."""
+    s = make(budget=64)
+
+    def salted(handle: int, salt: str | None) -> Sequence:
+        request = seq(handle, 40, prompt=SHARED)
+        request.cache_salt = salt
+        return request
+
+    s.add(salted(1, "tenant-a"))
+    run_step(s)
+    for handle, salt, cached in [(2, "tenant-b", 0), (3, None, 0), (4, "tenant-a", 36)]:
+        s.add(salted(handle, salt))
+        run_step(s)
+        assert s.by_handle[handle].num_cached_tokens == cached, salt
+    assert s.stats()["prefix_cache_hits_total"] == 36
+
+
+def test_salted_block_hashes_differ_from_every_unsalted_one():
+    from stages.kv_blocks import prompt_block_hashes
+
+    ids = np.arange(16, dtype=np.int32)
+    plain = prompt_block_hashes(ids, 4)
+    salted = prompt_block_hashes(ids, 4, "s")
+    assert prompt_block_hashes(ids, 4, "s") == salted
+    assert not set(plain) & set(salted)
+    assert not set(salted) & set(prompt_block_hashes(ids, 4, "t"))

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+from msgspec.structs import replace
 
 from stages.config import EngineConfig
 from stages.engine import Engine
@@ -307,3 +308,20 @@ def test_a_stage_killed_mid_speculation_resumes_with_the_tokens_of_a_plain_run(e
         assert _tokens(outs) == want, stage
         assert outs[-1].metrics is not None and outs[-1].metrics.num_recoveries == 1
     assert _wait_idle(fast)["kv_cache_usage_perc"] == 0
+
+
+def test_a_thinking_budget_forces_its_close_tag_with_speculation_on(engines):
+    """A request with a thinking_token_budget drafts nothing (execute forces the close tag one
+    sampled token at a time), so it writes what plain decoding writes, close tag included."""
+    plain, fast, loop = engines
+    end = fast.bundle.encode("</think>", add_bos=False)
+    kwargs = dict(temperature=0, max_tokens=24, ignore_eos=True, thinking_token_budget=4)
+
+    def budgeted(engine: Engine, rid: str) -> list:
+        req = replace(request(PROMPTS[0], rid=rid, **kwargs), reasoning_parser="deepseek_r1")
+        return loop.run(collect(engine, req))
+
+    want, got = budgeted(plain, "think-plain"), budgeted(fast, "think-spec")
+    assert _tokens(got) == _tokens(want)
+    assert _tokens(got)[4 : 4 + len(end)] == end
+    assert got[-1].metrics.spec_num_steps == 0

@@ -111,3 +111,105 @@ def test_a_tool_call_turn_without_content_reaches_the_template_as_empty_text(con
     ]
     text = render_request(template, messages, add_generation_prompt=False)
     assert text == "[user:weather?][assistant:][tool:sunny]"
+
+
+# --chat-template-content-format: how a message's content reaches the template.
+STRING_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+PARTS_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}]"
+    "{% for part in m['content'] %}<{{ part['type'] }}:{{ part['text'] }}>{% endfor %}\n"
+    "{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (STRING_TEMPLATE, "string"),
+        (PARTS_TEMPLATE, "openai"),
+        # through variables set from messages, attribute access, slices and filters
+        (
+            "{% set turns = messages[1:] %}{% for t in turns | list %}"
+            "{% for p in t.content %}{{ p.text }}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        # a loop over something else than a message's content
+        ("{% for m in messages %}{% for c in m['tool_calls'] %}{% endfor %}{% endfor %}", "string"),
+        (
+            "{% for m in messages %}{{ m.content }}{% endfor %}{% for x in tools %}{% endfor %}",
+            "string",
+        ),
+        ("{% for m in messages %}{% if x %}", "string"),  # does not parse
+    ],
+)
+def test_detect_content_format(template, expected):
+    from stages.text.chat_template import detect_content_format
+
+    assert detect_content_format(template) == expected
+
+
+def test_smollm2_template_reads_strings(bundle):
+    from stages.text.chat_template import detect_content_format
+
+    assert detect_content_format(bundle.chat_template) == "string"
+
+
+PARTS_MESSAGE = [
+    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    {"role": "assistant", "content": "c"},
+]
+
+
+@pytest.mark.parametrize(
+    ("template", "content_format", "expected"),
+    [
+        (STRING_TEMPLATE, "string", "[user] a\nb\n[assistant] c\n"),
+        (STRING_TEMPLATE, "auto", "[user] a\nb\n[assistant] c\n"),
+        # a string is one text part, as vLLM hands it over
+        (PARTS_TEMPLATE, "openai", "[user]<text:a><text:b>[assistant]<text:c>"),
+        (PARTS_TEMPLATE, "auto", "[user]<text:a><text:b>[assistant]<text:c>"),
+        # a template that reads strings, given parts, prints the list
+        (
+            STRING_TEMPLATE,
+            "openai",
+            "[user] [{'type': 'text', 'text': 'a'}, {'type': 'text', 'text': 'b'}]\n[assistant] [{'type': 'text', 'text': 'c'}]\n",
+        ),
+    ],
+)
+def test_content_formats(template, content_format, expected):
+    from stages.text.chat import render_chat as render_messages
+
+    text = render_messages(
+        template, PARTS_MESSAGE, add_generation_prompt=False, content_format=content_format
+    )
+    assert text == expected
+
+
+def test_continue_final_message_with_parts_cuts_after_the_last_part():
+    from stages.text.chat import render_chat as render_messages
+
+    messages = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "yz"}],
+        },
+    ]
+    text = render_messages(
+        PARTS_TEMPLATE,
+        messages,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        content_format="openai",
+    )
+    assert text == "[user]<text:q>[assistant]<text:x><text:yz"
+
+
+def test_tool_messages_stay_strings_with_parts():
+    from stages.text.chat import render_chat as render_messages
+
+    template = "{% for m in messages %}{{ m['content'] is string }}{% for p in [] %}{% endfor %}{% endfor %}"
+    messages = [
+        {"role": "tool", "content": [{"type": "text", "text": "1"}, {"type": "text", "text": "2"}]}
+    ]
+    assert render_messages(template, messages, content_format="openai") == "True"

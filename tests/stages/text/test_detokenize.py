@@ -168,3 +168,22 @@ def test_the_stage_without_parsers_streams_the_markup_as_text():
     assert "".join(t for t, _, _ in out) == b"".join(PARSE_VOCAB[:9]).decode()
     assert all(e is None for _, _, e in out[:-1])  # plain rows carry no extra bytes
     assert out[-1][2].metrics is not None and out[-1][2].tool_calls == ()
+
+
+def test_spaces_between_special_tokens_sets_kept_special_tokens_apart():
+    """vLLM's default with special tokens kept: each one stands apart from its neighbours by a
+    space (HF's detokenizer joins text and special tokens with spaces); false writes them as
+    they are."""
+    spaced = detok(skip_special_tokens=False, spaces_between_special_tokens=True)
+    out = feed_all(spaced, [9, 0, 1, 9, 9, 2], m.FINISH_LENGTH)
+    # " wor" keeps its own space too, as HF's " ".join of the pieces keeps it
+    assert "".join(t for t, _, _ in out) == "<eos> Hello <eos> <eos>  wor"
+    tight = detok(skip_special_tokens=False, spaces_between_special_tokens=False)
+    out = feed_all(tight, [9, 0, 1, 9, 9, 2], m.FINISH_LENGTH)
+    assert "".join(t for t, _, _ in out) == "<eos>Hello<eos><eos> wor"
+
+
+def test_spaces_between_special_tokens_keeps_a_split_character_whole():
+    d = detok(skip_special_tokens=False, spaces_between_special_tokens=True)
+    out = feed_all(d, [0, 4, 5, 9, 10], m.FINISH_LENGTH)
+    assert "".join(t for t, _, _ in out) == "Helé <eos> !"

@@ -73,3 +73,26 @@ def test_the_bound_follows_what_the_normalizer_may_drop(
 ):
     bound = LengthBound.of(with_normalizer(bundle, normalizer, pre_tokenizer), 100)
     assert (None if bound is None else bound.chars_per_token) == chars_per_token
+
+
+def test_a_request_template_replaces_the_models_in_the_sandbox(bundle):
+    from stages.api import ChatPrompt
+
+    messages = [{"role": "user", "content": "hi"}]
+    own = "{% for m in messages %}[{{ m.role }}|{{ m.content }}|{{ effort }}]{% endfor %}"
+    prompt = ChatPrompt(messages, chat_template=own, chat_template_kwargs={"effort": "low"})
+    assert bundle.decode(prompt_token_ids(bundle, prompt)) == "[user|hi|low]"
+    assert prompt_token_ids(bundle, ChatPrompt(messages)) != prompt_token_ids(bundle, prompt)
+    escape = ChatPrompt(messages, chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(EngineError) as info:
+        prompt_token_ids(bundle, escape)
+    assert info.value.status == 400 and info.value.param == "messages"
+
+
+def test_truncation_keeps_either_end():
+    from stages.text.prompts import truncate
+
+    ids = [1, 2, 3, 4, 5]
+    assert truncate(ids, 2, "left") == [4, 5]  # vLLM's default: the prompt's end
+    assert truncate(ids, 2, "right") == [1, 2]
+    assert truncate(ids, 9, "right") == ids

@@ -34,3 +34,28 @@ def test_the_engine_removes_its_snapshot_when_it_stops(tiny_chat_model):
     assert os.path.isdir(snapshot)
     asyncio.run(engine.stop())
     assert not os.path.exists(snapshot)
+
+
+def test_tokenizer_and_chat_template_flags(tiny_chat_model, tmp_path):
+    """--tokenizer takes the vocabulary and template from another path, --chat-template
+    replaces the template; both reach the stages through the snapshot."""
+    import shutil
+
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    shutil.copy(os.path.join(tiny_chat_model, "tokenizer.json"), other)
+    (other / "tokenizer_config.json").write_text(
+        '{"chat_template": "OTHER {{ messages[0].content }}", "eos_token": "<|im_end|>"}'
+    )
+    model_bundle = tokenizer_of(EngineConfig(model_path=tiny_chat_model))
+    bundle = tokenizer_of(EngineConfig(model_path=tiny_chat_model, tokenizer=str(other)))
+    assert bundle.chat_template == "OTHER {{ messages[0].content }}"
+    assert model_bundle.chat_template != bundle.chat_template
+    template = "{{ messages | length }} messages"
+    replaced = tokenizer_of(
+        EngineConfig(model_path=tiny_chat_model, tokenizer=str(other), chat_template=template)
+    )
+    assert replaced.chat_template == template
+    write_snapshot(str(tmp_path), replaced, load_model_config(tiny_chat_model))
+    staged = EngineConfig(model_path=tiny_chat_model, snapshot_dir=str(tmp_path))
+    assert tokenizer_of(staged).chat_template == template

@@ -231,3 +231,57 @@ def test_draft_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(matche
     assert (masks[refused:] == masks[refused - 1]).all()  # past the refused draft: repeated
     # the matcher itself took nothing
     assert (matchers.masks([1], [True])[0] == before).all()
+
+
+STRUCTURAL_TAG = json.dumps(
+    {
+        "structures": [
+            {
+                "begin": "<function=add>",
+                "schema": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                },
+                "end": "</function>",
+            }
+        ],
+        "triggers": ["<function="],
+    }
+)
+
+
+def test_a_structural_tag_leaves_text_free_and_holds_the_tag_to_its_schema(matchers, bundle):
+    """vLLM's structural tag, as its guidance backend compiles it: any text, and after a
+    trigger the structure's begin, JSON of its schema, and its end."""
+    grammar = compile_grammar(StructuredOutput("structural_tag", STRUCTURAL_TAG))
+    matchers.add(1, matchers.build(grammar))
+    free = allowed(matchers.masks([1], [True])[0], bundle.vocab_size)
+    assert len(free) > bundle.vocab_size // 2  # text: (almost) any token
+    for token in bundle.encode("Sum: <function=", add_bos=False):
+        matchers.consume(1, token)
+    text = follow(matchers, bundle, 1, lambda ids: ids[0])
+    assert text.startswith("add>")
+    body = text.removeprefix("add>")
+    arguments, end, _ = body.partition("</function>")
+    assert end and isinstance(json.loads(arguments)["a"], int), text
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        {"structures": [], "triggers": ["<f"]},
+        {"structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}], "triggers": ["<f"]},
+        {"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["<f"]},
+        {
+            "structures": [{"begin": "<f>", "schema": {"type": 5}, "end": "</f>"}],
+            "triggers": ["<f"],
+        },
+    ],
+)
+def test_a_malformed_structural_tag_is_a_400(tag):
+    spec = StructuredOutput("structural_tag", json.dumps(tag), param="response_format")
+    with pytest.raises(EngineError) as info:
+        compile_grammar(spec)
+    assert info.value.status == 400 and info.value.param == "response_format"

@@ -1,0 +1,51 @@
+"""vLLM's thinking_token_budget: where the thinking begins, how it is counted, and the end tag
+forced once the budget is spent."""
+
+from __future__ import annotations
+
+from stages.text.thinking import ThinkingBudget, ThinkingTracker
+
+START, END = (1, 2), (3, 4)  # two-token tags, as "<think>" is in a vocabulary without it
+
+
+def run(tracker: ThinkingTracker, model: list[int]) -> list[int]:
+    """The tokens written when the model would write `model`, forced tokens taking their turn."""
+    written: list[int] = []
+    wants = iter(model)
+    while len(written) < len(model):
+        forced = tracker.forced()
+        token = forced if forced >= 0 else next(wants)
+        tracker.consume(token)
+        written.append(token)
+    return written
+
+
+def test_the_prompt_says_where_the_thinking_begins():
+    opened = ThinkingBudget.of(5, START, END, [9, 1, 2, 7, 7], implied=False)
+    assert opened.inside and opened.count == 2  # the two tokens after the open tag count
+    closed = ThinkingBudget.of(5, START, END, [1, 2, 7, 3, 4, 9], implied=False)
+    assert not closed.inside and closed.count == 0
+    assert ThinkingBudget.of(5, START, END, [9, 9], implied=True).inside  # DeepSeek-R1's rule
+    assert not ThinkingBudget.of(5, START, END, [9, 9], implied=False).inside
+
+
+def test_the_end_tag_is_forced_once_the_budget_is_spent():
+    tracker = ThinkingTracker(ThinkingBudget(3, START, END, inside=True))
+    # three thinking tokens, then the end tag, then the model's own tokens again
+    assert run(tracker, [7, 8, 9, 10, 11, 12, 13]) == [7, 8, 9, 3, 4, 10, 11]
+    assert not tracker.inside
+
+
+def test_thinking_opened_in_the_output_is_counted_from_its_tag():
+    tracker = ThinkingTracker(ThinkingBudget(2, START, END, inside=False))
+    assert run(tracker, [5, 6, 1, 2, 7, 8, 9, 9]) == [5, 6, 1, 2, 7, 8, 3, 4]
+
+
+def test_a_model_that_ends_its_thinking_in_time_is_left_alone():
+    tracker = ThinkingTracker(ThinkingBudget(4, START, END, inside=True))
+    assert run(tracker, [7, 3, 4, 9, 9, 9, 9, 9]) == [7, 3, 4, 9, 9, 9, 9, 9]
+
+
+def test_a_budget_of_zero_ends_the_thinking_at_once():
+    tracker = ThinkingTracker(ThinkingBudget(0, START, END, inside=True, count=0))
+    assert run(tracker, [7, 7, 7]) == [3, 4, 7]
