@@ -287,8 +287,8 @@ class Supervisor:
         """
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
-        sentinels = [p.sentinel for p in self._procs]
-        for fd in sentinels:
+        watched = {p.sentinel: p for p in self._procs}
+        for fd in watched:
             loop.add_reader(fd, wake.set)
         try:
             while not self._stopped:
@@ -296,11 +296,19 @@ class Supervisor:
                 if failure is not None:
                     on_failure(failure)
                     return
+                # A child that ended without a failure (cleanly) keeps its sentinel readable:
+                # stop watching it, or every wait would return at once and spin a core.
+                for fd in [fd for fd, p in watched.items() if p.exitcode is not None]:
+                    loop.remove_reader(fd)
+                    del watched[fd]
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+                # comes as the wait ends, and the watch would outlive its owner's stop.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), period_s)
+                    async with asyncio.timeout(period_s):
+                        await wake.wait()
                 wake.clear()
         finally:
-            for fd in sentinels:
+            for fd in watched:
                 loop.remove_reader(fd)
 
     # -- shutdown --------------------------------------------------------------------------------

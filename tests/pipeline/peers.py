@@ -116,6 +116,13 @@ class Idle(AsyncActor):
         await asyncio.Event().wait()
 
 
+class EndsSoon(AsyncActor):
+    """Runs half a second, then returns: the actor ends cleanly (exit code 0)."""
+
+    async def run(self) -> None:
+        await asyncio.sleep(0.5)
+
+
 class StopsHeartbeating(SyncActor):
     def run(self) -> None:
         time.sleep(3600)

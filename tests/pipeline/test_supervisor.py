@@ -218,3 +218,36 @@ def test_actor_processes_carry_the_owners_title():
     with chain() as untitled:  # no prefix: the process keeps its command line
         pid = untitled.pids()["doubler"]
         assert "multiprocessing" in _proc_text(pid, "cmdline")
+
+
+def test_a_child_that_ended_cleanly_does_not_make_the_watch_spin_and_the_watch_can_be_stopped():
+    rings = [RingSpec("in", VOCAB, 8, 4096)]
+    actors = [
+        ActorSpec("ends", "tests.pipeline.peers:EndsSoon"),
+        ActorSpec("idle", "tests.pipeline.peers:Idle", inboxes=("in",)),
+    ]
+    sup = Supervisor(rings, actors, SupervisorConfig(log_format="json"), owner_outboxes=("in",))
+    sup.start()
+    try:
+        failures: list[ActorFailed] = []
+
+        async def main() -> tuple[float, bool]:
+            watcher = asyncio.create_task(sup.watch(failures.append, period_s=0.2))
+            await asyncio.sleep(1.0)  # "ends" is gone by now: a readable sentinel, no failure
+            cpu = time.process_time()
+            await asyncio.sleep(1.5)
+            spent = time.process_time() - cpu
+            watcher.cancel()
+            await asyncio.wait({watcher}, timeout=2)
+            stopped = watcher.done()
+            if not stopped:
+                sup.stop()  # the watch ends once its supervisor is stopped
+                await asyncio.wait({watcher}, timeout=5)
+            return spent, stopped
+
+        spent, stopped = asyncio.run(main())
+    finally:
+        sup.stop()
+    assert not failures
+    assert spent < 0.2  # a spinning watch burns the whole 1.5 s
+    assert stopped  # cancelling the watch ends it
