@@ -610,7 +610,10 @@ class Scheduler:
         before it when it was planned on its predecessor's results."""
         if not t_end_ns or t_end_ns <= t_start_ns:
             return
-        self.cost.observe(sum(s.num_tokens for s in step.seqs), (t_end_ns - t_start_ns) / 1e9)
+        # Drafts are decode rows: fit on steps of decode rows only (a prefill chunk's tokens run
+        # on kernels several times cheaper per token, and would make drafts look cheap).
+        if all(s.num_tokens == 1 + s.num_draft for s in step.seqs):
+            self.cost.observe(sum(s.num_tokens for s in step.seqs), (t_end_ns - t_start_ns) / 1e9)
         if self._last_end_ns and step.step_id == self._last_step_id + 1:
             gap_s = (t_start_ns - self._last_end_ns) / 1e9
             if 0 <= gap_s < _MAX_GAP_S:
