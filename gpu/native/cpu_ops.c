@@ -361,6 +361,61 @@ static void attend_avx512(const float *q, const void *k_cache, const void *v_cac
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8(const void *cache, int64_t i, int bf16) {
+    if (bf16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)cache + i);
+}
+
+#define MAX_DIM_VECS 32 /* head_dim up to 256 */
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One item (a sequence's KV head and its query group) on AVX2, for head_dim % 8 == 0 and
+ * head_dim <= 256: scores, softmax and accumulation in float32, 8 lanes at a time. */
+static void attend_avx2(const float *q, const void *k_cache, const void *v_cache, int bf16,
+                        const int64_t *rows, int64_t n, int64_t group, int64_t dim, float scale,
+                        float *probs, int64_t stride, float *out) {
+    const int64_t vecs = dim / 8;
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * dim;
+        float *pg = probs + g * stride, mx = -INFINITY;
+        __m256 qv[MAX_DIM_VECS];
+        for (int64_t v = 0; v < vecs; v++) qv[v] = _mm256_loadu_ps(qg + 8 * v);
+        for (int64_t j = 0; j < n; j++) {
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            int64_t v = 0;
+            for (; v + 1 < vecs; v += 2) {
+                acc0 = _mm256_fmadd_ps(qv[v], load8(k_cache, rows[j] + 8 * v, bf16), acc0);
+                acc1 = _mm256_fmadd_ps(qv[v + 1], load8(k_cache, rows[j] + 8 * v + 8, bf16), acc1);
+            }
+            if (v < vecs) acc0 = _mm256_fmadd_ps(qv[v], load8(k_cache, rows[j] + 8 * v, bf16), acc0);
+            pg[j] = hsum8(_mm256_add_ps(acc0, acc1)) * scale;
+            mx = pg[j] > mx ? pg[j] : mx;
+        }
+        const float sum = exp_shifted(pg, pg, n, mx), inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        __m256 ov[MAX_DIM_VECS];
+        for (int64_t v = 0; v < vecs; v++) ov[v] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 p = _mm256_set1_ps(pg[j]);
+            for (int64_t v = 0; v < vecs; v++)
+                ov[v] = _mm256_fmadd_ps(p, load8(v_cache, rows[j] + 8 * v, bf16), ov[v]);
+        }
+        float *og = out + g * dim;
+        const __m256 scale_out = _mm256_set1_ps(inv);
+        for (int64_t v = 0; v < vecs; v++) _mm256_storeu_ps(og + 8 * v, _mm256_mul_ps(ov[v], scale_out));
+    }
+}
+#endif
+
 /* Portable version of one item. */
 static void attend_scalar(const float *q, const void *k_cache, const void *v_cache, int bf16,
                           const int64_t *rows, int64_t n, int64_t group, int64_t dim,
@@ -423,6 +478,12 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
             if (dim % 16 == 0) {
                 attend_avx512(qs, k_cache, v_cache, cache_bf16, rows, len - lo, group, dim, scale,
                               probs, stride, os, keys);
+                continue;
+            }
+#elif defined(__AVX2__) && defined(__FMA__)
+            if (dim % 8 == 0 && dim <= 8 * MAX_DIM_VECS) {
+                attend_avx2(qs, k_cache, v_cache, cache_bf16, rows, len - lo, group, dim, scale,
+                            probs, stride, os);
                 continue;
             }
 #endif
@@ -580,6 +641,42 @@ static inline __attribute__((always_inline)) void q4_1_tile(
         }
         for (int r = 0; r < R; r++) {
             offset[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_z[r][0], acc_z[r][1]));
+            __m128 o = _mm_add_ps(off4[r], _mm_movehl_ps(off4[r], off4[r]));
+            o = _mm_add_ss(o, _mm_movehdup_ps(o));
+            offset[r] += _mm_cvtss_f32(o);
+        }
+    }
+#elif defined(__F16C__)
+    {
+        /* The four blocks' scales and minimums are converted once per quad for every row, and
+         * each row's scale products and minimum terms are 4-lane vector ops: per row and block
+         * that leaves the integer dot, its convert, a lane broadcast and one FMA. */
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        __m128 off4[TILE];
+        for (int r = 0; r < R; r++) off4[r] = _mm_setzero_ps();
+        for (; b + 4 <= blocks; b += 4) {
+            const __m256i raw_a = _mm256_loadu_si256((const __m256i *)(wq + b * 16));
+            const __m256i raw_b = _mm256_loadu_si256((const __m256i *)(wq + b * 16 + 32));
+            const __m256i c[4] = {
+                _mm256_and_si256(raw_a, low), _mm256_and_si256(raw_b, low),
+                _mm256_and_si256(_mm256_srli_epi16(raw_a, 4), low),
+                _mm256_and_si256(_mm256_srli_epi16(raw_b, 4), low)};
+            const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(wd + b)));
+            const __m128 m4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(wm + b)));
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = xq + r * k + b * QK;
+                const float *xdr = xd + r * (k / QK) + b, *xsr = xs + r * (k / QK) + b;
+                const __m256 s8 = _mm256_castps128_ps256(_mm_mul_ps(d4, _mm_loadu_ps(xdr)));
+                off4[r] = _mm_fmadd_ps(m4, _mm_loadu_ps(xsr), off4[r]);
+                for (int i = 0; i < 4; i++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i * QK));
+                    const __m256 scale = _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(i));
+                    acc[r][i & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(c[i], xv)),
+                                                    scale, acc[r][i & 1]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
             __m128 o = _mm_add_ps(off4[r], _mm_movehl_ps(off4[r], off4[r]));
             o = _mm_add_ss(o, _mm_movehdup_ps(o));
             offset[r] += _mm_cvtss_f32(o);
