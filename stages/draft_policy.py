@@ -7,7 +7,8 @@ is accepted (`acceptance`, a decaying average). Drafting also costs the pipeline
 overlap (a plan with drafts waits for the previous step's tokens): `sync_gap_s`, measured too.
 
 For one step it adds draft positions, most promising first (draft j of a request with acceptance a
-is accepted with probability a^j), while they raise the step's expected output tokens per second;
+is accepted with probability a^j), while they raise the step's expected output tokens per second,
+and drafts only if that beats no drafts by REQUIRED_GAIN (what the straight-line fit can resolve);
 an unpromising request, a compute-bound step or a crowded one gets none. Plain numbers in, plain
 numbers out: schedule feeds it, and it is tested on its own.
 """
@@ -26,6 +27,12 @@ ACCEPTANCE_DECAY = 0.7  # weight of the past in each update: about the last thre
 MIN_ACCEPTANCE = 0.05
 RETRY_RATE = 0.05
 COST_DECAY = 0.97  # the step-time fit remembers about the last 30 steps
+# The slope is refitted only once step sizes spread this much (standard deviation over mean):
+# steps all of about one size (32 streams decoding) say little about what a token more costs.
+MIN_TOKEN_SPREAD = 0.25
+# Drafts must promise this much more output per second than none: the cost model is a straight
+# line through noisy steps, and a small promised gain is within its error.
+REQUIRED_GAIN = 0.10
 
 
 @dataclass(slots=True)
@@ -51,8 +58,8 @@ class StepCost:
         self._sy = d * self._sy + seconds
         self._sxx = d * self._sxx + tokens * tokens
         self._sxy = d * self._sxy + tokens * seconds
-        spread = self._n * self._sxx - self._sx * self._sx
-        if spread > 1e-9 * max(1.0, self._n * self._sxx):  # step sizes have varied: fit both
+        spread = self._n * self._sxx - self._sx * self._sx  # n^2 * variance of the sizes
+        if spread > (MIN_TOKEN_SPREAD * self._sx) ** 2:  # sizes have varied enough: fit both
             slope = (self._n * self._sxy - self._sx * self._sy) / spread
             self.per_token_s = max(slope, 1e-7)
             self.fixed_s = max(self._sy / self._n - self.per_token_s * self._sx / self._n, 0.0)
@@ -113,7 +120,7 @@ def plan_drafts(
         reverse=True,
     )  # fmt: skip
     base_s = cost.step_s(base_tokens)
-    best_rate = base_outputs / base_s if base_s > 0 else 0.0
+    best_rate = (1.0 + REQUIRED_GAIN) * base_outputs / base_s if base_s > 0 else 0.0
     best_taken = 0
     gained = 0.0
     extra_s = cost.sync_gap_s if pipelined else 0.0

@@ -112,6 +112,19 @@ def test_cost_fit_recovers_fixed_and_per_token_time():
     assert cost.per_token_s == pytest.approx(0.0015, rel=1e-6)
 
 
+def test_steps_of_one_size_do_not_refit_what_a_token_costs():
+    cost = StepCost()
+    for tokens in [1, 6] * 20:
+        cost.observe(tokens, 0.006 + 0.004 * tokens)
+    assert cost.per_token_s == pytest.approx(0.004, rel=1e-3)
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # 32 streams decoding: sizes 32-33, times noisy by a few percent
+        tokens = 32 + int(rng.integers(0, 2))
+        cost.observe(tokens, (0.006 + 0.004 * tokens) * rng.uniform(0.95, 1.05))
+    assert cost.per_token_s == pytest.approx(0.004, rel=0.1)  # the noise does not set the slope
+    assert cost.step_s(32) == pytest.approx(0.006 + 0.004 * 32, rel=0.05)
+
+
 def test_drafts_go_where_they_pay_and_not_where_steps_are_compute_bound():
     memory_bound = StepCost(fixed_s=0.010, per_token_s=0.0005, synced_gap_s=0.0005)
     # one stream that accepts most drafts: take them all
