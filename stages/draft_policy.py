@@ -105,7 +105,6 @@ def plan_drafts(
     base_tokens: int,  # tokens the step carries without drafts (decodes, prefill chunks)
     base_outputs: int,  # tokens it emits without drafts (one per row that samples)
     candidates: list[tuple[float, int]],  # per request that can draft: (acceptance, proposal len)
-    pipelined: bool,  # the step could otherwise be planned ahead (its gap would be hidden)
 ) -> list[int]:
     """Draft tokens for each candidate, in order: the choice that maximises the step's expected
     output tokens per second, drafts added most likely first."""
@@ -123,7 +122,7 @@ def plan_drafts(
     best_rate = (1.0 + REQUIRED_GAIN) * base_outputs / base_s if base_s > 0 else 0.0
     best_taken = 0
     gained = 0.0
-    extra_s = cost.sync_gap_s if pipelined else 0.0
+    extra_s = cost.sync_gap_s  # a plan with drafts waits for the step before it
     for taken, (gain, _) in enumerate(units, start=1):
         gained += gain
         rate = (base_outputs + gained) / (base_s + extra_s + cost.per_token_s * taken)

@@ -108,6 +108,9 @@ class Sequence:
     # A step in flight verifies drafts of it: where its tokens stand after that step is unknown
     # (1 to 1 + drafts more), so no other step plans it until the result is back.
     drafts_in_flight: bool = False
+    # The last proposal and the (outputs, pending outputs) it was made for (Scheduler._proposal).
+    proposal_key: tuple[int, int] = (-1, -1)
+    proposal: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     cache_salt: str | None = None  # only requests with the same salt share cached blocks
 
     def __post_init__(self) -> None:
@@ -358,8 +361,15 @@ class Scheduler:
     # -- speculative decoding --------------------------------------------------------------------
 
     def _proposal(self, seq: Sequence) -> np.ndarray:  # -> [<= k] int32
-        """Prompt lookup over the tokens known so far, capped so that every draft could be emitted
-        (max_tokens, max_model_len)."""
+        """The proposal for the tokens known so far, capped so that every draft could be emitted
+        (max_tokens, max_model_len); computed once per state of the request (the step's results
+        ask for it to decide whether to wait, the next plan to draft it)."""
+        key = (len(seq.output_ids), seq.pending_outputs)
+        if seq.proposal_key != key:
+            seq.proposal_key, seq.proposal = key, self._propose(seq)
+        return seq.proposal
+
+    def _propose(self, seq: Sequence) -> np.ndarray:  # -> [<= k] int32
         spec = self.config.speculative
         if spec is None or not seq.can_draft:
             return np.zeros(0, np.int32)
@@ -408,7 +418,6 @@ class Scheduler:
             base_tokens=base_tokens,
             base_outputs=len(decodes),
             candidates=[(seq.acceptance, len(p)) for seq, p in proposals],
-            pipelined=True,
         )
         for (seq, _), n in zip(proposals, counts, strict=True):
             if not n:
@@ -427,7 +436,7 @@ class Scheduler:
             return True
         k = spec.num_speculative_tokens
         best = draft_policy.plan_drafts(
-            self.cost, base_tokens, base_outputs, [(a, k) for a in acceptances], pipelined=True
+            self.cost, base_tokens, base_outputs, [(a, k) for a in acceptances]
         )
         return any(best)
 
@@ -455,9 +464,7 @@ class Scheduler:
                     self.wants_drafts = True
                     return
                 candidates.append((seq.acceptance, len(proposal)))
-        counts = draft_policy.plan_drafts(
-            self.cost, num_decodes, num_decodes, candidates, pipelined=True
-        )
+        counts = draft_policy.plan_drafts(self.cost, num_decodes, num_decodes, candidates)
         self.wants_drafts = any(counts)
 
     # -- prefix caching --------------------------------------------------------------------------

@@ -128,16 +128,16 @@ def test_steps_of_one_size_do_not_refit_what_a_token_costs():
 def test_drafts_go_where_they_pay_and_not_where_steps_are_compute_bound():
     memory_bound = StepCost(fixed_s=0.010, per_token_s=0.0005, synced_gap_s=0.0005)
     # one stream that accepts most drafts: take them all
-    assert plan_drafts(memory_bound, 1, 1, [(0.9, 4)], pipelined=True) == [4]
+    assert plan_drafts(memory_bound, 1, 1, [(0.9, 4)]) == [4]
     # two streams: the promising one drafts deeper than the poor one
-    counts = plan_drafts(memory_bound, 2, 2, [(0.9, 4), (0.2, 4)], pipelined=True)
+    counts = plan_drafts(memory_bound, 2, 2, [(0.9, 4), (0.2, 4)])
     assert counts[0] == 4 and counts[1] < 4
     # a stream whose drafts are never accepted gets none
-    assert plan_drafts(memory_bound, 1, 1, [(0.01, 4)], pipelined=True) == [0]
+    assert plan_drafts(memory_bound, 1, 1, [(0.01, 4)]) == [0]
     # compute-bound: 32 streams where each token costs as much as the whole fixed part
     compute_bound = StepCost(fixed_s=0.002, per_token_s=0.005, synced_gap_s=0.0005)
-    assert plan_drafts(compute_bound, 32, 32, [(0.6, 4)] * 32, pipelined=True) == [0] * 32
-    assert plan_drafts(compute_bound, 1, 1, [], pipelined=True) == []
+    assert plan_drafts(compute_bound, 32, 32, [(0.6, 4)] * 32) == [0] * 32
+    assert plan_drafts(compute_bound, 1, 1, []) == []
 
 
 def test_acceptance_follows_what_steps_accept():
@@ -153,9 +153,9 @@ def test_acceptance_follows_what_steps_accept():
     assert update_acceptance(0.3, 0, 0) == 0.3
     # steps with a proposal and no drafts bring it back toward the prior: it is tried again
     cpu = StepCost(fixed_s=0.008, per_token_s=0.004, synced_gap_s=0.0005)  # tokens cost much
-    assert plan_drafts(cpu, 1, 1, [(a, 4)], pipelined=True) != [0]  # the prior tries
+    assert plan_drafts(cpu, 1, 1, [(a, 4)]) != [0]  # the prior tries
     waited = 0
-    while plan_drafts(cpu, 1, 1, [(low, 4)], pipelined=True) == [0]:
+    while plan_drafts(cpu, 1, 1, [(low, 4)]) == [0]:
         low = draft_policy.undrafted(low)
         waited += 1
     assert 5 < waited < 60
