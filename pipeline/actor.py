@@ -63,6 +63,7 @@ class ActorLaunch:
     log_format: str
     log_level: str
     process_title: str | None = None  # what ps shows for the process (None: leave it)
+    log_fields: tuple[tuple[str, str], ...] = ()  # bound to every line, beside stage=
 
 
 class StopRequested(BaseException):
@@ -173,7 +174,9 @@ def run_actor(launch: ActorLaunch) -> None:
     # The supervisor owns the shutdown order; a terminal's Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     arm_parent_death_signal(launch.parent_pid)
-    configure_logging(launch.log_format, launch.log_level, stage=launch.spec.name)
+    configure_logging(
+        launch.log_format, launch.log_level, stage=launch.spec.name, **dict(launch.log_fields)
+    )
     log = structlog.get_logger("pipeline.actor")
     control = launch.control.attach()
     index = launch.index

@@ -52,6 +52,8 @@ class SupervisorConfig:
     liveness_interval_s: float = 0.1
     # Set: each actor's process is titled "<prefix>: <actor name>" in ps and top.
     process_title_prefix: str | None = None
+    # Fields bound to every line each actor logs, beside stage= (e.g. which of several pipelines).
+    log_fields: tuple[tuple[str, str], ...] = ()
 
 
 class Supervisor:
@@ -177,6 +179,7 @@ class Supervisor:
                 log_format=self.config.log_format,
                 log_level=self.config.log_level,
                 process_title=None if prefix is None else f"{prefix}: {spec.name}",
+                log_fields=self.config.log_fields,
             )
             proc = ctx.Process(target=run_actor, args=(launch,), name=f"pserve-{spec.name}")
             proc.start()

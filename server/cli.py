@@ -1,10 +1,11 @@
 """`pipeline-serve`: parses `vllm serve`-style flags, starts the engine, serves the app.
 
 `parse_args` yields the front end's `ServerConfig` and the engine's `stages.config.EngineConfig`
-(flags left out keep EngineConfig's defaults). `serve` awaits `stages.engine.build_engine(config)`,
-imported only when serving so that parsing stays free of the stage processes, then serves the app
-on Hypercorn until SIGTERM or SIGINT, drains it (server/drain.py) and stops the engine. Under
-systemd it says where it stands on $NOTIFY_SOCKET (server/systemd.py).
+(flags left out keep EngineConfig's defaults). `serve` awaits
+`stages.data_parallel.build_serving_engine(config)` (one pipeline, or --data-parallel-size of
+them), imported only when serving so that parsing stays free of the stage processes, then serves
+the app on Hypercorn until SIGTERM or SIGINT, drains it (server/drain.py) and stops the engine.
+Under systemd it says where it stands on $NOTIFY_SOCKET (server/systemd.py).
 """
 
 from __future__ import annotations
@@ -224,7 +225,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         help="seconds over which --max-stage-restarts counts failures (default 300)",
     )
-    parser.add_argument("--threads", type=_positive_int, help="CPU threads for the model")
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="CPU threads for the model (per replica; default: the cores, shared among replicas)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_positive_int,
+        help="whole pipelines (replicas) behind this server, each with its own stages, model and "
+        "KV cache of --kv-cache-memory; a crashed one restarts while the others serve (default 1)",
+    )
+    parser.add_argument(
+        "--data-parallel-routing",
+        choices=["cache_aware", "round_robin"],
+        help="how requests pick a replica: cache_aware (the one likely to hold the longest prefix "
+        "of the prompt, unless loads are imbalanced; else the least loaded) or round_robin "
+        "(default cache_aware)",
+    )
     parser.add_argument("--seed", type=int, help="seed of the engine's default generator")
     parser.add_argument(
         "--api-key",
@@ -494,6 +513,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "quantization": _quantization(args.quantization, args.model),
         "kv_cache_dtype": args.kv_cache_dtype,
         "threads": args.threads,
+        "data_parallel_size": args.data_parallel_size,
+        "data_parallel_routing": args.data_parallel_routing,
         "seed": args.seed,
         "max_waiting_requests": args.max_waiting_requests,
         "speculative": args.speculative_config,
@@ -549,7 +570,7 @@ def _url(config: ServerConfig) -> str:
 
 async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Notifier) -> int:
     """Serves until a signal (exit status 0) or until the engine gives up (1)."""
-    from stages.engine import build_engine  # the stage processes; only when serving
+    from stages.data_parallel import build_serving_engine  # the stage processes; only serving
 
     shutdown = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -557,7 +578,7 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Not
         loop.add_signal_handler(signum, shutdown.set)
     notifier.status(f"loading {config.served_model_name} and starting stages")
     # A signal while the model loads cancels the start instead of waiting for it.
-    starting = asyncio.create_task(build_engine(engine_config))
+    starting = asyncio.create_task(build_serving_engine(engine_config))
     stopping = asyncio.create_task(shutdown.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():

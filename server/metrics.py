@@ -30,7 +30,7 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 # Gauges a dashboard expects even before the engine reports them.
 _ENGINE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_:]")
-_LABELLED = re.compile(r"(?P<name>[^{]+)\{(?P<label>[a-zA-Z_]\w*)=(?P<value>[^}]*)\}")
+_LABELLED = re.compile(r"(?P<name>[^{]+)\{(?P<labels>[^}]*)\}")
 
 
 class _EngineStatsCollector(Collector):
@@ -44,34 +44,43 @@ class _EngineStatsCollector(Collector):
         self._owned = owned  # names the server itself exports; the engine's copies are skipped
 
     def collect(self) -> Iterator[Metric]:
-        # name -> {label value or None: value}; a key `name{label=value}` is one labelled sample
-        values: dict[str, dict[tuple[str, str] | None, float]] = {
-            name: {None: 0.0} for name in _ENGINE_GAUGES
-        }
+        # name -> {labels: value}; a key `name{label=value,...}` is one labelled sample (the
+        # data-parallel engine labels each replica's `engine`)
+        values: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
         for key, value in self._stats().items():
             labelled = _LABELLED.fullmatch(key)
-            name, label = (
-                (labelled["name"], (labelled["label"], labelled["value"]))
-                if labelled
-                else (key, None)
+            name, labels = (
+                (labelled["name"], _labels(labelled["labels"])) if labelled else (key, ())
             )
             name = _NAME_UNSAFE.sub("_", name.removeprefix("vllm:"))
-            values.setdefault(name, {})[label] = float(value)
+            values.setdefault(name, {})[labels] = float(value)
+        for name in _ENGINE_GAUGES:
+            values.setdefault(name, {(): 0.0})
         for name, samples in sorted(values.items()):
             full = f"vllm:{name}"
             if full in self._owned:
                 continue
-            extra = sorted({label[0] for label in samples if label is not None})
-            labels = ["model_name", *extra]
+            extra = sorted({label for labels in samples for label, _ in labels})
             if name.endswith("_total"):
                 family: CounterMetricFamily | GaugeMetricFamily = CounterMetricFamily(
-                    full.removesuffix("_total"), f"engine counter {name}", labels=labels
+                    full.removesuffix("_total"),
+                    f"engine counter {name}",
+                    labels=["model_name", *extra],
                 )
             else:
-                family = GaugeMetricFamily(full, f"engine gauge {name}", labels=labels)
-            for label, value in samples.items():
-                family.add_metric([self._model_name, *([label[1]] if label else [])], value)
+                family = GaugeMetricFamily(
+                    full, f"engine gauge {name}", labels=["model_name", *extra]
+                )
+            for labels, value in samples.items():
+                given = dict(labels)
+                family.add_metric([self._model_name, *(given.get(e, "") for e in extra)], value)
             yield family
+
+
+def _labels(text: str) -> tuple[tuple[str, str], ...]:
+    """`engine=1,position=0` as ((engine, 1), (position, 0))."""
+    pairs = (part.partition("=") for part in text.split(",") if part)
+    return tuple((label.strip(), value.strip()) for label, _, value in pairs)
 
 
 class _PerTokenCollector(Collector):

@@ -82,6 +82,12 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     max_stage_restarts: int = 3
     stage_restart_window_s: float = 300.0
+    # --data-parallel-size: whole pipelines behind one server (stages/data_parallel.py), each with
+    # its own KV cache of kv_cache_bytes; data_parallel_rank is the one this config runs.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    # --data-parallel-routing: "cache_aware" or "round_robin" (stages/router.py)
+    data_parallel_routing: str = "cache_aware"
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

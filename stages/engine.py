@@ -217,7 +217,9 @@ class Engine:
                 log_format=config.log_format,
                 log_level=config.log_level,
                 spin_s=0.0,  # the server's event loop serves HTTP: it must not spin either
-                process_title_prefix="pipeline-serve",  # ps shows "pipeline-serve: render"
+                # ps shows "pipeline-serve: render" ("pipeline-serve dp1: render" for replica 1)
+                process_title_prefix=_process_title(config),
+                log_fields=_replica_fields(config),
             ),
             owner_inboxes=("errors", "deltas"),
             owner_outboxes=("requests",),
@@ -442,6 +444,11 @@ class Engine:
         )
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests sent and not yet finished or aborted."""
+        return len(self._flights)
+
+    @property
     def num_waiting(self) -> int:
         """Requests in flight beyond what the scheduler can run at once."""
         return max(0, len(self._flights) - self.config.max_num_seqs)
@@ -636,6 +643,19 @@ class Engine:
                             flight.first_token_ns = now_ns()
                         flight.output_ids.append(token)
                     flight.queue.put_nowait(_output(flight.request.request_id, batch, row))
+
+
+def _process_title(config: EngineConfig) -> str:
+    if config.data_parallel_size == 1:
+        return "pipeline-serve"
+    return f"pipeline-serve dp{config.data_parallel_rank}"
+
+
+def _replica_fields(config: EngineConfig) -> tuple[tuple[str, str], ...]:
+    """What tells one data-parallel replica's stage logs from another's (vLLM's `engine`)."""
+    if config.data_parallel_size == 1:
+        return ()
+    return (("engine", str(config.data_parallel_rank)),)
 
 
 def _plural(count: int, noun: str) -> str:

@@ -27,7 +27,7 @@ def roots(names: set[str]) -> set[str]:
 
 
 def test_the_server_process_loads_no_torch_no_llguidance_and_no_actor():
-    loaded = loaded_after("server.cli", "stages.engine")
+    loaded = loaded_after("server.cli", "stages.engine", "stages.data_parallel")
     assert not roots(loaded) & {*HEAVY, "llguidance"}
     assert not [n for n in loaded if n.startswith("stages.actors")]
 
