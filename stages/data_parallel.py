@@ -266,7 +266,8 @@ def _load(engine: Engine) -> ReplicaLoad:
         ready=engine.ready,
         in_flight=in_flight,
         waiting=max(int(stats.get("num_requests_waiting", 0)), engine.num_waiting),
-        free_blocks=int(stats.get("num_free_blocks", 0)),
+        # schedule publishes its gauges after its first step; before it, every block is free
+        free_blocks=int(stats["num_free_blocks"] if stats.get("num_blocks") else engine.num_blocks),
         full=in_flight >= engine.max_in_flight,
     )
 
