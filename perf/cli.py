@@ -121,7 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     spec.add_argument("--log-dir", default=".", help="where the two servers' logs go")
     spec.add_argument("--json", dest="json_path")
 
+    dp = sub.add_parser(
+        "dp",
+        help="data-parallel routing: cache-aware against round robin, two DP=2 servers, one table",
+    )
+    dp.add_argument("model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)")
+    dp.add_argument("--groups", type=int, default=12, help="distinct shared prefixes")
+    dp.add_argument("--num-requests", type=int, default=48)
+    dp.add_argument("--concurrency", type=int, default=4)
+    dp.add_argument(
+        "--kv-cache-memory", default="80MiB", help="per replica (about half the prefixes fit)"
+    )
+    dp.add_argument("--repeats", type=int, default=2, help="pairs, order alternated")
+    dp.add_argument("--port", type=int, default=8620, help="the servers take PORT and PORT + 1")
+    dp.add_argument("--log-dir", default=".", help="where the servers' logs and workloads go")
+    dp.add_argument("--json", dest="json_path")
+
     args = parser.parse_args(argv)
+    if args.mode == "dp":
+        return run_dp_cli(args)
     if args.mode == "spec":
         return run_spec_cli(args)
     if args.mode == "model":
@@ -227,6 +245,28 @@ def run_spec_cli(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def run_dp_cli(args: argparse.Namespace) -> int:
+    import json
+
+    from perf import dp_bench
+
+    bench_args = dp_bench.DpBenchArgs(
+        model=args.model,
+        groups=args.groups,
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        kv_cache_memory=args.kv_cache_memory,
+        repeats=args.repeats,
+        port=args.port,
+    )
+    report = dp_bench.run_dp_bench(bench_args, args.log_dir)
+    print(dp_bench.format_table(report))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 1 if any(run["errors"] for run in report["runs"]) else 0
 
 
 def run_chaos_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
