@@ -66,9 +66,11 @@ class DataParallelEngine:
             prefix_caching=config.enable_prefix_caching,
         )
         self._recoveries = [0] * size  # each replica's recoveries the router has seen
-        # request_id -> (replica, engine requests in flight): the n choices of one request share
-        # its prompt, so they go where the first went.
-        self._pins: dict[str, tuple[int, int]] = {}
+        # (request_id, id of the prompt) -> (replica, engine requests in flight): the n choices
+        # of one request share its prompt object, so they go where the first went. The prompt's
+        # id tells them from other requests a client sent under the same id; it is not reused
+        # while an entry lives, as the requests in flight hold the prompt.
+        self._pins: dict[tuple[str, int], tuple[int, int]] = {}
         self.down = asyncio.Event()  # set once every replica gave up: the server should exit
         self._watchers: list[asyncio.Task[None]] = []
 
@@ -152,21 +154,22 @@ class DataParallelEngine:
                 yield output
         finally:
             await outputs.aclose()  # a client gone: the replica aborts the request now
-            self._unpin(request.request_id)
+            self._unpin((request.request_id, id(request.prompt)))
 
     def _choose(self, request: GenerateRequest) -> int:
         """The replica for this request (logged at debug with the reason), pinned while it runs;
         raises the 503 when none is ready."""
-        pinned = self._pins.get(request.request_id)
+        pin = (request.request_id, id(request.prompt))
+        pinned = self._pins.get(pin)
         if pinned is not None and self.replicas[pinned[0]].ready:
             replica = pinned[0]
-            self._pins[request.request_id] = (replica, pinned[1] + 1)
+            self._pins[pin] = (replica, pinned[1] + 1)
             log.debug(
                 "routed", request_id=request.request_id, engine=replica, reason="same_request"
             )
             return replica
         route = self._route(request)
-        self._pins[request.request_id] = (route.replica, 1)
+        self._pins[pin] = (route.replica, 1)
         log.debug(
             "routed",
             request_id=request.request_id,
@@ -188,14 +191,14 @@ class DataParallelEngine:
             raise self.not_ready_error
         return route
 
-    def _unpin(self, request_id: str) -> None:
-        pinned = self._pins.get(request_id)
+    def _unpin(self, pin: tuple[str, int]) -> None:
+        pinned = self._pins.get(pin)
         if pinned is None:
             return
         if pinned[1] <= 1:
-            del self._pins[request_id]
+            del self._pins[pin]
         else:
-            self._pins[request_id] = (pinned[0], pinned[1] - 1)
+            self._pins[pin] = (pinned[0], pinned[1] - 1)
 
     async def abort(self, request_id: str) -> None:
         await asyncio.gather(*(engine.abort(request_id) for engine in self.replicas))

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 
 from pipeline.clock import now_ns
@@ -131,12 +132,19 @@ def test_the_choices_of_one_request_go_to_one_replica(replicas):
         async def seen():
             counts.append(in_flight(engine))
 
-        same = [request("n3", f"Tell a story {i}", max_tokens=32) for i in range(3)]
-        await asyncio.gather(*(run(engine, r, seen) for r in same))
+        # as the server fans out n = 3: one prompt, a seed per choice
+        first = request("n3", "Tell a story", max_tokens=32, temperature=1.0, seed=1)
+        choices = [
+            msgspec.structs.replace(first, sampling=msgspec.structs.replace(first.sampling, seed=s))
+            for s in (1, 2, 3)
+        ]
+        # another request under the same id (a client's own) is routed on its own
+        other = request("n3", "Something else entirely", max_tokens=32)
+        await asyncio.gather(*(run(engine, r, seen) for r in [*choices, other]))
         return counts
 
     counts = runner.run(three_choices())
-    assert [3, 0] in counts or [0, 3] in counts
+    assert [3, 1] in counts or [1, 3] in counts
     assert engine._pins == {}
 
 
