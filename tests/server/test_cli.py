@@ -92,6 +92,20 @@ def test_dtype_alias() -> None:
     assert parse_args(["/m/x.gguf", "--dtype", "float"])[1].dtype == "float32"
 
 
+def test_data_parallel_flags() -> None:
+    engine_config = parse_args(["/m/x.gguf", "-dp", "2", "--data-parallel-routing", "round_robin"])[
+        1
+    ]
+    assert (engine_config.data_parallel_size, engine_config.data_parallel_routing) == (
+        2,
+        "round_robin",
+    )
+    assert parse_args(["/m/x.gguf"])[1].data_parallel_size == 1
+    for bad in (["--data-parallel-size", "0"], ["--data-parallel-routing", "random"]):
+        with pytest.raises(SystemExit):
+            parse_args(["/m/x.gguf", *bad])
+
+
 def test_served_name_defaults_to_the_model_name() -> None:
     assert parse_args(["/m/tiny.gguf"])[0].served_model_name == "tiny"
     assert parse_args(["/m/llama-dir/"])[1].served_model_name == "llama-dir"
