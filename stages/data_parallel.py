@@ -169,7 +169,8 @@ class DataParallelEngine:
             )
             return replica
         route = self._route(request)
-        self._pins[pin] = (route.replica, 1)
+        # (a pinned replica that is restarting: this choice and the next go elsewhere)
+        self._pins[pin] = (route.replica, (pinned[1] if pinned is not None else 0) + 1)
         log.debug(
             "routed",
             request_id=request.request_id,
