@@ -1,0 +1,319 @@
+"""What the GPU path decides on the host, tested on CPU: the KV budget from device-memory figures,
+the CUDA graph sizes and the padding of a decode step to them, the kernel set per device, the
+profiled step, random weights; and (marked cuda) the same on a device."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpu import kernels as triton_ops
+from gpu.attention import AttentionInputs
+from gpu.backends import TORCH_KERNELS, kernels_for
+from gpu.cuda_graphs import DecodeRows, capture_sizes, padded_size
+from gpu.memory import DeviceMemory, kv_cache_budget
+from gpu.runner import ModelRunner, RunnerConfig, StepBatch, profile_batch
+from gpu.sampler import SamplingArrays
+from stages.text.checkpoint import config_from_hf
+from stages.text.random_model import PRESETS, parameter_count, write_random_checkpoint
+from tests.gpu.paged import BlockPool, PagedSequence, build_step
+
+GIB = 1 << 30
+TINY_SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_random(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("random")
+    (root / "tiny").mkdir()
+    (root / "tiny" / "config.json").write_text(json.dumps(TINY_SHAPE))
+    return write_random_checkpoint(str(root / "tiny" / "config.json"), str(root))[1]
+
+
+def random_runner(path: str, **config) -> ModelRunner:
+    defaults = {"random_weights": True, "kv_cache_bytes": 1 << 20, "native_kernels": False}
+    return ModelRunner.from_path(path, RunnerConfig(**(defaults | config)))
+
+
+def runner_step(
+    pool: BlockPool, chunks: list[tuple[PagedSequence, int]], request_ids: list[int]
+) -> StepBatch:
+    """The chunks as one runner step in which every row samples greedily."""
+    step = build_step(pool, chunks)
+    rows = len(chunks)
+    return StepBatch(
+        request_ids=np.array(request_ids, np.int64),
+        input_ids=step.input_ids,
+        positions=step.positions,
+        query_start_loc=step.query_start_loc,
+        context_lens=step.context_lens,
+        block_tables=step.block_tables,
+        slot_mapping=step.slot_mapping,
+        prompt_lens=step.context_lens,
+        sample=np.ones(rows, bool),
+        sampling=SamplingArrays.defaults(rows),
+        prompt_logprobs=np.full(rows, -1, np.int32),
+    )
+
+
+def test_the_kv_cache_takes_what_remains_of_the_fraction():
+    h100 = DeviceMemory(
+        total_bytes=80 * GIB,
+        weights_bytes=16 * GIB,
+        peak_step_bytes=2 * GIB,
+        non_torch_bytes=1 * GIB,
+    )
+    assert kv_cache_budget(h100, 0.9) == 72 * GIB - 19 * GIB
+    assert kv_cache_budget(h100, 0.5) == 40 * GIB - 19 * GIB
+    assert kv_cache_budget(h100, 1.0) == 61 * GIB
+
+
+def test_a_fraction_the_weights_fill_is_an_error_that_says_what_took_it():
+    small = DeviceMemory(
+        total_bytes=24 * GIB, weights_bytes=16 * GIB, peak_step_bytes=GIB, non_torch_bytes=0
+    )
+    with pytest.raises(ValueError, match=r"the weights take 16\.00.*--gpu-memory-utilization"):
+        kv_cache_budget(small, 0.7)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        kv_cache_budget(small, 0.0)
+
+
+def test_graph_sizes_cover_every_batch_up_to_max_num_seqs():
+    assert capture_sizes(256) == (1, 2, 4, *range(8, 257, 8))
+    assert capture_sizes(3) == (1, 2, 3)
+    assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)
+    sizes = capture_sizes(20)
+    assert [padded_size(b, sizes) for b in (1, 2, 3, 5, 8, 9, 17, 20)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        20,
+        20,
+    ]
+    assert padded_size(21, sizes) is None
+
+
+def test_padding_rows_write_no_kv_and_leave_the_real_rows_logits(tiny_random):
+    runner = random_runner(tiny_random, dtype="float32")
+    model, block_size = runner.model, runner.kv_cache.block_size
+    pool = BlockPool(runner.num_kv_blocks, block_size, seed=1)
+    rng = np.random.default_rng(0)
+    seqs = [PagedSequence(rng.integers(0, 320, n).tolist()) for n in (5, 17, 9)]
+    runner.step(runner_step(pool, [(s, len(s.token_ids)) for s in seqs], [0, 1, 2]))
+    for s in seqs:
+        s.token_ids.append(int(rng.integers(0, 320)))
+    step = build_step(pool, [(s, 1) for s in seqs])
+    rows = DecodeRows(
+        input_ids=step.input_ids,
+        positions=step.positions,
+        slot_mapping=step.slot_mapping,
+        context_lens=step.context_lens,
+        block_tables=step.block_tables,
+    )
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_cache.layers]
+
+    def forward(rows: DecodeRows) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for (k, v), (k0, v0) in zip(runner.kv_cache.layers, before, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+        n = len(rows.input_ids)
+        inputs = AttentionInputs(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+            context_lens=torch.from_numpy(rows.context_lens),
+            block_tables=torch.from_numpy(rows.block_tables),
+            slot_mapping=torch.from_numpy(rows.slot_mapping),
+        )
+        with torch.inference_mode():
+            logits = model(
+                torch.from_numpy(rows.input_ids),
+                torch.from_numpy(rows.positions),
+                runner.kv_cache.layers,
+                inputs,
+                torch.arange(n),
+            )
+        return logits, [t.clone() for layer in runner.kv_cache.layers for t in layer]
+
+    padded = rows.padded(8, rows.block_tables.shape[1] + 3)
+    assert padded.slot_mapping[3:].tolist() == [-1] * 5
+    assert padded.context_lens[3:].tolist() == [1] * 5
+    plain_logits, plain_kv = forward(rows)
+    padded_logits, padded_kv = forward(padded)
+    torch.testing.assert_close(padded_logits[:3], plain_logits, rtol=1e-5, atol=1e-5)
+    written = set((step.slot_mapping // block_size).tolist())  # the real rows' blocks
+    olds = [t for layer in before for t in layer]
+    for plain, pad, old in zip(plain_kv, padded_kv, olds, strict=True):
+        # A batch of 8 rounds a row's K and V differently from one of 3, in the last bits.
+        torch.testing.assert_close(pad, plain, rtol=1e-5, atol=1e-5)
+        changed = (pad != old).flatten(1).any(1).nonzero().flatten().tolist()
+        assert set(changed) <= written
+    with pytest.raises(ValueError, match="does not fit"):
+        rows.padded(2, rows.block_tables.shape[1])
+
+
+def test_cuda_takes_the_triton_kernels_and_cpu_does_not():
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        chosen = kernels_for(device)
+        assert chosen.rms_norm is triton_ops.rms_norm
+        assert chosen.add_rms_norm is triton_ops.fused_add_rms_norm
+        assert chosen.silu_mul is triton_ops.silu_mul
+    cpu = kernels_for("cpu")
+    assert cpu.rms_norm is not triton_ops.rms_norm
+    assert kernels_for("cpu", use_native=False) is TORCH_KERNELS
+
+
+def test_the_profiled_step_is_the_largest_the_scheduler_plans_and_runs(tiny_random):
+    batch = profile_batch(num_tokens=100, num_seqs=8, block_size=16)
+    lens = np.diff(batch.query_start_loc)
+    assert len(batch.input_ids) == 100 and lens.tolist() == [13, 13, 13, 13, 12, 12, 12, 12]
+    assert len(set(batch.slot_mapping.tolist())) == 100  # no two tokens share a KV slot
+    runner = random_runner(tiny_random)
+    out = runner.step(batch)
+    assert (out.token_ids >= 0).all() and len(out.token_ids) == 8
+    assert len(profile_batch(5, 8, 16).request_ids) == 5  # fewer tokens than rows
+
+
+def test_presets_have_the_real_shapes_and_parameter_counts():
+    llama8b = config_from_hf(PRESETS["llama-3-8b"])
+    assert (llama8b.num_layers, llama8b.hidden_size, llama8b.num_heads) == (32, 4096, 32)
+    assert (llama8b.num_kv_heads, llama8b.intermediate_size, llama8b.vocab_size) == (
+        8,
+        14336,
+        128256,
+    )
+    counts = {name: parameter_count(config_from_hf(raw)) for name, raw in PRESETS.items()}
+    # As the checkpoints' model cards and safetensors indexes count them.
+    assert counts == {
+        "llama-3-8b": 8_030_261_248,
+        "llama-3-1b": 1_235_814_400,
+        "qwen2.5-0.5b": 494_032_768,
+    }
+
+
+def test_random_weights_are_made_in_the_dtype_and_seeded(tiny_random):
+    runner = random_runner(tiny_random, dtype="bfloat16", seed=3)
+    params = dict(runner.model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    assert sum(p.numel() for p in params.values()) == parameter_count(runner.model_config)
+    assert torch.equal(params["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
+    qkv = params["model.layers.0.self_attn.qkv_proj.weight"].float()
+    assert 0.015 < qkv.std().item() < 0.025
+    again = random_runner(tiny_random, dtype="bfloat16", seed=3).model.state_dict()
+    other = random_runner(tiny_random, dtype="bfloat16", seed=4).model.state_dict()
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(again[name], params[name]) and not torch.equal(other[name], params[name])
+    out = runner.step(profile_batch(40, 4, 16))
+    assert (out.token_ids >= 0).all()
+
+
+def test_the_random_model_tokenizer_round_trips_any_text_and_byte(tiny_random):
+    from stages.text.chat import render_chat
+    from stages.text.tokenizer import load_tokenizer
+
+    bundle = load_tokenizer(tiny_random)
+    assert bundle.vocab_size == 320  # every id the model samples decodes
+    for text in ("héllo wörld 🙂 日本語", "\x00\x01 tabs\tand\nnewlines", "<|im_start|>user"):
+        assert bundle.decode(bundle.encode(text)) == text
+    data = bytes(range(256))
+    assert b"".join(bundle.token_bytes[i] for i in data) == data
+    assert bundle.eos_token_ids == (bundle.tokenizer.token_to_id("<|im_end|>"),)
+    assert all(len(bundle.token_bytes[i]) >= 2 for i in range(259, 320))
+    prompt = render_chat(bundle.chat_template, [{"role": "user", "content": "hi 🙂"}])
+    assert prompt == "<|im_start|>user\nhi 🙂<|im_end|>\n<|im_start|>assistant\n"
+    assert bundle.encode(prompt)[0] == bundle.tokenizer.token_to_id("<|im_start|>")
+
+
+def test_the_same_shape_reuses_its_directory(tmp_path):
+    config = tmp_path / "shape" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(TINY_SHAPE))
+    name, first = write_random_checkpoint(str(config), str(tmp_path))
+    assert name == "shape"
+    assert write_random_checkpoint(str(config), str(tmp_path))[1] == first
+    assert sorted(p.name for p in Path(first).iterdir()) == [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    with pytest.raises(ValueError, match="neither a preset"):
+        write_random_checkpoint("llama-9-zillion", str(tmp_path))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_graph_decode_steps_equal_eager_ones(tiny_random):
+    graphed = random_runner(tiny_random, device="cuda", dtype="bfloat16", max_num_seqs=16)
+    eager = random_runner(
+        tiny_random, device="cuda", dtype="bfloat16", max_num_seqs=16, enforce_eager=True
+    )
+    assert graphed.graphs is not None and eager.graphs is None
+    assert graphed.graphs.sizes == (1, 2, 4, 8, 16)
+    eager.model.load_state_dict(graphed.model.state_dict())
+    rng = np.random.default_rng(0)
+    for batch in (1, 3, 16):
+        tokens = []
+        for runner in (graphed, eager):
+            pool = BlockPool(runner.num_kv_blocks, runner.kv_cache.block_size, seed=batch)
+            seqs = [PagedSequence(rng.integers(0, 320, 9).tolist()) for _ in range(batch)]
+            ids = list(range(batch))
+            runner.step(runner_step(pool, [(s, 9) for s in seqs], ids))
+            emitted = []
+            for _ in range(4):  # decode steps: graph replays on the first runner
+                for s in seqs:
+                    s.token_ids.append(int(rng.integers(0, 320)))
+                step = runner_step(pool, [(s, 1) for s in seqs], ids)
+                emitted.append(runner.step(step).token_ids)
+            runner.free(np.arange(batch))
+            tokens.append(np.stack(emitted))
+            rng = np.random.default_rng(batch)
+        np.testing.assert_array_equal(tokens[0], tokens[1])
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_gpu_memory_utilization_sizes_the_kv_cache_from_the_device(tiny_random):
+    free, total = torch.cuda.mem_get_info()
+    fraction = min(0.9, (total - free) / total + 0.05)  # a little more than what is in use
+    runner = random_runner(tiny_random, device="cuda", gpu_memory_utilization=fraction)
+    kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_cache.layers)
+    used_after = total - torch.cuda.mem_get_info()[0]
+    assert kv_bytes > 0 and used_after <= fraction * total * 1.02
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_gguf_weights_are_dequantized_to_bfloat16_on_cuda(smollm2_gguf):
+    cuda = ModelRunner.from_path(
+        smollm2_gguf, RunnerConfig(device="cuda", dtype="bfloat16", max_num_seqs=4)
+    )
+    assert {p.dtype for p in cuda.model.parameters()} == {torch.bfloat16}
+    cpu = ModelRunner.from_path(
+        smollm2_gguf, RunnerConfig(dtype="float32", quantization=None, native_kernels=False)
+    )
+    prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345]
+    firsts = []
+    for runner in (cuda, cpu):
+        pool = BlockPool(runner.num_kv_blocks, runner.kv_cache.block_size)
+        seq = PagedSequence(list(prompt))
+        firsts.append(runner.step(runner_step(pool, [(seq, len(prompt))], [0])).token_ids[0])
+    assert firsts[0] == firsts[1]
