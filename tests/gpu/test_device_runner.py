@@ -300,20 +300,94 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_from_the_device(tiny_random):
     assert kv_bytes > 0 and used_after <= fraction * total * 1.02
 
 
+def write_quantized_gguf(runner: ModelRunner, path: Path) -> str:
+    """The runner's model as a llama GGUF: Q8_0 linears, an F16 embedding, F32 norms (its rows
+    permuted as llama.cpp writes them: the loader puts them back). No transformers needed."""
+    import gguf
+    from gguf.quants import quantize
+
+    from gpu.loader import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES
+
+    c = runner.model_config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_heads)
+    writer.add_head_count_kv(c.num_kv_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_vocab_size(c.vocab_size)
+    names = {hf: name for name, hf in _GGUF_GLOBAL_NAMES.items()}
+    state = runner.model.state_dict()
+    q, kv = c.q_size, c.kv_size
+    hf_tensors = {k: v for k, v in state.items() if "qkv_proj" not in k and "gate_up" not in k}
+    for layer in range(c.num_layers):
+        prefix = f"model.layers.{layer}"
+        qkv = state[f"{prefix}.self_attn.qkv_proj.weight"]
+        gate_up = state[f"{prefix}.mlp.gate_up_proj.weight"]
+        hf_tensors |= {
+            f"{prefix}.self_attn.q_proj.weight": qkv[:q],
+            f"{prefix}.self_attn.k_proj.weight": qkv[q : q + kv],
+            f"{prefix}.self_attn.v_proj.weight": qkv[q + kv :],
+            f"{prefix}.mlp.gate_proj.weight": gate_up[: c.intermediate_size],
+            f"{prefix}.mlp.up_proj.weight": gate_up[c.intermediate_size :],
+        }
+        for name, hf in _GGUF_LAYER_NAMES.items():
+            names[f"{prefix}.{hf}"] = f"blk.{layer}.{name}"
+    for hf, tensor in hf_tensors.items():
+        values = tensor.float().numpy()
+        name = names[hf]
+        heads = c.num_heads if ".attn_q." in name else c.num_kv_heads
+        if ".attn_q." in name or ".attn_k." in name:  # llama.cpp's converter permutes them
+            values = values.reshape(heads, 2, -1, values.shape[1]).swapaxes(1, 2)
+            values = values.reshape(-1, c.hidden_size)
+        if name.endswith("norm.weight"):
+            writer.add_tensor(name, np.ascontiguousarray(values))
+        elif name == "token_embd.weight":
+            writer.add_tensor(name, values.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, quantize(np.ascontiguousarray(values), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tiny_random, tmp_path_factory) -> str:
+    source = random_runner(tiny_random, dtype="float32", seed=5)
+    return write_quantized_gguf(source, tmp_path_factory.mktemp("gguf") / "tiny-q8_0.gguf")
+
+
+def test_a_q8_0_gguf_loads_dequantized_into_bfloat16(tiny_random, quantized_gguf):
+    runner = ModelRunner.from_path(
+        quantized_gguf, RunnerConfig(dtype="bfloat16", kv_cache_bytes=1 << 20)
+    )
+    source = dict(random_runner(tiny_random, dtype="float32", seed=5).model.named_parameters())
+    for name, param in runner.model.named_parameters():
+        assert param.dtype == torch.bfloat16
+        # Q8_0 moves a weight by at most 1/254 of its block's range, bf16 by 1/256 of it.
+        torch.testing.assert_close(param.float(), source[name], rtol=0.01, atol=2e-3)
+
+
 @pytest.mark.cuda
 @needs_cuda
-def test_gguf_weights_are_dequantized_to_bfloat16_on_cuda(smollm2_gguf):
+def test_gguf_weights_are_dequantized_to_bfloat16_on_cuda(quantized_gguf):
     cuda = ModelRunner.from_path(
-        smollm2_gguf, RunnerConfig(device="cuda", dtype="bfloat16", max_num_seqs=4)
+        quantized_gguf, RunnerConfig(device="cuda", dtype="bfloat16", max_num_seqs=4)
     )
-    assert {p.dtype for p in cuda.model.parameters()} == {torch.bfloat16}
     cpu = ModelRunner.from_path(
-        smollm2_gguf, RunnerConfig(dtype="float32", quantization=None, native_kernels=False)
+        quantized_gguf, RunnerConfig(dtype="float32", kv_cache_bytes=1 << 20, native_kernels=False)
     )
-    prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345]
-    firsts = []
-    for runner in (cuda, cpu):
-        pool = BlockPool(runner.num_kv_blocks, runner.kv_cache.block_size)
-        seq = PagedSequence(list(prompt))
-        firsts.append(runner.step(runner_step(pool, [(seq, len(prompt))], [0])).token_ids[0])
-    assert firsts[0] == firsts[1]
+    cpu_params = dict(cpu.model.named_parameters())
+    for name, param in cuda.model.named_parameters():
+        assert param.dtype == torch.bfloat16 and param.device.type == "cuda"
+        assert torch.equal(param.cpu(), cpu_params[name].to(torch.bfloat16)), name
+    pool = BlockPool(cuda.num_kv_blocks, cuda.kv_cache.block_size)
+    seq = PagedSequence([5, 17, 200, 3, 99, 42, 7, 311])
+    assert 0 <= cuda.step(runner_step(pool, [(seq, 8)], [0])).token_ids[0] < 320
