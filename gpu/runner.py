@@ -23,6 +23,7 @@ from gpu.model import CausalLM, rope_inv_freq
 from gpu.quantize import QUANTIZATION_MODES, quantize_linears
 from gpu.random_weights import fill_random
 from gpu.sampler import (
+    SampleOutput,
     SamplingArrays,
     TokenHistory,
     logprob_summary,
@@ -134,7 +135,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.config = config
         self.device = torch.device(config.device)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._requests: dict[int, _RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
 
@@ -317,7 +318,9 @@ class ModelRunner:
                 cursor += 1
 
         out = self._sample(batch, states, logits, last_row, num_draft)
-        prompt = self._prompt_logprobs(batch, states, logits, wants_prompt, row_ends)
+        # Prompt logprobs (rare, and per prompt token) are scored on the host.
+        host_logits = logits.cpu() if wants_prompt.any() else logits
+        prompt = self._prompt_logprobs(batch, states, host_logits, wants_prompt, row_ends)
         return StepOutput(*out, *prompt)
 
     def _forward(self, batch: StepBatch, logits_rows: np.ndarray) -> torch.Tensor:
@@ -337,7 +340,7 @@ class ModelRunner:
                 context_lens=batch.context_lens.astype(np.int32),
                 block_tables=batch.block_tables,
             )
-            return graphs.run(rows).cpu()
+            return graphs.run(rows)
         query_start_loc, context_lens, block_tables = _attention_rows(batch)
         inputs = AttentionInputs(
             query_start_loc=torch.from_numpy(query_start_loc).to(device),
@@ -352,7 +355,7 @@ class ModelRunner:
             inputs,
             torch.from_numpy(logits_rows.astype(np.int64)).to(device),
         )
-        return logits.float().cpu()
+        return logits.float()  # on the device: sampling runs there
 
     def _sample(
         self,
@@ -398,7 +401,9 @@ class ModelRunner:
                 history.append(TokenHistory(seen - prompt_len, _NO_IDS, _NO_IDS))
         first_row = np.array([last_row[int(b)] for b in sampled]) - num_draft[sampled]
         rows = torch.from_numpy(np.repeat(first_row, per_row) + offset)
-        result = sample(logits[rows], params, history, self.generator)
+        on_device = sample(logits[rows.to(logits.device)], params, history, self.generator)
+        # One copy back of the [S'] rows (and their top-k), not of [S', V] logits.
+        result = SampleOutput(*(getattr(on_device, f).cpu() for f in SampleOutput.__slots__))
 
         drafted = np.zeros(len(owner), dtype=np.int64)  # the draft each virtual row verifies
         for b, start in zip(sampled.tolist(), (np.cumsum(per_row) - per_row).tolist(), strict=True):

@@ -391,3 +391,49 @@ def test_gguf_weights_are_dequantized_to_bfloat16_on_cuda(quantized_gguf):
     pool = BlockPool(cuda.num_kv_blocks, cuda.kv_cache.block_size)
     seq = PagedSequence([5, 17, 200, 3, 99, 42, 7, 311])
     assert 0 <= cuda.step(runner_step(pool, [(seq, 8)], [0])).token_ids[0] < 320
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_the_sampler_on_cuda_takes_the_tokens_it_takes_on_the_host():
+    from gpu.sampler import TokenHistory, sample
+
+    rows, vocab = 8, 300
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+
+    def padded(lists: list[list[int]]) -> np.ndarray:
+        width = max(len(r) for r in lists)
+        return np.array([r + [-1] * (width - len(r)) for r in lists], np.int32)
+
+    bitmask = np.full((rows, (vocab + 31) // 32), -1, np.int32)
+    bitmask[5, :4] = 0  # row 5's grammar bans tokens 0-127
+    params = SamplingArrays.defaults(
+        rows,
+        num_logprobs=np.array([5, 0, -1, 2, 1, 3, 0, 2], np.int32),
+        repetition_penalty=np.array([1.3, 1, 1, 1, 1, 1, 1, 1], np.float32),
+        frequency_penalty=np.array([0, 0.8, 0, 0, 0, 0, 0, 0], np.float32),
+        presence_penalty=np.array([0, 0, 1.5, 0, 0, 0, 0, 0], np.float32),
+        min_tokens=np.array([0, 0, 0, 5, 0, 0, 0, 0], np.int32),
+        stop_token_ids=padded([[], [], [], [int(logits[3].argmax())], [], [], [], []]),
+        logit_bias_ids=padded([[], [], [], [], [7], [], [], []]),
+        logit_bias_values=np.array([[0], [0], [0], [0], [100.0], [0], [0], [0]], np.float32),
+        allowed_token_ids=padded([[], [], [], [], [], [], [11, 12, 13], []]),
+        logprob_token_ids=padded([[], [], [], [], [], [], [], [3, 4]]),
+        token_bitmask=bitmask,
+    )
+    history = [TokenHistory.of([1, 2, 3], [int(logits[r].argmax()), 9]) for r in range(rows)]
+    host = sample(logits, params, history)
+    device = sample(logits.cuda(), params, history, torch.Generator("cuda").manual_seed(0))
+    assert device.token_ids.device.type == "cuda"
+    assert device.token_ids.cpu().tolist() == host.token_ids.tolist()
+    assert device.top_ids.cpu().tolist() == host.top_ids.tolist()
+    torch.testing.assert_close(device.logprobs.cpu(), host.logprobs, equal_nan=True)
+    torch.testing.assert_close(device.top_logprobs.cpu(), host.top_logprobs)
+    # Random rows draw from the filtered distribution with a generator on the device.
+    hot = SamplingArrays.defaults(
+        rows, temperature=np.full(rows, 1.0, np.float32), top_k=np.full(rows, 3, np.int32),
+        seed=np.array([7, -1, 7, -1, 7, -1, 7, -1], np.int64),
+    )  # fmt: skip
+    drawn = sample(logits.cuda(), hot, history, torch.Generator("cuda").manual_seed(0))
+    top3 = logits.topk(3, dim=1).indices
+    assert all(int(t) in top3[r].tolist() for r, t in enumerate(drawn.token_ids.cpu()))
