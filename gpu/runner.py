@@ -543,6 +543,8 @@ def _load_model(
     with torch.device("meta"):
         model = CausalLM(model_config, kernels)
     model = model.to(dtype=dtype).to_empty(device=config.device).eval()
+    if model_config.tie_word_embeddings:  # to_empty made each its own tensor
+        model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(model_config).to(config.device)
     if config.random_weights:
         fill_random(model, config.seed)

@@ -223,6 +223,18 @@ def test_random_weights_are_made_in_the_dtype_and_seeded(tiny_random):
     assert (out.token_ids >= 0).all()
 
 
+def test_a_tied_random_model_shares_its_embedding_with_the_lm_head(tmp_path):
+    (tmp_path / "tied").mkdir()
+    (tmp_path / "tied" / "config.json").write_text(
+        json.dumps({**TINY_SHAPE, "tie_word_embeddings": True})
+    )
+    path = write_random_checkpoint(str(tmp_path / "tied" / "config.json"), str(tmp_path))[1]
+    model = random_runner(path, dtype="bfloat16").model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    total = sum(p.numel() for p in model.parameters())
+    assert total == parameter_count(model.config)
+
+
 def test_the_random_model_tokenizer_round_trips_any_text_and_byte(tiny_random):
     from stages.text.chat import render_chat
     from stages.text.tokenizer import load_tokenizer
