@@ -52,7 +52,7 @@ if [ "$DEVICE" = cuda ]; then
     MODEL_ARGS=(--batches 1,64,256 --context 512 --prefill-tokens 2048 --steps 8)
     SERVE_ARGS=(--max-num-seqs 256 --max-model-len 4096 --max-num-batched-tokens 8192
                 --max-prefill-tokens-while-decoding 2048)
-    LEVELS=("1 16" "256 1024")  # concurrency, requests
+    LEVELS=("1 8" "256 512")  # concurrency, requests: each level well under two minutes
     MAX_TOKENS=256
     unset TRITON_INTERPRET  # the real kernels
 else
