@@ -14,7 +14,7 @@ import torch
 from gpu import kernels as triton_ops
 from gpu.attention import AttentionInputs
 from gpu.backends import TORCH_KERNELS, kernels_for
-from gpu.cuda_graphs import DecodeRows, capture_sizes, padded_size
+from gpu.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes, padded_size
 from gpu.memory import DeviceMemory, kv_cache_budget
 from gpu.runner import ModelRunner, RunnerConfig, StepBatch, profile_batch
 from gpu.sampler import SamplingArrays
@@ -166,6 +166,46 @@ def test_padding_rows_write_no_kv_and_leave_the_real_rows_logits(tiny_random):
         assert set(changed) <= written
     with pytest.raises(ValueError, match="does not fit"):
         rows.padded(2, rows.block_tables.shape[1])
+
+
+class ReplayEagerly:
+    """Stands in for a captured CUDA graph on CPU: a replay runs the forward the graph holds, on
+    the same static buffers, into the same output tensor."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int) -> None:
+        self.graphs, self.size = graphs, size
+
+    def replay(self) -> None:
+        self.graphs.logits[self.size].copy_(self.graphs._forward(self.size))
+
+
+def test_decode_steps_through_the_graph_buffers_sample_what_eager_steps_do(tiny_random):
+    graphed = random_runner(tiny_random, dtype="float32", max_num_seqs=8)
+    eager = random_runner(tiny_random, dtype="float32", max_num_seqs=8)
+    graphs = DecodeGraphs(
+        graphed.model, graphed.kv_cache.layers, capture_sizes(8), 16, torch.device("cpu")
+    )
+    with torch.inference_mode():
+        for size in graphs.sizes:
+            graphs.logits[size] = graphs._forward(size)
+            graphs.graphs[size] = ReplayEagerly(graphs, size)  # type: ignore[assignment]
+    graphed.graphs = graphs
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 320, n).tolist() for n in (7, 20, 3)]
+    emitted = []
+    for runner in (graphed, eager):
+        pool = BlockPool(runner.num_kv_blocks, runner.kv_cache.block_size, seed=3)
+        seqs = [PagedSequence(list(p)) for p in prompts]
+        tokens = runner.step(runner_step(pool, [(s, len(s.token_ids)) for s in seqs], [0, 1, 2]))
+        out = [tokens.token_ids.tolist()]
+        for _ in range(5):  # three rows padded to a graph of four
+            for s, t in zip(seqs, out[-1], strict=True):
+                s.token_ids.append(t)
+            step = runner_step(pool, [(s, 1) for s in seqs], [0, 1, 2])
+            out.append(runner.step(step).token_ids.tolist())
+        emitted.append(out)
+    assert emitted[0] == emitted[1]
+    assert graphs.input_ids[:3].tolist() == emitted[0][-2]  # the last step went through them
 
 
 def test_cuda_takes_the_triton_kernels_and_cpu_does_not():
