@@ -159,6 +159,8 @@ class ModelRunner:
             torch.set_num_threads(config.threads)
         dtype = _DTYPES[config.dtype]
         model_config = load_model_config(model_path)
+        sized = config.gpu_memory_utilization is not None and config.num_kv_blocks is None
+        start = memory.baseline(device) if sized and device.type == "cuda" else None
         model = _load_model(model_path, model_config, config, dtype)
         if config.quantization is not None:
             is_gguf = model_path.endswith(".gguf")
@@ -190,8 +192,10 @@ class ModelRunner:
             kv_cache = KVCache(
                 model_config, config.num_kv_blocks, config.block_size, kv_dtype, device
             )
-        elif config.gpu_memory_utilization is not None and device.type == "cuda":
-            kv_cache = cls._sized_kv_cache(model, config, kv_dtype, config.gpu_memory_utilization)
+        elif config.gpu_memory_utilization is not None and start is not None:
+            kv_cache = cls._sized_kv_cache(
+                model, config, kv_dtype, config.gpu_memory_utilization, start
+            )
         else:
             kv_cache = KVCache.from_budget(
                 model_config, config.kv_cache_bytes, config.block_size, kv_dtype, device
@@ -215,7 +219,12 @@ class ModelRunner:
 
     @classmethod
     def _sized_kv_cache(
-        cls, model: CausalLM, config: RunnerConfig, dtype: torch.dtype, utilization: float
+        cls,
+        model: CausalLM,
+        config: RunnerConfig,
+        dtype: torch.dtype,
+        utilization: float,
+        start: memory.Baseline,  # the device before the model was loaded
     ) -> KVCache:
         """The KV cache --gpu-memory-utilization leaves room for: the weights are measured, then
         the largest step the scheduler may plan (max_num_batched_tokens over max_num_seqs rows,
@@ -229,7 +238,7 @@ class ModelRunner:
         probe_blocks = int(batch.block_tables.max()) + 1
         probe = cls(model, KVCache(c, probe_blocks, config.block_size, dtype, device), config)
         probe.step(batch)
-        measured = memory.measure(device, weights_bytes)
+        measured = memory.measure(device, start, weights_bytes)
         probe_bytes = probe_blocks * kv_block_bytes(c, config.block_size, dtype)
         measured = replace(measured, peak_step_bytes=max(0, measured.peak_step_bytes - probe_bytes))
         del probe
