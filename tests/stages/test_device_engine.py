@@ -7,12 +7,21 @@ import json
 import os
 import signal
 
+import pytest
+
 from stages.api import GenerateRequest, SamplingParams, TextPrompt
 from stages.config import EngineConfig, num_kv_blocks
 from stages.engine import Engine
 from stages.kv_size import published_num_blocks
 from stages.text.random_model import write_random_checkpoint
 from tests.stages.conftest import LoopThread
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
 
 SHAPE = {
     "architectures": ["LlamaForCausalLM"],
@@ -66,6 +75,39 @@ def test_random_weights_serve_on_the_kv_blocks_execute_published(tmp_path):
         assert [t for o in again for t in o.token_ids] == ids
         assert engine.num_recoveries == 1
         assert published_num_blocks(engine.config.snapshot_dir) == expected
+    finally:
+        loop.run(engine.stop())
+        loop.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+def test_on_cuda_execute_sizes_the_cache_from_device_memory_and_serves(tmp_path):
+    # KV blocks of 64 KiB: 5% of a large device is some 100k of them, not millions.
+    shape = {**SHAPE, "hidden_size": 256, "num_hidden_layers": 4, "num_key_value_heads": 4}
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text(json.dumps(shape))
+    _, model = write_random_checkpoint(str(tmp_path / "small" / "config.json"), str(tmp_path))
+    config = EngineConfig(
+        model_path=model,
+        random_weights=True,
+        device="cuda",
+        dtype="bfloat16",
+        gpu_memory_utilization=0.05,
+        max_num_seqs=8,
+        log_format="json",
+        log_level="warning",
+    )
+    engine = Engine(config)
+    loop = LoopThread()
+    try:
+        loop.run(engine.start(), timeout=600)
+        # 5% of the device, nearly all of it KV cache for so small a model
+        assert engine.num_blocks > 1000
+        outs = loop.run(collect(engine, "héllo 🙂 wörld", 32))  # decode steps replay graphs
+        assert outs[-1].num_output_tokens == 32
+        again = loop.run(collect(engine, "héllo 🙂 wörld", 32))
+        assert [t for o in again for t in o.token_ids] == [t for o in outs for t in o.token_ids]
     finally:
         loop.run(engine.stop())
         loop.close()
