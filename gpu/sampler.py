@@ -387,13 +387,15 @@ def sample(
         _filter_top_k_top_p_min_p(scaled, params.select(rows_np))
         probs = torch.softmax(scaled, dim=1)
         noise = torch.empty_like(probs)
-        for i, row in enumerate(rows_np):
-            seed = int(params.seed[row])
-            row_generator = (
-                seeded_generator(seed, history[row].num_outputs, logits.device)
-                if seed >= 0
-                else generator
-            )
+        seeds = params.seed[rows_np]
+        unseeded = np.flatnonzero(seeds < 0)
+        if len(unseeded):  # one draw for them all: on a GPU one kernel, not one per row
+            noise[_on(unseeded, logits)] = torch.empty(
+                (len(unseeded), probs.shape[1]), device=logits.device
+            ).exponential_(generator=generator)
+        for i in np.flatnonzero(seeds >= 0).tolist():
+            row = int(rows_np[i])
+            row_generator = seeded_generator(int(seeds[i]), history[row].num_outputs, logits.device)
             noise[i].exponential_(generator=row_generator)
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p (the Gumbel-max trick).
         token_ids[random_rows] = (probs / noise).argmax(dim=1)
