@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install test test-fast serve bench lint format clean
+.PHONY: install test test-fast serve bench lint format clean gpu-wheels
 
 install: $(STAMP)
 
@@ -34,6 +34,18 @@ serve: install
 bench: install
 	mkdir -p perf/results
 	$(VENV)/bin/pipeline-bench ring --json perf/results/ring.json
+
+# The wheels perf/gpu_check.sh installs on a GPU machine that has torch and triton and no network
+# (every other runtime dependency, and pytest's, at the versions installed here).
+PYTHON_VERSION ?= 3.12
+gpu-wheels: install
+	mkdir -p .whl
+	$(PY) -m perf.gpu_wheels | while read -r requirement; do \
+		$(PY) -m pip download --quiet --no-deps --only-binary=:all: \
+			--python-version $(PYTHON_VERSION) --platform manylinux_2_28_x86_64 \
+			--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+			-d .whl "$$requirement" || exit 1; \
+	done
 
 lint: install
 	$(VENV)/bin/ruff check .

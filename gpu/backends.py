@@ -207,8 +207,20 @@ def triton_kernels() -> Kernels:
         kv: tuple[torch.Tensor, torch.Tensor],
         inputs: AttentionInputs,
     ) -> torch.Tensor:
-        q, k, v = _split_rotate(qkv, rope, num_heads, num_kv_heads)
-        kernels.write_kv(k, v, kv[0], kv[1], inputs.slot_mapping)
+        head_dim = rope.cos.shape[1] * 2
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split(
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+        )
+        q = q.view(tokens, num_heads, head_dim)
+        k = k.view(tokens, num_kv_heads, head_dim)
+        # The step's angles as the kernel's cache, token t at row t: rotated in place in qkv.
+        angles = torch.cat([rope.cos, rope.sin], dim=1)  # [T, D] float32
+        rows = torch.arange(tokens, device=qkv.device)
+        kernels.rotary(q, k, rows, angles)
+        kernels.write_kv(
+            k, v.view(tokens, num_kv_heads, head_dim), kv[0], kv[1], inputs.slot_mapping
+        )
         return q
 
     def paged_attention(

@@ -185,7 +185,8 @@ class CausalLM(nn.Module):
             ):
                 continue
             if name == "rope_freqs":
-                self.inv_freq = rope_inv_freq(c) / tensor.float().to(self.inv_freq.device)
+                device = self.inv_freq.device
+                self.inv_freq = rope_inv_freq(c).to(device) / tensor.float().to(device)
                 continue
             parts = name.split(".")
             target, offset, size = name, 0, None

@@ -13,13 +13,17 @@ import numpy as np
 import structlog
 import torch
 
+from gpu import memory
 from gpu.attention import AttentionInputs
 from gpu.backends import NATIVE_KERNELS, kernels_for
-from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from gpu.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes
+from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_block_bytes
 from gpu.loader import iter_weights, read_gguf_raw_tensors
-from gpu.model import CausalLM
+from gpu.model import CausalLM, rope_inv_freq
 from gpu.quantize import QUANTIZATION_MODES, quantize_linears
+from gpu.random_weights import fill_random
 from gpu.sampler import (
+    SampleOutput,
     SamplingArrays,
     TokenHistory,
     logprob_summary,
@@ -53,6 +57,16 @@ class RunnerConfig:
     # quantized matmuls with int8 activations); None: wherever they build. False: torch only.
     native_kernels: bool | None = None
     kv_cache_dtype: str = "auto"  # see stages.text.checkpoint.resolve_kv_cache_dtype
+    random_weights: bool = False  # make the weights (gpu/random_weights.py) instead of reading
+    # CUDA: the KV cache takes what remains of this fraction of the device's memory after the
+    # weights and a profiled step of max_num_batched_tokens over max_num_seqs rows
+    # (gpu/memory.py); None: kv_cache_bytes.
+    gpu_memory_utilization: float | None = None
+    num_kv_blocks: int | None = None  # exactly this many KV blocks (a count published before)
+    max_num_seqs: int = 256  # the largest decode batch: CUDA graphs are captured up to it
+    max_num_batched_tokens: int = 2048  # the profiled step's tokens
+    max_model_len: int = 0  # 0: the model's; sets the CUDA graphs' block table width
+    enforce_eager: bool = False  # CUDA: no graphs for decode steps
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,8 +135,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.config = config
         self.device = torch.device(config.device)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._requests: dict[int, _RequestState] = {}
+        self.graphs: DecodeGraphs | None = None  # set by capture_graphs
 
     @classmethod
     def from_path(cls, model_path: str, config: RunnerConfig) -> ModelRunner:
@@ -134,14 +149,19 @@ class ModelRunner:
             raise ValueError(
                 f"quantization {config.quantization!r} is not supported; use None or one of {QUANTIZATION_MODES}"
             )
+        device = torch.device(config.device)
+        if config.quantization is not None and device.type != "cpu":
+            raise ValueError(
+                f"quantization {config.quantization!r} runs on CPU only; on {device.type} the "
+                "weights are dequantized to the model dtype"
+            )
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         dtype = _DTYPES[config.dtype]
         model_config = load_model_config(model_path)
-        model = CausalLM(model_config, kernels_for(config.device, config.native_kernels))
-        model.load_weights(iter_weights(model_path, model_config, dtype))
-        model = model.to(dtype=dtype).eval()
-        model.inv_freq = model.inv_freq.float()
+        sized = config.gpu_memory_utilization is not None and config.num_kv_blocks is None
+        start = memory.baseline(device) if sized and device.type == "cuda" else None
+        model = _load_model(model_path, model_config, config, dtype)
         if config.quantization is not None:
             is_gguf = model_path.endswith(".gguf")
             raw = {}
@@ -164,26 +184,91 @@ class ModelRunner:
                 max_rows,
                 use_native=use_native,
             )
-        model = model.to(device=config.device)
-        kv_cache = KVCache.from_budget(
-            model_config,
-            config.kv_cache_bytes,
-            config.block_size,
-            _DTYPES[
-                resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
-            ],
-            config.device,
-        )
+        model = model.to(device=device)
+        kv_dtype = _DTYPES[
+            resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
+        ]
+        if config.num_kv_blocks is not None:
+            kv_cache = KVCache(
+                model_config, config.num_kv_blocks, config.block_size, kv_dtype, device
+            )
+        elif config.gpu_memory_utilization is not None and start is not None:
+            kv_cache = cls._sized_kv_cache(
+                model, config, kv_dtype, config.gpu_memory_utilization, start
+            )
+        else:
+            kv_cache = KVCache.from_budget(
+                model_config, config.kv_cache_bytes, config.block_size, kv_dtype, device
+            )
+        runner = cls(model, kv_cache, config)
+        if device.type == "cuda" and not config.enforce_eager:
+            runner.capture_graphs()
         log.info(
             "model ready",
             model=model_path,
             architecture=model_config.architecture,
+            device=str(device),
             dtype=config.dtype,
-            kv_cache_dtype=str(kv_cache.layers[0][0].dtype).removeprefix("torch."),
+            random_weights=config.random_weights,
+            kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
             kv_blocks=kv_cache.num_blocks,
             block_size=config.block_size,
+            cuda_graphs=None if runner.graphs is None else list(runner.graphs.sizes),
         )
-        return cls(model, kv_cache, config)
+        return runner
+
+    @classmethod
+    def _sized_kv_cache(
+        cls,
+        model: CausalLM,
+        config: RunnerConfig,
+        dtype: torch.dtype,
+        utilization: float,
+        start: memory.Baseline,  # the device before the model was loaded
+    ) -> KVCache:
+        """The KV cache --gpu-memory-utilization leaves room for: the weights are measured, then
+        the largest step the scheduler may plan (max_num_batched_tokens over max_num_seqs rows,
+        every row sampled) runs on a cache just big enough for it, and its peak is measured."""
+        device = torch.device(config.device)
+        c = model.config
+        torch.cuda.empty_cache()
+        weights_bytes = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        batch = profile_batch(config.max_num_batched_tokens, config.max_num_seqs, config.block_size)
+        probe_blocks = int(batch.block_tables.max()) + 1
+        probe = cls(model, KVCache(c, probe_blocks, config.block_size, dtype, device), config)
+        probe.step(batch)
+        measured = memory.measure(device, start, weights_bytes)
+        probe_bytes = probe_blocks * kv_block_bytes(c, config.block_size, dtype)
+        measured = replace(measured, peak_step_bytes=max(0, measured.peak_step_bytes - probe_bytes))
+        del probe
+        torch.cuda.empty_cache()
+        budget = memory.kv_cache_budget(measured, utilization)
+        log.info(
+            "kv cache sized from device memory",
+            device=str(device),
+            total_gib=round(measured.total_bytes / (1 << 30), 2),
+            utilization=utilization,
+            weights_gib=round(measured.weights_bytes / (1 << 30), 2),
+            peak_step_gib=round(measured.peak_step_bytes / (1 << 30), 2),
+            non_torch_gib=round(measured.non_torch_bytes / (1 << 30), 2),
+            kv_cache_gib=round(budget / (1 << 30), 2),
+        )
+        return KVCache.from_budget(c, budget, config.block_size, dtype, device)
+
+    def capture_graphs(self) -> None:
+        """CUDA graphs of decode steps of every size up to max_num_seqs (gpu/cuda_graphs.py)."""
+        max_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache.layers,
+            capture_sizes(self.config.max_num_seqs),
+            -(-max_len // self.kv_cache.block_size),
+            self.device,
+        )
+        with torch.inference_mode():
+            graphs.capture()
+        self.graphs = graphs
 
     @property
     def model_config(self) -> ModelConfig:
@@ -242,11 +327,29 @@ class ModelRunner:
                 cursor += 1
 
         out = self._sample(batch, states, logits, last_row, num_draft)
-        prompt = self._prompt_logprobs(batch, states, logits, wants_prompt, row_ends)
+        # Prompt logprobs (rare, and per prompt token) are scored on the host.
+        host_logits = logits.cpu() if wants_prompt.any() else logits
+        prompt = self._prompt_logprobs(batch, states, host_logits, wants_prompt, row_ends)
         return StepOutput(*out, *prompt)
 
     def _forward(self, batch: StepBatch, logits_rows: np.ndarray) -> torch.Tensor:
         device = self.device
+        graphs = self.graphs
+        num_rows = len(batch.request_ids)
+        if (
+            graphs is not None
+            and len(batch.input_ids) == num_rows  # every row decodes one token, no draft
+            and len(logits_rows) == num_rows  # and samples it
+            and graphs.fits(num_rows, batch.block_tables.shape[1])
+        ):
+            rows = DecodeRows(
+                input_ids=batch.input_ids.astype(np.int64),
+                positions=batch.positions.astype(np.int64),
+                slot_mapping=batch.slot_mapping.astype(np.int64),
+                context_lens=batch.context_lens.astype(np.int32),
+                block_tables=batch.block_tables,
+            )
+            return graphs.run(rows)
         query_start_loc, context_lens, block_tables = _attention_rows(batch)
         inputs = AttentionInputs(
             query_start_loc=torch.from_numpy(query_start_loc).to(device),
@@ -261,7 +364,7 @@ class ModelRunner:
             inputs,
             torch.from_numpy(logits_rows.astype(np.int64)).to(device),
         )
-        return logits.float().cpu()
+        return logits.float()  # on the device: sampling runs there
 
     def _sample(
         self,
@@ -307,7 +410,9 @@ class ModelRunner:
                 history.append(TokenHistory(seen - prompt_len, _NO_IDS, _NO_IDS))
         first_row = np.array([last_row[int(b)] for b in sampled]) - num_draft[sampled]
         rows = torch.from_numpy(np.repeat(first_row, per_row) + offset)
-        result = sample(logits[rows], params, history, self.generator)
+        on_device = sample(logits[rows.to(logits.device)], params, history, self.generator)
+        # One copy back of the [S'] rows (and their top-k), not of [S', V] logits.
+        result = SampleOutput(*(getattr(on_device, f).cpu() for f in SampleOutput.__slots__))
 
         drafted = np.zeros(len(owner), dtype=np.int64)  # the draft each virtual row verifies
         for b, start in zip(sampled.tolist(), (np.cumsum(per_row) - per_row).tolist(), strict=True):
@@ -427,6 +532,65 @@ class ModelRunner:
             out_top_ids,
             out_top_logprobs,
         )
+
+
+def _load_model(
+    model_path: str, model_config: ModelConfig, config: RunnerConfig, dtype: torch.dtype
+) -> CausalLM:
+    """The model with its weights, in `dtype` (rope frequencies in float32). A CPU checkpoint
+    loads in float32 first (quantization reads float weights); otherwise the model is laid out
+    without memory and allocated in `dtype` on the device, so that an 8B model never exists in
+    float32 or on the host: a checkpoint's tensors are copied in one by one (GGUF's dequantized
+    on the host, then cast), random weights are made in place."""
+    kernels = kernels_for(config.device, config.native_kernels)
+    if config.device == "cpu" and not config.random_weights:
+        model = CausalLM(model_config, kernels)
+        model.load_weights(iter_weights(model_path, model_config, dtype))
+        model = model.to(dtype=dtype).eval()
+        model.inv_freq = model.inv_freq.float()
+        return model
+    with torch.device("meta"):
+        model = CausalLM(model_config, kernels)
+    model = model.to(dtype=dtype).to_empty(device=config.device).eval()
+    if model_config.tie_word_embeddings:  # to_empty made each its own tensor
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(model_config).to(config.device)
+    if config.random_weights:
+        fill_random(model, config.seed)
+    else:
+        model.load_weights(iter_weights(model_path, model_config, dtype))
+    return model
+
+
+def profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> StepBatch:
+    """The largest step a scheduler of these limits plans: `num_tokens` prompt tokens split over
+    min(num_seqs, num_tokens) sequences, each on blocks of its own and each sampled."""
+    rows = min(num_seqs, num_tokens)
+    lens = np.full(rows, num_tokens // rows, np.int64)
+    lens[: num_tokens % rows] += 1
+    blocks = -(-lens // block_size)
+    first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]])
+    tables = np.zeros((rows, int(blocks.max())), np.int32)
+    for row in range(rows):
+        tables[row, : blocks[row]] = np.arange(blocks[row]) + first_block[row]
+    positions = np.concatenate([np.arange(n) for n in lens])
+    owner = np.repeat(np.arange(rows), lens)
+    slots = tables[owner, positions // block_size].astype(np.int64) * block_size
+    query_start_loc = np.zeros(rows + 1, np.int32)
+    np.cumsum(lens, out=query_start_loc[1:])
+    return StepBatch(
+        request_ids=np.arange(rows, dtype=np.int64),
+        input_ids=np.zeros(num_tokens, np.int64),
+        positions=positions,
+        query_start_loc=query_start_loc,
+        context_lens=lens.astype(np.int32),
+        block_tables=tables,
+        slot_mapping=slots + positions % block_size,
+        prompt_lens=lens.astype(np.int32),
+        sample=np.ones(rows, bool),
+        sampling=SamplingArrays.defaults(rows),
+        prompt_logprobs=np.full(rows, -1, np.int32),
+    )
 
 
 def _attention_rows(batch: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

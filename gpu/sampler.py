@@ -233,8 +233,10 @@ class SampleOutput:
     top_logprobs: torch.Tensor  # [S, K] float32
 
 
-def seeded_generator(seed: int, output_index: int) -> torch.Generator:
-    generator = torch.Generator()
+def seeded_generator(
+    seed: int, output_index: int, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    generator = torch.Generator(device=device)
     generator.manual_seed((seed * _SEED_MIX + output_index) & _SEED_MASK)
     return generator
 
@@ -258,18 +260,25 @@ def logprob_summary(
     return chosen, ranks, top_ids, top_logprobs
 
 
-def _id_mask(ids: np.ndarray, vocab_size: int) -> torch.Tensor:  # ids: [S, N] -> [S, V] bool
-    mask = torch.zeros((ids.shape[0], vocab_size), dtype=torch.bool)
+def _on(values: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A host array as a tensor on `like`'s device (the logits': the host, or a GPU)."""
+    return torch.from_numpy(values).to(like.device)
+
+
+def _id_mask(ids: np.ndarray, like: torch.Tensor) -> torch.Tensor:  # ids: [S, N] -> [S, V] bool
+    vocab_size = like.shape[1]
+    mask = torch.zeros((ids.shape[0], vocab_size), dtype=torch.bool, device=like.device)
     rows, cols = np.nonzero((ids >= 0) & (ids < vocab_size))
-    mask[torch.from_numpy(rows), torch.from_numpy(ids[rows, cols].astype(np.int64))] = True
+    mask[_on(rows, like), _on(ids[rows, cols].astype(np.int64), like)] = True
     return mask
 
 
-def _bitmask(words: np.ndarray, vocab_size: int) -> torch.Tensor:  # [S, W] int32 -> [S, V] bool
+def _bitmask(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:  # [S, W] int32 -> [S, V] bool
+    vocab_size = like.shape[1]
     bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=1, bitorder="little")
     if bits.shape[1] < vocab_size:  # tokens past the mask's width are not allowed
         bits = np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
-    return torch.from_numpy(bits[:, :vocab_size].view(np.bool_))
+    return _on(np.ascontiguousarray(bits[:, :vocab_size]).view(np.bool_), like)
 
 
 def _apply_token_rules(
@@ -277,13 +286,13 @@ def _apply_token_rules(
 ) -> None:
     vocab_size = logits.shape[1]
     if params.token_bitmask.shape[1]:
-        logits.masked_fill_(~_bitmask(params.token_bitmask, vocab_size), float("-inf"))
+        logits.masked_fill_(~_bitmask(params.token_bitmask, logits), float("-inf"))
     if params.allowed_token_ids.size and (params.allowed_token_ids >= 0).any():
-        allowed = _id_mask(params.allowed_token_ids, vocab_size)
+        allowed = _id_mask(params.allowed_token_ids, logits)
         restricted = allowed.any(dim=1, keepdim=True)
         logits.masked_fill_(restricted & ~allowed, float("-inf"))
     if params.bad_token_ids.size and (params.bad_token_ids >= 0).any():
-        logits.masked_fill_(_id_mask(params.bad_token_ids, vocab_size), float("-inf"))
+        logits.masked_fill_(_id_mask(params.bad_token_ids, logits), float("-inf"))
     for row in np.flatnonzero(np.not_equal(params.bad_words, None)).tolist():
         output = history[row].output_ids.tolist()
         for word in params.bad_words[row]:
@@ -296,13 +305,13 @@ def _apply_token_rules(
     num_outputs = np.array([h.num_outputs for h in history], dtype=np.int64)
     too_short = num_outputs < params.min_tokens
     if too_short.any() and params.stop_token_ids.size:
-        stop = _id_mask(np.where(too_short[:, None], params.stop_token_ids, -1), vocab_size)
+        stop = _id_mask(np.where(too_short[:, None], params.stop_token_ids, -1), logits)
         logits.masked_fill_(stop, float("-inf"))
     if params.logit_bias_ids.size and (params.logit_bias_ids >= 0).any():
         rows, cols = np.nonzero((params.logit_bias_ids >= 0) & (params.logit_bias_ids < vocab_size))
-        ids = torch.from_numpy(params.logit_bias_ids[rows, cols].astype(np.int64))
-        bias = torch.from_numpy(params.logit_bias_values[rows, cols].astype(np.float32))
-        logits.index_put_((torch.from_numpy(rows), ids), bias, accumulate=True)
+        ids = _on(params.logit_bias_ids[rows, cols].astype(np.int64), logits)
+        bias = _on(params.logit_bias_values[rows, cols].astype(np.float32), logits)
+        logits.index_put_((_on(rows, logits), ids), bias, accumulate=True)
 
 
 def _apply_penalties(
@@ -313,11 +322,11 @@ def _apply_penalties(
     repetition = params.repetition_penalty != 1.0
     additive = (params.frequency_penalty != 0.0) | (params.presence_penalty != 0.0)
     for row in np.nonzero(rows_needing_token_ids(params))[0].tolist():
-        output = torch.from_numpy(history[row].output_ids.astype(np.int64))
+        output = _on(history[row].output_ids.astype(np.int64), logits)
         counts = torch.bincount(output, minlength=vocab_size)[:vocab_size].float()
         if repetition[row]:
-            prompt = torch.from_numpy(history[row].prompt_ids.astype(np.int64))
-            seen = torch.zeros(vocab_size, dtype=torch.bool)
+            prompt = _on(history[row].prompt_ids.astype(np.int64), logits)
+            seen = torch.zeros(vocab_size, dtype=torch.bool, device=logits.device)
             seen[prompt[prompt < vocab_size]] = True
             seen |= counts > 0
             penalty = float(params.repetition_penalty[row])
@@ -332,9 +341,9 @@ def _apply_penalties(
 
 def _filter_top_k_top_p_min_p(logits: torch.Tensor, params: SamplingArrays) -> None:
     """Set to -inf what top_k, top_p and min_p exclude; the most likely token always stays."""
-    top_k = torch.from_numpy(params.top_k.astype(np.int64))
-    top_p = torch.from_numpy(params.top_p.astype(np.float32))
-    min_p = torch.from_numpy(params.min_p.astype(np.float32))
+    top_k = _on(params.top_k.astype(np.int64), logits)
+    top_p = _on(params.top_p.astype(np.float32), logits)
+    min_p = _on(params.min_p.astype(np.float32), logits)
     if bool((min_p > 0).any()):
         probs = torch.softmax(logits, dim=1)
         threshold = min_p.unsqueeze(1) * probs.max(dim=1, keepdim=True).values
@@ -344,7 +353,7 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, params: SamplingArrays) -> N
     if not bool(use_k.any() or use_p.any()):
         return
     sorted_logits, order = logits.sort(dim=1, descending=True)
-    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
     drop = use_k.unsqueeze(1) & (ranks >= top_k.unsqueeze(1))
     sorted_logits.masked_fill_(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=1)
@@ -361,42 +370,47 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> SampleOutput:
     """One token per row. `generator` drives rows without a seed. Logprobs are computed for the
-    rows that asked for them (num_logprobs >= 0); other rows get nan and rank 0."""
+    rows that asked for them (num_logprobs >= 0); other rows get nan and rank 0. Everything runs
+    on the logits' device (`generator` and the outputs are there too)."""
     wanted = np.flatnonzero(params.num_logprobs >= 0)
-    raw_logprobs = torch.log_softmax(logits[torch.from_numpy(wanted)].float(), dim=1)
+    raw_logprobs = torch.log_softmax(logits[_on(wanted, logits)].float(), dim=1)
     logits = logits.float().clone()
     _apply_token_rules(logits, params, history)
     _apply_penalties(logits, params, history)
 
-    temperature = torch.from_numpy(params.temperature.astype(np.float32))
-    greedy = temperature < _GREEDY_BELOW_TEMPERATURE
+    temperature = _on(params.temperature.astype(np.float32), logits)
     token_ids = logits.argmax(dim=1)
-    random_rows = torch.nonzero(~greedy).squeeze(1)
-    if random_rows.numel():
-        rows_np = random_rows.numpy()
+    rows_np = np.flatnonzero(params.temperature >= _GREEDY_BELOW_TEMPERATURE)
+    if len(rows_np):
+        random_rows = _on(rows_np, logits)
         scaled = logits[random_rows] / temperature[random_rows].unsqueeze(1)
         _filter_top_k_top_p_min_p(scaled, params.select(rows_np))
         probs = torch.softmax(scaled, dim=1)
         noise = torch.empty_like(probs)
-        for i, row in enumerate(rows_np):
-            seed = int(params.seed[row])
-            row_generator = (
-                seeded_generator(seed, history[row].num_outputs) if seed >= 0 else generator
-            )
+        seeds = params.seed[rows_np]
+        unseeded = np.flatnonzero(seeds < 0)
+        if len(unseeded):  # one draw for them all: on a GPU one kernel, not one per row
+            noise[_on(unseeded, logits)] = torch.empty(
+                (len(unseeded), probs.shape[1]), device=logits.device
+            ).exponential_(generator=generator)
+        for i in np.flatnonzero(seeds >= 0).tolist():
+            row = int(rows_np[i])
+            row_generator = seeded_generator(int(seeds[i]), history[row].num_outputs, logits.device)
             noise[i].exponential_(generator=row_generator)
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p (the Gumbel-max trick).
         token_ids[random_rows] = (probs / noise).argmax(dim=1)
-    forced = torch.from_numpy(params.forced_token_ids.astype(np.int64))
+    forced = _on(params.forced_token_ids.astype(np.int64), logits)
     token_ids = torch.where(forced >= 0, forced, token_ids)
 
     num_top = max(0, int(params.num_logprobs.max(initial=-1)))
     rows = logits.shape[0]
-    chosen = torch.full((rows,), float("nan"))
-    ranks = torch.zeros(rows, dtype=torch.int64)
-    top_ids = torch.full((rows, num_top), -1, dtype=torch.int64)
-    top_logprobs = torch.full((rows, num_top), float("-inf"))
+    device = logits.device
+    chosen = torch.full((rows,), float("nan"), device=device)
+    ranks = torch.zeros(rows, dtype=torch.int64, device=device)
+    top_ids = torch.full((rows, num_top), -1, dtype=torch.int64, device=device)
+    top_logprobs = torch.full((rows, num_top), float("-inf"), device=device)
     if len(wanted):
-        index = torch.from_numpy(wanted)
+        index = _on(wanted, logits)
         chosen[index], ranks[index], top_ids[index], top_logprobs[index] = logprob_summary(
             raw_logprobs, token_ids[index], num_top
         )
@@ -440,7 +454,7 @@ def _report_given_ids(
 ) -> None:
     """In place of their top-k, the rows with logprob_token_ids report exactly those tokens."""
     for w in np.flatnonzero((given >= 0).any(axis=1)) if given.shape[1] else ():
-        ids = torch.from_numpy(given[w][given[w] >= 0].astype(np.int64))
+        ids = _on(given[w][given[w] >= 0].astype(np.int64), raw_logprobs)
         row = int(wanted[w])
         top_ids[row, : len(ids)] = ids
         top_logprobs[row, : len(ids)] = raw_logprobs[w, ids]

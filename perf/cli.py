@@ -67,7 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     offline.add_argument("--num-requests", type=int, default=0)
     offline.add_argument("--prompt-tokens", type=int, default=204)
     offline.add_argument("--max-tokens", type=int, default=128)
-    offline.add_argument("--dtype", default="float32")
+    offline.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: CUDA if torch sees it",
+    )
+    offline.add_argument(
+        "--random-weights", metavar="CONFIG", help="a preset shape or config.json, instead of MODEL"
+    )
+    offline.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on CPU")
     offline.add_argument("--quantization", default=None)
     offline.add_argument("--threads", type=int, default=0)
     offline.add_argument("--max-num-seqs", type=int, default=256)
@@ -77,7 +86,24 @@ def main(argv: list[str] | None = None) -> int:
 
     model = sub.add_parser("model", help="model runner prefill/decode throughput per weight format")
     model.add_argument("model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)")
-    model.add_argument("--weights", default="fp32,bf16,int8,int4")
+    model.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="auto: CUDA if torch sees it",
+    )
+    model.add_argument(
+        "--random-weights",
+        metavar="CONFIG",
+        help="random weights of a preset shape (llama-3-8b, llama-3-1b, qwen2.5-0.5b) or of a "
+        "config.json, made on the device, instead of MODEL",
+    )
+    model.add_argument(
+        "--peak-bandwidth-gb-s",
+        type=float,
+        help="the roofline's memory bandwidth; default: measured on CPU, an H200's 4800 on CUDA",
+    )
+    model.add_argument("--weights", help="default: fp32,bf16,int8,int4 on CPU, bf16 on CUDA")
     model.add_argument("--batches", default="1,8,32,64")
     model.add_argument("--context", type=int, default=256)
     model.add_argument("--prefill-tokens", type=int, default=512)
@@ -306,13 +332,17 @@ def run_model_cli(args: argparse.Namespace) -> int:
 
     from perf import model_bench
     from pipeline.logs import configure_logging
-    from stages.config import default_model_path
 
     configure_logging("console", "warning")
+    device, model_path = _device_and_model(args)
+    default_weights = "bf16" if device == "cuda" else "fp32,bf16,int8,int4"
     report = model_bench.run_model_bench(
         model_bench.ModelBenchArgs(
-            model_path=args.model or default_model_path(),
-            weights=tuple(w for w in args.weights.split(",") if w),
+            model_path=model_path,
+            device=device,
+            random_weights=args.random_weights is not None,
+            peak_bandwidth_gb_s=args.peak_bandwidth_gb_s,
+            weights=tuple(w for w in (args.weights or default_weights).split(",") if w),
             batches=tuple(int(b) for b in args.batches.split(",") if b),
             context=args.context,
             prefill_tokens=args.prefill_tokens,
@@ -328,6 +358,20 @@ def run_model_cli(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_and_model(args: argparse.Namespace) -> tuple[str, str]:
+    """--device resolved, and the model: MODEL, --random-weights' checkpoint, or SmolLM2."""
+    from stages.config import default_model_path
+    from stages.device import resolve_device
+    from stages.text.random_model import write_random_checkpoint
+
+    device = resolve_device(args.device)
+    if args.random_weights is not None:
+        if args.model is not None:
+            raise SystemExit("--random-weights replaces MODEL: give one of them")
+        return device, write_random_checkpoint(args.random_weights)[1]
+    return device, args.model or default_model_path()
+
+
 def run_offline_cli(args: argparse.Namespace) -> int:
     import asyncio
     import json
@@ -336,17 +380,20 @@ def run_offline_cli(args: argparse.Namespace) -> int:
     from perf import offline
     from perf.pipeline_stats import format_stages
     from pipeline.logs import configure_logging
-    from stages.config import default_model_path
+    from stages.device import default_dtype
 
     configure_logging("console", "warning")
+    device, model_path = _device_and_model(args)
     bench_args = offline.OfflineArgs(
-        model_path=args.model or default_model_path(),
+        model_path=model_path,
+        device=device,
+        random_weights=args.random_weights is not None,
         dummy=args.dummy,
         concurrency=tuple(int(c) for c in args.concurrency.split(",") if c),
         num_requests=args.num_requests,
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
-        dtype=args.dtype,
+        dtype=args.dtype or default_dtype(device),
         quantization=args.quantization,
         threads=args.threads,
         max_num_seqs=args.max_num_seqs,

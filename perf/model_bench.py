@@ -1,11 +1,13 @@
 """`pipeline-bench model`: the model runner's prefill and decode throughput per weight format,
-beside a plain unpaged fp32 torch baseline run in the same process, and against the memory roofline.
+beside a plain unpaged fp32 torch baseline run in the same process (on CPU), or beside the same
+steps run eagerly (on CUDA: decode steps replay CUDA graphs), and against the memory roofline.
 
 Decode runs B sequences at a given context (their KV blocks hold whatever is there: the cost of a
 step does not depend on the values), one token each per step, through `ModelRunner.step` with
 greedy sampling. The baseline is the same fp32 weights with contiguous per-sequence KV tensors,
 repeated KV heads and torch's SDPA: what a plain implementation does. The roofline is the bytes one
-decode step must read (weights + KV) over this machine's measured read bandwidth.
+decode step must read (weights + KV) over this machine's measured read bandwidth, or on CUDA over
+the device's peak (--peak-bandwidth-gb-s, an H200's 4.8 TB/s by default).
 """
 
 from __future__ import annotations
@@ -44,7 +46,13 @@ class ModelBenchArgs:
     prefill_tokens: int = 512
     steps: int = 8
     threads: int = 0
-    baseline: bool = True
+    baseline: bool = True  # CPU: the unpaged fp32 baseline; CUDA compares against eager steps
+    device: str = "cpu"
+    random_weights: bool = False  # model_path is a random-weight checkpoint (--random-weights)
+    peak_bandwidth_gb_s: float | None = None  # the roofline's; None: measured (CPU) or an H200's
+
+
+H200_HBM_GB_S = 4800.0  # HBM3e, NVIDIA's figure
 
 
 def read_bandwidth_gb_s(megabytes: int = 1024) -> float:
@@ -185,10 +193,28 @@ class UnpagedBaseline:
         return m.lm_head(m.model.norm(x[:, -1])).float()
 
 
+def _eager_and_graphed(runner: ModelRunner, step: StepBatch, repeats: int) -> tuple[float, float]:
+    """Median seconds of `step` run eagerly and as a CUDA graph replay, in alternating rounds (the
+    device's clocks and the host drift), each round after its own warm-up."""
+    graphs = runner.graphs
+    eager: list[float] = []
+    graphed: list[float] = []
+    for _ in range(max(1, repeats // 4)):
+        runner.graphs = None
+        eager.append(_median_time(partial(runner.step, step), 4))
+        runner.graphs = graphs
+        graphed.append(_median_time(partial(runner.step, step), 4))
+    return statistics.median(eager), statistics.median(graphed)
+
+
 def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    bandwidth = read_bandwidth_gb_s()
+    cuda = torch.device(args.device).type == "cuda"
+    if args.peak_bandwidth_gb_s is not None:
+        bandwidth = args.peak_bandwidth_gb_s
+    else:
+        bandwidth = H200_HBM_GB_S if cuda else read_bandwidth_gb_s()
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s", file=sys.stderr)
     rng = np.random.default_rng(0)
     max_batch = max(args.batches)
@@ -207,11 +233,15 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
             * 2
             * _kv_row_bytes(args.model_path, element),
             threads=args.threads,
+            device=args.device,
+            random_weights=args.random_weights,
+            max_num_seqs=max_batch,
+            max_model_len=max(args.context + 1, args.prefill_tokens),
         )
         print(f"[{weights}] loading ...", file=sys.stderr, flush=True)
         runner = ModelRunner.from_path(args.model_path, config)
         c = runner.model_config
-        if args.baseline and weights == "fp32":
+        if args.baseline and weights == "fp32" and not cuda:
             print("[baseline] unpaged fp32 ...", file=sys.stderr, flush=True)
             base = UnpagedBaseline(runner.model, 1, args.prefill_tokens + 1)
             prompt = torch.from_numpy(rng.integers(0, c.vocab_size, (1, args.prefill_tokens)))
@@ -244,7 +274,11 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
         )
         for batch in args.batches:
             step = decode_batch(runner, batch, args.context, rng)
-            seconds = _median_time(partial(runner.step, step), args.steps)
+            eager_seconds = None
+            if runner.graphs is not None:
+                eager_seconds, seconds = _eager_and_graphed(runner, step, args.steps)
+            else:
+                seconds = _median_time(partial(runner.step, step), args.steps)
             runner.free(np.arange(batch))
             kv_bytes = batch * (args.context + 1) * _kv_row_bytes(args.model_path, element) * 2
             w_bytes = weight_bytes_read(runner.model, batch)
@@ -260,13 +294,17 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
                     "roofline_fraction": ideal / seconds,
                     "step_ms": seconds * 1e3,
                     "bytes_per_step": w_bytes + kv_bytes,
+                    "eager_tok_per_s": None if eager_seconds is None else batch / eager_seconds,
                 }
             )
             print(
                 f"[{weights}] decode batch {batch}: {batch / seconds:.0f} tok/s ({seconds * 1e3:.1f} ms/step)",
                 file=sys.stderr,
             )
-    return {"bandwidth_gb_s": bandwidth, "rows": rows}
+        del runner
+        if cuda:
+            torch.cuda.empty_cache()
+    return {"bandwidth_gb_s": bandwidth, "device": args.device, "rows": rows}
 
 
 def _kv_row_bytes(model_path: str, element: int) -> int:
@@ -278,19 +316,21 @@ def _kv_row_bytes(model_path: str, element: int) -> int:
 
 
 def format_table(report: dict[str, Any]) -> str:
+    """On CPU the baseline is the unpaged fp32 model; on CUDA the same steps run eagerly."""
+    cuda = torch.device(report.get("device", "cpu")).type == "cuda"
+    against = "eager" if cuda else "baseline"
     lines = [
-        f"{'mode':<8} {'weights':<7} {'batch':>5} {'ctx':>5} {'tok/s':>9} {'baseline':>9} {'x base':>7} {'ms/step':>8} {'roofline':>9}",
+        f"{'mode':<8} {'weights':<7} {'batch':>5} {'ctx':>5} {'tok/s':>9} {against:>9} {'ratio':>7} {'ms/step':>8} {'roofline':>9}",
         "-" * 75,
     ]
     for r in report["rows"]:
-        ratio = (
-            r["tok_per_s"] / r["baseline_tok_per_s"] if r["baseline_tok_per_s"] else float("nan")
-        )
+        other = r.get("eager_tok_per_s") if cuda else r["baseline_tok_per_s"]
+        ratio = r["tok_per_s"] / other if other else float("nan")
         roof = f"{r['roofline_fraction']:.0%}" if r["roofline_fraction"] is not None else "-"
-        step = f"{r['step_ms']:.1f}" if "step_ms" in r else "-"
+        step = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
         lines.append(
             f"{r['mode']:<8} {r['weights']:<7} {r['batch']:>5} {r['context']:>5} {r['tok_per_s']:>9.0f} "
-            f"{r['baseline_tok_per_s']:>9.0f} {ratio:>6.2f}x {step:>8} {roof:>9}"
+            f"{other or 0:>9.0f} {ratio:>6.2f}x {step:>8} {roof:>9}"
         )
     lines.append(f"\nmemory read bandwidth {report['bandwidth_gb_s']:.1f} GB/s")
     return "\n".join(lines)

@@ -27,6 +27,8 @@ class OfflineArgs:
     prompt_tokens: int = 204
     max_tokens: int = 128
     seed: int = 0
+    device: str = "cpu"  # on CUDA the KV cache takes 0.9 of the device's memory (vLLM's default)
+    random_weights: bool = False  # model_path is a random-weight checkpoint
     dtype: str = "float32"
     quantization: str | None = None
     threads: int = 0
@@ -60,6 +62,9 @@ async def run_offline(args: OfflineArgs) -> tuple[dict[str, Any], list[tuple[str
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_bytes=args.kv_cache_bytes,
+            device=args.device,
+            gpu_memory_utilization=0.9 if args.device == "cuda" else None,
+            random_weights=args.random_weights,
             log_format="json",
             log_level="warning",
         )

@@ -36,14 +36,18 @@ from server.logs import configure_server_logging
 from server.serve import serve_app
 from server.systemd import Notifier, PipelineState, monitor, status_line
 from stages.config import EngineConfig, default_model_path, generation_defaults
+from stages.device import DEVICE_CHOICES, default_dtype, resolve_device
 from stages.speculation import SpeculativeConfig
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from stages.text.random_model import PRESETS, write_random_checkpoint
 
 log = structlog.get_logger("server")
 
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+QUANTIZATION_CHOICES_CPU = ("int8", "int4")
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's
 # Hypercorn's logs under --uvicorn-log-level (the standard library has no "trace").
 HTTP_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -180,18 +184,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes for the KV cache: 1073741824, 512MiB, 4GiB, 2GB",
     )
     parser.add_argument(
+        "--device",
+        default="auto",
+        choices=DEVICE_CHOICES,
+        help="where the model, its KV cache and sampling run; auto: CUDA when torch sees a device "
+        "(replica r, rank k of a group takes the (r * TP + k)-th of CUDA_VISIBLE_DEVICES)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        help="CUDA: the fraction of the device's memory this server may use; the KV cache takes "
+        "what remains of it after the weights and a profiled peak step (default 0.9); "
+        "--kv-cache-memory, when given, sizes the cache instead",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start "
+        "(CPU steps are always eager)",
+    )
+    parser.add_argument(
+        "--random-weights",
+        metavar="CONFIG",
+        help="serve a model of this shape with random weights made on the device, and a "
+        f"byte-level tokenizer, for benchmarks: {', '.join(PRESETS)} or a config.json file "
+        "(instead of MODEL)",
+    )
+    parser.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-        help="weights, activations and KV cache; float16 (half) runs on torch's kernels on CPU "
-        "(the native ones take float32)",
+        help="weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on CPU; "
+        "float16 (half) runs on torch's kernels on CPU (the native ones take float32)",
     )
     parser.add_argument(
         "--quantization",
         default="auto",
         choices=["auto", "none", "int8", "int4"],
-        help="weight-only quantized linears; auto: int4 for a GGUF whose linears are Q4_1 "
-        "(its blocks map onto int4 without loss, as the default model's do), none otherwise",
+        help="weight-only quantized linears, on CPU; auto: int4 for a GGUF whose linears are Q4_1 "
+        "(its blocks map onto int4 without loss, as the default model's do), none otherwise; "
+        "on CUDA a GGUF's weights are dequantized to --dtype at load",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -425,6 +457,20 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         if args.model is not None and args.model != args.model_flag:
             parser.error(f"two models given: {args.model!r} and --model {args.model_flag!r}")
         args.model = args.model_flag
+    random_name = None
+    if args.random_weights is not None:
+        if args.model is not None:
+            parser.error("--random-weights replaces MODEL: give one of them")
+        try:
+            random_name, args.model = write_random_checkpoint(args.random_weights)
+        except (OSError, ValueError) as error:
+            parser.error(f"--random-weights {args.random_weights}: {error}")
+    device = resolve_device(args.device)
+    if args.gpu_memory_utilization is not None and device != "cuda":
+        parser.error(
+            f"--gpu-memory-utilization sizes a CUDA device's KV cache, and the device is "
+            f"{device}: use --kv-cache-memory"
+        )
     # `pipeline-serve dummy`: the null model (deterministic tokens, no compute) on the default
     # model's tokenizer, for measuring the pipeline and the front end alone.
     dummy = args.model == "dummy"
@@ -435,7 +481,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
             parser.error(f"no MODEL given and {error}")
     model_path = Path(args.model)
     served_model_names = args.served_model_name or [
-        "dummy"
+        random_name
+        if random_name is not None
+        else "dummy"
         if dummy
         else model_path.stem
         if model_path.suffix == ".gguf"
@@ -501,6 +549,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
     )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if device == "cuda" and args.quantization in QUANTIZATION_CHOICES_CPU:
+        parser.error(
+            f"--quantization {args.quantization} runs on CPU; on CUDA the weights are "
+            "dequantized to --dtype (use --quantization auto or none)"
+        )
+    quantization = None if device == "cuda" else _quantization(args.quantization, args.model)
+    # vLLM's rule: a KV cache size given wins; on CUDA the rest is sized from device memory.
+    utilization = None
+    if device == "cuda" and args.kv_cache_memory is None and not dummy:
+        utilization = args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     engine_overrides: dict[str, Any] = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
@@ -509,8 +567,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "enable_prefix_caching": args.enable_prefix_caching,
         "block_size": args.block_size,
         "kv_cache_bytes": args.kv_cache_memory,
-        "dtype": None if args.dtype == "auto" else _DTYPE_ALIASES.get(args.dtype, args.dtype),
-        "quantization": _quantization(args.quantization, args.model),
+        "dtype": default_dtype(device)
+        if args.dtype == "auto"
+        else _DTYPE_ALIASES.get(args.dtype, args.dtype),
+        "quantization": quantization,
+        "device": device,
+        "gpu_memory_utilization": utilization,
+        "enforce_eager": args.enforce_eager,
+        "random_weights": random_name is not None,
         "kv_cache_dtype": args.kv_cache_dtype,
         "threads": args.threads,
         "data_parallel_size": args.data_parallel_size,
@@ -535,6 +599,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         **{name: value for name, value in engine_overrides.items() if value is not None},
     )
     return config, engine_config
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

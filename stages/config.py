@@ -60,6 +60,17 @@ class EngineConfig:
     # one reuse its KV blocks (shared system prompts, multi-turn chats).
     enable_prefix_caching: bool = True
     kv_cache_bytes: int = 512 * 1024 * 1024
+    # On CUDA without --kv-cache-memory (vLLM's --gpu-memory-utilization): the KV cache takes what
+    # is left of this fraction of the device's memory after the weights and a profiled peak step;
+    # execute sizes it and publishes the block count (stages/kv_size.py). None: kv_cache_bytes.
+    gpu_memory_utilization: float | None = None
+    # "cpu" or "cuda" (the CLI resolved --device auto): where execute holds the weights and the
+    # KV cache.
+    device: str = "cpu"
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of as CUDA graphs
+    # model_path is a random-weight checkpoint (stages/text/random_model.py): execute makes the
+    # weights on the device instead of reading them.
+    random_weights: bool = False
     dtype: str = "float32"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # stages.text.checkpoint.resolve_kv_cache_dtype
@@ -137,8 +148,14 @@ def resolve_max_model_len(config: EngineConfig) -> int:
     return min(config.max_model_len, model_len) if config.max_model_len > 0 else model_len
 
 
+def sized_from_device_memory(config: EngineConfig) -> bool:
+    """True when execute sizes the KV cache from device memory (and publishes the block count)."""
+    return config.gpu_memory_utilization is not None and not config.dummy
+
+
 def num_kv_blocks(config: EngineConfig) -> int:
-    """KV blocks that fit the budget; execute allocates exactly these and schedule hands them out."""
+    """KV blocks that fit --kv-cache-memory; execute allocates exactly these and schedule hands
+    them out. (Sized from device memory, the count is execute's: stages/kv_size.py.)"""
     model = model_config_of(config)
     element = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
     block_bytes = kv_block_bytes_for(model, config.block_size, DTYPE_BYTES[element])

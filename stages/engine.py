@@ -40,7 +40,13 @@ from stages.api import (
     TextPrompt,
     TokenLogprob,
 )
-from stages.config import EngineConfig, num_kv_blocks, resolve_max_model_len
+from stages.config import (
+    EngineConfig,
+    num_kv_blocks,
+    resolve_max_model_len,
+    sized_from_device_memory,
+)
+from stages.kv_size import published_num_blocks
 from stages.rings import common, deltas, plan, prompts, requests, results, tokens
 from stages.scheduler import GAUGES
 from stages.text.checkpoint import load_model_config
@@ -157,13 +163,10 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.bundle = tokenizer_of(config)  # --tokenizer and --chat-template applied
         self.max_model_len = resolve_max_model_len(config)
-        self.num_blocks = num_kv_blocks(config)
-        if self.num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {self.num_blocks * config.block_size} tokens, less than one "
-                f"request of max_model_len={self.max_model_len}: raise --kv-cache-memory or lower "
-                f"--max-model-len"
-            )
+        # Sized from device memory, the count is known once execute has published it (start).
+        self.num_blocks = 0 if sized_from_device_memory(config) else num_kv_blocks(config)
+        if self.num_blocks:
+            _check_kv_fits(self.num_blocks, config.block_size, self.max_model_len)
         # The stages read the tokenizer and model config from this snapshot (removed at stop).
         self._snapshot_dir = tempfile.mkdtemp(prefix="pipeline-serve-")
         write_snapshot(self._snapshot_dir, self.bundle, load_model_config(config.model_path))
@@ -228,6 +231,16 @@ class Engine:
     async def start(self) -> None:
         """Start every stage (the loop keeps serving while models load), then the reader tasks."""
         await self._start_pipeline()
+        if not self.num_blocks:
+            blocks = published_num_blocks(self.config.snapshot_dir)
+            if blocks is None:
+                raise RuntimeError("execute started without publishing its KV block count")
+            self.num_blocks = blocks
+            try:
+                _check_kv_fits(blocks, self.config.block_size, self.max_model_len)
+            except ValueError:
+                await self._stop_pipeline()
+                raise
         self._ready = True
         log.info(
             "engine ready",
@@ -719,6 +732,15 @@ def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         tool_calls=first.tool_calls + second.tool_calls,
         num_reasoning_tokens=second.num_reasoning_tokens,
     )
+
+
+def _check_kv_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * block_size} tokens, less than one request of "
+            f"max_model_len={max_model_len}: raise --kv-cache-memory or "
+            f"--gpu-memory-utilization, or lower --max-model-len"
+        )
 
 
 async def build_engine(config: EngineConfig) -> Engine:

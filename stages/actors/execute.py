@@ -8,6 +8,7 @@ and schedule plans the request once `results` says the matcher is ready (results
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +21,14 @@ from pipeline.clock import now_ns
 from pipeline.errors import RingTimeout
 from pipeline.ring import Consumer, Message, Producer
 from stages import spans
-from stages.config import EngineConfig, num_kv_blocks
+from stages.config import (
+    EngineConfig,
+    num_kv_blocks,
+    resolve_max_model_len,
+    sized_from_device_memory,
+)
+from stages.device import cuda_placement
+from stages.kv_size import publish_num_blocks, published_num_blocks
 from stages.rings import plan, results
 from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
 from stages.rings.plan import PlannedStep
@@ -48,6 +56,10 @@ class ExecuteActor(SyncActor):
         config: EngineConfig = self.ctx.config
         if config.threads > 0:
             torch.set_num_threads(config.threads)
+        device = self.hold_device(config.device)
+        sized = sized_from_device_memory(config)
+        # A pipeline restarted after a failure keeps the count the first execute published.
+        published = published_num_blocks(config.snapshot_dir) if sized else None
         self.runner = ModelRunner.from_path(
             config.model_path,
             RunnerConfig(
@@ -55,13 +67,23 @@ class ExecuteActor(SyncActor):
                 kv_cache_bytes=config.kv_cache_bytes,
                 block_size=config.block_size,
                 threads=config.threads,
+                device=device,
                 seed=config.seed,
                 quantization=config.quantization,
                 kv_cache_dtype=config.kv_cache_dtype,
+                random_weights=config.random_weights,
+                gpu_memory_utilization=config.gpu_memory_utilization if sized else None,
+                num_kv_blocks=published,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=resolve_max_model_len(config),
+                enforce_eager=config.enforce_eager,
             ),
         )
-        expected = num_kv_blocks(config)
-        if self.runner.num_kv_blocks != expected:
+        if sized:
+            if published is None:
+                publish_num_blocks(config.snapshot_dir, self.runner.num_kv_blocks)
+        elif self.runner.num_kv_blocks != (expected := num_kv_blocks(config)):
             raise RuntimeError(
                 f"execute has {self.runner.num_kv_blocks} KV blocks, the scheduler plans {expected}"
             )
@@ -77,6 +99,30 @@ class ExecuteActor(SyncActor):
         threading.stack_size(GRAMMAR_STACK_BYTES)
         self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.building: dict[int, Future[llguidance.LLMatcher]] = {}
+
+    def hold_device(self, device: str) -> str:
+        """The torch device this process runs on: on CUDA its device by replica and rank
+        (stages/device.py), made current and logged."""
+        if device != "cuda":
+            self.ctx.log.info("execute device", device=device)
+            return device
+        import torch
+
+        placement = cuda_placement(
+            replica=self.ctx.config.data_parallel_rank,
+            rank=0,
+            tensor_parallel_size=1,
+            visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            device_count=torch.cuda.device_count(),
+        )
+        torch.cuda.set_device(placement.index)
+        self.ctx.log.info(
+            "execute device",
+            device=placement.torch_device,
+            cuda_visible_id=placement.visible_id,
+            name=torch.cuda.get_device_name(placement.index),
+        )
+        return placement.torch_device
 
     def run(self) -> None:
         inbox, outbox, trace = self.ctx.inbox["plan"], self.ctx.outbox["results"], self.ctx.trace

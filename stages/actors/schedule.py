@@ -16,7 +16,8 @@ import numpy as np
 from pipeline.actor import AsyncActor
 from pipeline.clock import now_ns
 from stages import spans
-from stages.config import EngineConfig, num_kv_blocks, resolve_max_model_len
+from stages.config import EngineConfig, resolve_max_model_len
+from stages.kv_size import planned_num_blocks
 from stages.rings import common, plan, prompts, results, tokens
 from stages.rings.common import FINISH_STOP, PromptLogprobs
 from stages.rings.prompts import RenderedPrompt
@@ -34,7 +35,8 @@ class ScheduleActor(AsyncActor):
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
                 max_model_len=resolve_max_model_len(config),
-                num_blocks=num_kv_blocks(config),
+                # sized from device memory: once execute has loaded the model and published them
+                num_blocks=planned_num_blocks(config, config.startup_timeout_s),
                 block_size=config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 speculative=config.speculative,
