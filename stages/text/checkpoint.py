@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -189,6 +190,32 @@ def config_from_gguf(reader: Any) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         sliding_window=None if sliding_window is None else int(sliding_window),
+    )
+
+
+def shard_shape(config: ModelConfig, world_size: int) -> ModelConfig:
+    """The shape one of `world_size` tensor-parallel ranks holds (Megatron-style): its share of
+    the query heads and MLP columns, and of the KV heads, one replicated KV head when there are
+    fewer than ranks. The vocabulary stays whole here (its shards are padded, gpu/tensor_parallel.py).
+    UnsupportedModelError when the model does not divide."""
+    if world_size == 1:
+        return config
+    heads, kv_heads, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
+    if heads % world_size or inter % world_size:
+        raise UnsupportedModelError(
+            f"--tensor-parallel-size {world_size} does not divide the {heads} attention heads "
+            f"and the MLP's {inter} columns"
+        )
+    if kv_heads % world_size and world_size % kv_heads:
+        raise UnsupportedModelError(
+            f"--tensor-parallel-size {world_size} and the {kv_heads} KV heads: one must divide "
+            f"the other"
+        )
+    return dataclasses.replace(
+        config,
+        num_heads=heads // world_size,
+        num_kv_heads=max(1, kv_heads // world_size),
+        intermediate_size=inter // world_size,
     )
 
 
