@@ -225,6 +225,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds over which --max-stage-restarts counts failures (default 300)",
     )
     parser.add_argument("--threads", type=_positive_int, help="CPU threads for the model")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_positive_int,
+        help="execute processes, each holding a shard of every layer (Megatron-style), one per "
+        "device; on CPU they divide --threads among them (default 1); unquantized weights only",
+    )
+    parser.add_argument(
+        "--master-addr",
+        help="address of the tensor-parallel group's rendezvous, as torchrun's MASTER_ADDR "
+        "(default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--master-port",
+        type=_port,
+        help="port of the group's rendezvous, as torchrun's MASTER_PORT (default: a free one, "
+        "picked again at each restart)",
+    )
     parser.add_argument("--seed", type=int, help="seed of the engine's default generator")
     parser.add_argument(
         "--api-key",
@@ -482,6 +500,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
     )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if (args.tensor_parallel_size or 1) > 1:
+        if _quantization(args.quantization, args.model) is not None:
+            parser.error("--tensor-parallel-size runs unquantized weights: add --quantization none")
+        if dummy:
+            parser.error("--tensor-parallel-size needs a model; the dummy execute has none")
     engine_overrides: dict[str, Any] = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
@@ -494,6 +517,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "quantization": _quantization(args.quantization, args.model),
         "kv_cache_dtype": args.kv_cache_dtype,
         "threads": args.threads,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
         "seed": args.seed,
         "max_waiting_requests": args.max_waiting_requests,
         "speculative": args.speculative_config,

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.actor import SyncActor
+from pipeline.broadcast import BroadcastWriter
 from pipeline.clock import now_ns
 from pipeline.errors import RingTimeout
 from pipeline.ring import Consumer, Message, Producer
 from stages import spans
+from stages.actors.tensor_group import join_group, lost_rank_is_peer_death, rank_threads
 from stages.config import EngineConfig, num_kv_blocks
 from stages.rings import plan, results
 from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
+from stages.rings.forward import FORWARD, ForwardStep, pack_forward
 from stages.rings.plan import PlannedStep
 from stages.rings.prompts import RenderedRequest
 from stages.text.structured import GRAMMAR_STACK_BYTES
@@ -31,7 +35,7 @@ from stages.text.thinking import ThinkingTracker
 if TYPE_CHECKING:
     import llguidance
 
-    from gpu.runner import StepBatch, StepOutput
+    from gpu.runner import ForwardInputs, RunnerConfig, StepBatch, StepOutput
     from gpu.sampler import RequestSampling
     from stages.text.structured import GrammarMatchers
 
@@ -43,23 +47,20 @@ class ExecuteActor(SyncActor):
     def warm_up(self) -> None:
         import torch  # only this stage imports torch
 
-        from gpu.runner import ModelRunner, RunnerConfig
+        from gpu.runner import ModelRunner
 
         config: EngineConfig = self.ctx.config
-        if config.threads > 0:
+        tp = None
+        if config.tensor_parallel_size > 1:
+            torch.set_num_threads(rank_threads(config))
+            tp = join_group(config)
+        elif config.threads > 0:
             torch.set_num_threads(config.threads)
-        self.runner = ModelRunner.from_path(
-            config.model_path,
-            RunnerConfig(
-                dtype=config.dtype,
-                kv_cache_bytes=config.kv_cache_bytes,
-                block_size=config.block_size,
-                threads=config.threads,
-                seed=config.seed,
-                quantization=config.quantization,
-                kv_cache_dtype=config.kv_cache_dtype,
-            ),
-        )
+        # Rank 0 sends each step's network inputs to the other ranks before its forward.
+        forward = self.ctx.broadcast_out.get("forward")
+        self.share = None if forward is None else _sharer(forward)
+        with lost_rank_is_peer_death():
+            self.runner = ModelRunner.from_path(config.model_path, runner_config(config), tp)
         expected = num_kv_blocks(config)
         if self.runner.num_kv_blocks != expected:
             raise RuntimeError(
@@ -95,7 +96,8 @@ class ExecuteActor(SyncActor):
             batch = self.batch_of(step)
             started = now_ns()
             cpu = time.process_time_ns()
-            output = self.runner.step(batch)
+            with lost_rank_is_peer_death():
+                output = self.runner.step(batch, self.share)
             finished = now_ns()
             trace.record(
                 spans.SPAN_FORWARD,
@@ -266,6 +268,39 @@ class ExecuteActor(SyncActor):
                     if tracker is not None:
                         tracker.consume(token)
             at += count
+
+
+def runner_config(config: EngineConfig) -> RunnerConfig:
+    """The runner's configuration, the same on every tensor-parallel rank."""
+    from gpu.runner import RunnerConfig
+
+    return RunnerConfig(
+        dtype=config.dtype,
+        kv_cache_bytes=config.kv_cache_bytes,
+        block_size=config.block_size,
+        threads=rank_threads(config) if config.tensor_parallel_size > 1 else config.threads,
+        seed=config.seed,
+        quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )
+
+
+def _sharer(forward: BroadcastWriter) -> Callable[[ForwardInputs], None]:
+    """What sends a step's network inputs to the other tensor-parallel ranks."""
+
+    def share(inputs: ForwardInputs) -> None:
+        step = ForwardStep(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.query_start_loc,
+            inputs.context_lens,
+            inputs.block_tables,
+            inputs.slot_mapping,
+            inputs.logits_rows,
+        )
+        forward.send(FORWARD, pack_forward(step))
+
+    return share
 
 
 def _grammar_matchers(config: EngineConfig) -> GrammarMatchers:

@@ -1,0 +1,45 @@
+"""A tensor-parallel execute rank other than 0: it holds its shard of the model and KV cache
+and runs every step's forward with rank 0, which sends it each step on the `forward` broadcast
+ring, samples, and answers schedule."""
+
+from __future__ import annotations
+
+from pipeline.actor import SyncActor
+from stages.actors.tensor_group import join_group, lost_rank_is_peer_death, rank_threads
+from stages.config import EngineConfig
+from stages.rings.forward import unpack_forward
+
+
+class ExecuteRankActor(SyncActor):
+    def warm_up(self) -> None:
+        import torch  # only the execute stage's processes import torch
+
+        from gpu.runner import ModelRunner
+        from stages.actors.execute import runner_config
+
+        config: EngineConfig = self.ctx.config
+        torch.set_num_threads(rank_threads(config))
+        tp = join_group(config)
+        with lost_rank_is_peer_death():
+            self.runner = ModelRunner.from_path(config.model_path, runner_config(config), tp)
+
+    def run(self) -> None:
+        from gpu.runner import ForwardInputs
+
+        inbox = self.ctx.broadcast_in["forward"]
+        while True:
+            _, arrays = inbox.recv()
+            step = unpack_forward(arrays)
+            with lost_rank_is_peer_death():
+                self.runner.forward(
+                    ForwardInputs(
+                        step.input_ids,
+                        step.positions,
+                        step.query_start_loc,
+                        step.context_lens,
+                        step.block_tables,
+                        step.slot_mapping,
+                        step.logits_rows,
+                    )
+                )
+            self.ctx.heartbeat()
