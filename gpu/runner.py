@@ -16,7 +16,7 @@ import torch
 
 from gpu.attention import AttentionInputs
 from gpu.backends import NATIVE_KERNELS, kernels_for
-from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, num_blocks_for_budget
 from gpu.loader import iter_weights, read_gguf_raw_tensors
 from gpu.model import CausalLM
 from gpu.quantize import QUANTIZATION_MODES, quantize_linears
@@ -31,6 +31,7 @@ from gpu.sampler import (
 from gpu.tensor_parallel import TensorParallel, shard_model
 from stages.text.checkpoint import (
     ModelConfig,
+    cache_shape,
     load_model_config,
     resolve_kv_cache_dtype,
 )
@@ -170,9 +171,9 @@ class ModelRunner:
         model.load_weights(iter_weights(model_path, model_config, dtype))
         model = model.to(dtype=dtype).eval()
         model.inv_freq = model.inv_freq.float()
-        cache_shape = model_config
+        local_shape = model_config
         if tensor_parallel is not None:
-            cache_shape = shard_model(model, tensor_parallel)
+            local_shape = shard_model(model, tensor_parallel)
         if config.quantization is not None:
             is_gguf = model_path.endswith(".gguf")
             raw = {}
@@ -196,15 +197,19 @@ class ModelRunner:
                 use_native=use_native,
             )
         model = model.to(device=config.device)
-        kv_cache = KVCache.from_budget(
-            cache_shape,
+        kv_dtype = _DTYPES[
+            resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
+        ]
+        # Every rank has the blocks of the rank with the most KV heads (the scheduler hands out
+        # one set of block ids); each holds its own heads only.
+        world_size = 1 if tensor_parallel is None else tensor_parallel.world_size
+        num_blocks = num_blocks_for_budget(
+            cache_shape(model_config, world_size),
             config.kv_cache_bytes,
             config.block_size,
-            _DTYPES[
-                resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
-            ],
-            config.device,
+            kv_dtype,
         )
+        kv_cache = KVCache(local_shape, num_blocks, config.block_size, kv_dtype, config.device)
         log.info(
             "model ready",
             model=model_path,
@@ -214,7 +219,7 @@ class ModelRunner:
             kv_blocks=kv_cache.num_blocks,
             block_size=config.block_size,
             tensor_parallel_rank=None if tensor_parallel is None else tensor_parallel.rank,
-            kv_heads=cache_shape.num_kv_heads,
+            kv_heads=local_shape.num_kv_heads,
         )
         return cls(model, kv_cache, config)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.model import CausalLM
-from stages.text.checkpoint import ModelConfig, shard_shape
+from stages.text.checkpoint import ModelConfig, ShardShape, shard_shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,20 +84,22 @@ class VocabParallelLMHead(nn.Module):
 
 @torch.no_grad()
 def shard_model(model: CausalLM, tp: TensorParallel) -> ModelConfig:
-    """Keep only this rank's slices of a loaded model, in place; return the per-rank shape
-    (what its attention and KV cache hold)."""
+    """Keep only this rank's slices of a loaded model, in place; return the rank's shape (what
+    its attention and KV cache hold)."""
     full = model.config
-    local = shard_shape(full, tp.world_size)
+    shard = shard_shape(full, tp.world_size, tp.rank)
+    local = shard.config
+    inter, first = full.intermediate_size, shard.first_column
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _rows(attn.qkv_proj, _qkv_rows(full, local, tp.rank))
-        attn.o_proj = RowParallel(_columns(attn.o_proj, tp.rank * local.q_size, local.q_size), tp)
+        attn.qkv_proj = _rows(attn.qkv_proj, _qkv_rows(full, shard))
+        q_start = shard.first_head * full.head_dim
+        attn.o_proj = RowParallel(_columns(attn.o_proj, q_start, local.q_size), tp)
         attn.config = local
-        inter, start = full.intermediate_size, tp.rank * local.intermediate_size
-        gate_up = [range(start, start + local.intermediate_size)]
-        gate_up.append(range(inter + start, inter + start + local.intermediate_size))
+        gate_up = [range(first, first + local.intermediate_size)]
+        gate_up.append(range(inter + first, inter + first + local.intermediate_size))
         mlp.gate_up_proj = _rows(mlp.gate_up_proj, gate_up)
-        mlp.down_proj = RowParallel(_columns(mlp.down_proj, start, local.intermediate_size), tp)
+        mlp.down_proj = RowParallel(_columns(mlp.down_proj, first, local.intermediate_size), tp)
     vocab = full.vocab_size
     per_rank = -(-vocab // tp.world_size)
     start = tp.rank * per_rank
@@ -121,17 +123,12 @@ def shard_model(model: CausalLM, tp: TensorParallel) -> ModelConfig:
     return local
 
 
-def _qkv_rows(full: ModelConfig, local: ModelConfig, rank: int) -> list[range]:
-    """Rows of the fused [q; k; v] weight this rank keeps: its query heads, and the KV heads
-    they attend with (with fewer KV heads than ranks, the one its query heads share)."""
-    world = full.num_heads // local.num_heads
-    if full.num_kv_heads >= world:
-        kv_head = rank * local.num_kv_heads
-    else:
-        kv_head = rank * full.num_kv_heads // world
-    q_start = rank * local.q_size
-    k_start = full.q_size + kv_head * full.head_dim
-    v_start = full.q_size + full.kv_size + kv_head * full.head_dim
+def _qkv_rows(full: ModelConfig, shard: ShardShape) -> list[range]:
+    """Rows of the fused [q; k; v] weight a rank keeps: its query heads and their KV heads."""
+    d, local = full.head_dim, shard.config
+    q_start = shard.first_head * d
+    k_start = full.q_size + shard.first_kv_head * d
+    v_start = full.q_size + full.kv_size + shard.first_kv_head * d
     return [
         range(q_start, q_start + local.q_size),
         range(k_start, k_start + local.kv_size),

@@ -501,10 +501,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if (args.tensor_parallel_size or 1) > 1:
-        if _quantization(args.quantization, args.model) is not None:
-            parser.error("--tensor-parallel-size runs unquantized weights: add --quantization none")
         if dummy:
             parser.error("--tensor-parallel-size needs a model; the dummy execute has none")
+        if _quantization(args.quantization, args.model) is not None:
+            parser.error("--tensor-parallel-size runs unquantized weights: add --quantization none")
     engine_overrides: dict[str, Any] = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,

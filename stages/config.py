@@ -9,10 +9,10 @@ from typing import Any
 
 from stages.speculation import SpeculativeConfig
 from stages.text.checkpoint import (
+    cache_shape,
     kv_block_bytes_for,
     load_generation_config,
     resolve_kv_cache_dtype,
-    shard_shape,
 )
 from stages.text.snapshot import model_config_of
 
@@ -142,7 +142,7 @@ def resolve_max_model_len(config: EngineConfig) -> int:
 def num_kv_blocks(config: EngineConfig) -> int:
     """KV blocks that fit the budget; execute allocates exactly these and schedule hands them out."""
     # Each rank's cache holds its KV heads only: the budget is per rank, as vLLM's is per device.
-    model = shard_shape(model_config_of(config), config.tensor_parallel_size)
+    model = cache_shape(model_config_of(config), config.tensor_parallel_size)
     element = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
     block_bytes = kv_block_bytes_for(model, config.block_size, DTYPE_BYTES[element])
     blocks = config.kv_cache_bytes // block_bytes

@@ -23,12 +23,13 @@ def free_port() -> int:
 
 @pytest.mark.parametrize(
     ("arch", "kv_heads_per_rank"),
-    [("llama", 1), ("qwen2", 1), ("llama_one_kv", 1)],
+    [("llama", [1, 1]), ("qwen2", [1, 1]), ("llama_one_kv", [1, 1]), ("llama_three_kv", [1, 2])],
 )
 def test_two_ranks_give_the_logits_of_one(tmp_path, arch, kv_heads_per_rank):
     """Prefill, chunked prefill and decodes in mixed batches: TP=2 logits equal TP=1's within
     1e-4 in float32 (qwen2: QKV bias; llama_one_kv: its one KV head replicated on both ranks,
-    and a vocabulary of 131 split 66 + 65)."""
+    and a vocabulary of 131 split 66 + 65; llama_three_kv: 3 GQA groups split 1 + 2 and 101 MLP
+    columns 50 + 51)."""
     path = str(build_tiny_model(arch, tmp_path / arch, seed=3))
     runner = ModelRunner.from_path(path, RUNNER)
     vocab = runner.model_config.vocab_size
@@ -51,7 +52,7 @@ def test_two_ranks_give_the_logits_of_one(tmp_path, arch, kv_heads_per_rank):
     for proc in ranks:
         proc.join(30)
         assert proc.exitcode == 0
-    assert [got[r][0] for r in range(2)] == [kv_heads_per_rank] * 2  # each cache: its heads only
+    assert [got[r][0] for r in range(2)] == kv_heads_per_rank  # each cache: its heads only
     logits = got[0][1]
     assert len(logits) == len(expected)
     for ours, theirs in zip(logits, expected, strict=True):
