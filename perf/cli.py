@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     offline.add_argument("--dtype", default="float32")
     offline.add_argument("--quantization", default=None)
     offline.add_argument("--threads", type=int, default=0)
+    offline.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="execute ranks (they share --threads)"
+    )
     offline.add_argument("--max-num-seqs", type=int, default=256)
     offline.add_argument("--max-num-batched-tokens", type=int, default=512)
     offline.add_argument("--json", dest="json_path")
@@ -82,7 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--context", type=int, default=256)
     model.add_argument("--prefill-tokens", type=int, default=512)
     model.add_argument("--steps", type=int, default=8, help="timed decode steps per point (median)")
-    model.add_argument("--threads", type=int, default=0)
+    model.add_argument("--threads", type=int, default=0, help="per rank")
+    model.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks over gloo, this process rank 0 (fp32 and bf16 weights; no baseline)",
+    )
     model.add_argument("--no-baseline", action="store_true")
     model.add_argument("--json", dest="json_path")
 
@@ -279,6 +288,7 @@ def run_model_cli(args: argparse.Namespace) -> int:
             steps=args.steps,
             threads=args.threads,
             baseline=not args.no_baseline,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     )
     print(model_bench.format_table(report))
@@ -309,6 +319,7 @@ def run_offline_cli(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )

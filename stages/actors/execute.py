@@ -10,23 +10,25 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.actor import SyncActor
-from pipeline.broadcast import BroadcastWriter
 from pipeline.clock import now_ns
 from pipeline.errors import RingTimeout
 from pipeline.ring import Consumer, Message, Producer
 from stages import spans
-from stages.actors.tensor_group import join_group, lost_rank_is_peer_death, rank_threads
+from stages.actors.tensor_group import (
+    forward_sharer,
+    join_group,
+    lost_rank_is_peer_death,
+    rank_threads,
+)
 from stages.config import EngineConfig, num_kv_blocks
 from stages.rings import plan, results
 from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
-from stages.rings.forward import FORWARD, ForwardStep, pack_forward
 from stages.rings.plan import PlannedStep
 from stages.rings.prompts import RenderedRequest
 from stages.text.structured import GRAMMAR_STACK_BYTES
@@ -35,7 +37,7 @@ from stages.text.thinking import ThinkingTracker
 if TYPE_CHECKING:
     import llguidance
 
-    from gpu.runner import ForwardInputs, RunnerConfig, StepBatch, StepOutput
+    from gpu.runner import RunnerConfig, StepBatch, StepOutput
     from gpu.sampler import RequestSampling
     from stages.text.structured import GrammarMatchers
 
@@ -58,7 +60,7 @@ class ExecuteActor(SyncActor):
             torch.set_num_threads(config.threads)
         # Rank 0 sends each step's network inputs to the other ranks before its forward.
         forward = self.ctx.broadcast_out.get("forward")
-        self.share = None if forward is None else _sharer(forward)
+        self.share = None if forward is None else forward_sharer(forward)
         with lost_rank_is_peer_death():
             self.runner = ModelRunner.from_path(config.model_path, runner_config(config), tp)
         expected = num_kv_blocks(config)
@@ -283,24 +285,6 @@ def runner_config(config: EngineConfig) -> RunnerConfig:
         quantization=config.quantization,
         kv_cache_dtype=config.kv_cache_dtype,
     )
-
-
-def _sharer(forward: BroadcastWriter) -> Callable[[ForwardInputs], None]:
-    """What sends a step's network inputs to the other tensor-parallel ranks."""
-
-    def share(inputs: ForwardInputs) -> None:
-        step = ForwardStep(
-            inputs.input_ids,
-            inputs.positions,
-            inputs.query_start_loc,
-            inputs.context_lens,
-            inputs.block_tables,
-            inputs.slot_mapping,
-            inputs.logits_rows,
-        )
-        forward.send(FORWARD, pack_forward(step))
-
-    return share
 
 
 def _grammar_matchers(config: EngineConfig) -> GrammarMatchers:

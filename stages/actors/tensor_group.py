@@ -1,21 +1,25 @@
-"""How an execute rank joins its tensor-parallel group: torch.distributed's own TCP rendezvous
-with torchrun's MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (passed, not read from the
-environment), gloo on CPU and NCCL on CUDA; and a lost rank told apart from a bug."""
+"""How execute ranks form a tensor-parallel group: torch.distributed's own TCP rendezvous with
+torchrun's MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (passed, not read from the environment),
+gloo on CPU and NCCL on CUDA; rank 0 sharing each step's forward inputs on the broadcast ring; and
+a lost rank told apart from a bug."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import structlog
 
+from pipeline.broadcast import BroadcastWriter
 from pipeline.errors import PeerDied
 from stages.config import EngineConfig
+from stages.rings.forward import FORWARD, ForwardStep, pack_forward
 
 if TYPE_CHECKING:
+    from gpu.runner import ForwardInputs
     from gpu.tensor_parallel import TensorParallel
 
 log = structlog.get_logger("stages.tensor_group")
@@ -70,3 +74,21 @@ def lost_rank_is_peer_death() -> Iterator[None]:
         if isinstance(exc, dist.DistError) or "gloo" in text or "closed by peer" in text:
             raise PeerDied(f"the tensor-parallel group lost a rank: {text[:300]}") from exc
         raise
+
+
+def forward_sharer(forward: BroadcastWriter) -> Callable[[ForwardInputs], None]:
+    """What rank 0 hands the runner: it sends a step's network inputs to the other ranks."""
+
+    def share(inputs: ForwardInputs) -> None:
+        step = ForwardStep(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.query_start_loc,
+            inputs.context_lens,
+            inputs.block_tables,
+            inputs.slot_mapping,
+            inputs.logits_rows,
+        )
+        forward.send(FORWARD, pack_forward(step))
+
+    return share
