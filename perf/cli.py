@@ -16,6 +16,14 @@ def main(argv: list[str] | None = None) -> int:
     ring.add_argument("--scale", type=float, default=1.0, help="scale the message counts")
     ring.add_argument("--json", dest="json_path", help="write the rows as JSON here")
 
+    broadcast = sub.add_parser(
+        "broadcast", help="the broadcast ring against N single-consumer rings, N reader processes"
+    )
+    broadcast.add_argument("--readers", default="1,2,4", help="reader counts")
+    broadcast.add_argument("--sizes", default="4096,65536,1048576", help="message sizes in bytes")
+    broadcast.add_argument("--scale", type=float, default=1.0, help="scale the message counts")
+    broadcast.add_argument("--json", dest="json_path", help="write the rows as JSON here")
+
     serve = sub.add_parser(
         "serve", help="streaming load generator for any OpenAI-compatible server"
     )
@@ -141,6 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         return run_chaos_cli(args, parser)
     if args.mode == "serve":
         return run_serve_cli(args, parser)
+    if args.mode == "broadcast":
+        from perf import broadcast_bench
+
+        broadcast_bench.main(
+            [int(n) for n in args.readers.split(",") if n],
+            [int(n) for n in args.sizes.split(",") if n],
+            args.scale,
+            args.json_path,
+        )
+        return 0
     if args.mode == "ring":
         from perf import ring_bench
 

@@ -28,7 +28,7 @@ import posix_ipc
 from pipeline.clock import now_ns
 from pipeline.errors import LayoutMismatch, PeerDied, ProtocolError, RingClosed, RingTimeout
 from pipeline.names import process_start_ticks, same_process_alive
-from pipeline.records import ALIGN, Record, Vocabulary, encode
+from pipeline.records import ALIGN, Record, Vocabulary
 
 MAGIC = 0x70736572_62636131  # "pserbca1"
 VERSION = 1
@@ -288,56 +288,70 @@ class BroadcastWriter(_End):
         self._readers = [(2 + k, f"reader {k}") for k in range(self.spec.n_readers)]
         # Spaces taken for the next chunk; kept across a wait that timed out, so none leaks.
         self._held = [False] * self.spec.n_readers
+        self._staging = np.empty(0, np.uint8)
+        self._pending: tuple[int, np.ndarray, int] | None = None  # type_id, body, bytes sent
 
     def send(
         self, record: Record | str, arrays: Mapping[str, np.ndarray], timeout_s: float | None = None
     ) -> None:
         """Publish one message to every reader, waiting (up to timeout_s per chunk) for chunks
-        that every reader has read."""
+        that every reader has read. A message that fits a chunk is written straight into it; a
+        larger one is staged and sent chunk by chunk (one that timed out midway is finished by
+        the next send, so no reader sees half a message followed by another)."""
         if self._closed:
             raise RingClosed(f"broadcast {self.spec.name!r}: writer already closed")
+        if self._pending is not None:
+            self._flush(timeout_s)
         name = record if isinstance(record, str) else record.name
         type_id = self._type_ids.get(name)
         if type_id is None:
             raise ValueError(f"broadcast {self.spec.name!r} carries no record {name!r}")
-        body = encode(self.spec.vocabulary.records[type_id], arrays)
-        sent = 0
-        while True:
-            chunk = min(self._capacity, len(body) - sent)
-            flags = (FIRST if sent == 0 else 0) | (LAST if sent + chunk == len(body) else 0)
-            self._publish(type_id, flags, body, sent, chunk, timeout_s)
-            sent += chunk
-            if flags & LAST:
-                return
+        rec = self.spec.vocabulary.records[type_id]
+        counts = rec.counts_of(arrays)
+        size = rec.body_bytes(counts)
+        if size <= self._capacity:
+            self._take_spaces(timeout_s)
+            offset = HEADER_BYTES + (self._seq % self.spec.n_chunks) * self.spec.chunk_bytes
+            for field, view in rec.write_layout(
+                self._map, offset + CHUNK_HEADER_BYTES, counts
+            ).items():
+                view[...] = arrays[field]
+            self._commit(type_id, FIRST | LAST, size, size)
+            return
+        if self._staging.size < size:
+            self._staging = np.empty(size, np.uint8)
+        body = self._staging[:size]
+        for field, view in rec.write_layout(body, 0, counts).items():
+            view[...] = arrays[field]
+        self._pending = (type_id, body, 0)
+        self._flush(timeout_s)
 
-    def _publish(
-        self,
-        type_id: int,
-        flags: int,
-        body: np.ndarray,
-        sent: int,
-        chunk: int,
-        timeout_s: float | None,
-    ) -> None:
-        for k, spaces in enumerate(self._spaces):  # every reader has read this chunk's last use
+    def _flush(self, timeout_s: float | None) -> None:
+        """Send the chunks left of a staged message."""
+        while self._pending is not None:
+            type_id, body, sent = self._pending
+            chunk = min(self._capacity, len(body) - sent)
+            self._take_spaces(timeout_s)
+            index = self._seq % self.spec.n_chunks
+            self._chunks[index, CHUNK_HEADER_BYTES : CHUNK_HEADER_BYTES + chunk] = body[
+                sent : sent + chunk
+            ]
+            flags = (FIRST if sent == 0 else 0) | (LAST if sent + chunk == len(body) else 0)
+            self._commit(type_id, flags, len(body), chunk)
+            self._pending = None if flags & LAST else (type_id, body, sent + chunk)
+
+    def _take_spaces(self, timeout_s: float | None) -> None:
+        """A space of every reader: each has read what the next chunk held before."""
+        for k, spaces in enumerate(self._spaces):
             if not self._held[k]:
                 self._wait(spaces, self._readers, timeout_s)
                 self._held[k] = True
+
+    def _commit(self, type_id: int, flags: int, message_bytes: int, chunk: int) -> None:
+        """Stamp the next chunk with its sequence number (its written flag) and wake every reader."""
         seq = self._seq
-        index = seq % self.spec.n_chunks
-        self._chunks[index, CHUNK_HEADER_BYTES : CHUNK_HEADER_BYTES + chunk] = body[
-            sent : sent + chunk
-        ]
-        CHUNK_HEADER.pack_into(
-            self._map,
-            HEADER_BYTES + index * self.spec.chunk_bytes,
-            type_id,
-            flags,
-            seq,
-            len(body),
-            chunk,
-            0,
-        )
+        offset = HEADER_BYTES + (seq % self.spec.n_chunks) * self.spec.chunk_bytes
+        CHUNK_HEADER.pack_into(self._map, offset, type_id, flags, seq, message_bytes, chunk, 0)
         self._seq = seq + 1
         self._hdr[WRITER_LINE * LINE + SEQ] = seq + 1
         self._held = [False] * self.spec.n_readers
@@ -360,16 +374,17 @@ class BroadcastReader(_End):
         self.index = handle.reader
         super().__init__(handle, 2 + handle.reader, **options)  # type: ignore[arg-type]
         self._seq = self._field(self._line, SEQ)
+        self._partial: tuple[np.ndarray, int] | None = None  # a message's chunks read so far
 
     def recv(self, timeout_s: float | None = None) -> tuple[str, dict[str, np.ndarray]]:
         """The next message as (record name, arrays of a private copy), waiting up to timeout_s
-        per chunk (None: for ever, while the writer lives)."""
+        per chunk (None: for ever, while the writer lives). The chunks of a message read before
+        a timeout are kept for the next call."""
         if self._closed:
             raise RingClosed(f"broadcast {self.spec.name!r}: reader already closed")
         records = self.spec.vocabulary.records
         items, spaces = self._items[self.index], self._spaces[self.index]
-        buffer: np.ndarray | None = None
-        received = 0
+        buffer, received = self._partial if self._partial is not None else (None, 0)
         while True:
             self._wait(items, [(WRITER_LINE, "writer")], timeout_s)
             index = self._seq % self.spec.n_chunks
@@ -394,6 +409,7 @@ class BroadcastReader(_End):
             self._seq += 1
             self._hdr[self._line * LINE + SEQ] = self._seq  # the read flag of every chunk up to it
             spaces.release()
+            self._partial = None if flags & LAST else (buffer, received)
             if flags & LAST:
                 if received != len(buffer):
                     raise ProtocolError(f"broadcast {self.spec.name!r}: message ended short")

@@ -96,6 +96,21 @@ def test_writer_waits_for_the_slowest_reader(broadcast_factory):
         assert len(r0.recv(timeout_s=1)[1]["data"]) == 12
 
 
+def test_a_large_message_cut_by_timeouts_is_finished_whole(broadcast_factory):
+    """A three-chunk message through a two-chunk ring to a reader that comes late: both ends
+    time out midway, and the next calls carry on where they stopped."""
+    handle = broadcast_factory(n_readers=1, n_chunks=2, chunk_bytes=256)
+    with handle.for_reader(0).reader_end() as reader, handle.writer() as writer:
+        with pytest.raises(RingTimeout):
+            writer.send(BLOB, blob(500), timeout_s=0.2)  # 2 of its 3 chunks sent
+        with pytest.raises(RingTimeout):
+            reader.recv(timeout_s=0.2)  # reads those 2, waits for the third
+        writer.send(BLOB, blob(7), timeout_s=1)  # sends the third first, then this one
+        _, arrays = reader.recv(timeout_s=1)
+        assert np.array_equal(arrays["data"], np.arange(500, dtype=np.uint16).astype(np.uint8))
+        assert len(reader.recv(timeout_s=1)[1]["data"]) == 7
+
+
 def test_killed_reader_is_a_clear_error_for_the_writer(broadcast_factory):
     handle = broadcast_factory(n_readers=2, n_chunks=2, chunk_bytes=256)
     attached = SPAWN.Event()
