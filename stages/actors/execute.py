@@ -25,6 +25,7 @@ from stages.actors.tensor_group import (
     join_group,
     lost_rank_is_peer_death,
     rank_threads,
+    runner_config,
 )
 from stages.config import EngineConfig, num_kv_blocks
 from stages.rings import plan, results
@@ -37,7 +38,7 @@ from stages.text.thinking import ThinkingTracker
 if TYPE_CHECKING:
     import llguidance
 
-    from gpu.runner import RunnerConfig, StepBatch, StepOutput
+    from gpu.runner import StepBatch, StepOutput
     from gpu.sampler import RequestSampling
     from stages.text.structured import GrammarMatchers
 
@@ -270,21 +271,6 @@ class ExecuteActor(SyncActor):
                     if tracker is not None:
                         tracker.consume(token)
             at += count
-
-
-def runner_config(config: EngineConfig) -> RunnerConfig:
-    """The runner's configuration, the same on every tensor-parallel rank."""
-    from gpu.runner import RunnerConfig
-
-    return RunnerConfig(
-        dtype=config.dtype,
-        kv_cache_bytes=config.kv_cache_bytes,
-        block_size=config.block_size,
-        threads=rank_threads(config) if config.tensor_parallel_size > 1 else config.threads,
-        seed=config.seed,
-        quantization=config.quantization,
-        kv_cache_dtype=config.kv_cache_dtype,
-    )
 
 
 def _grammar_matchers(config: EngineConfig) -> GrammarMatchers:

@@ -5,7 +5,12 @@ ring, samples, and answers schedule."""
 from __future__ import annotations
 
 from pipeline.actor import SyncActor
-from stages.actors.tensor_group import join_group, lost_rank_is_peer_death, rank_threads
+from stages.actors.tensor_group import (
+    join_group,
+    lost_rank_is_peer_death,
+    rank_threads,
+    runner_config,
+)
 from stages.config import EngineConfig
 from stages.rings.forward import unpack_forward
 
@@ -15,7 +20,6 @@ class ExecuteRankActor(SyncActor):
         import torch  # only the execute stage's processes import torch
 
         from gpu.runner import ModelRunner
-        from stages.actors.execute import runner_config
 
         config: EngineConfig = self.ctx.config
         torch.set_num_threads(rank_threads(config))

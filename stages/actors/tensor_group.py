@@ -1,6 +1,6 @@
 """How execute ranks form a tensor-parallel group: torch.distributed's own TCP rendezvous with
 torchrun's MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (passed, not read from the environment),
-gloo on CPU and NCCL on CUDA; rank 0 sharing each step's forward inputs on the broadcast ring; and
+gloo on CPU and NCCL on CUDA; the runner configuration they share; rank 0 sharing each step's forward inputs on the broadcast ring; and
 a lost rank told apart from a bug."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from stages.config import EngineConfig
 from stages.rings.forward import FORWARD, ForwardStep, pack_forward
 
 if TYPE_CHECKING:
-    from gpu.runner import ForwardInputs
+    from gpu.runner import ForwardInputs, RunnerConfig
     from gpu.tensor_parallel import TensorParallel
 
 log = structlog.get_logger("stages.tensor_group")
@@ -33,6 +33,21 @@ def rank_threads(config: EngineConfig) -> int:
     """Torch threads of one rank: --threads (or every core) divided among the ranks."""
     total = config.threads or len(os.sched_getaffinity(0))
     return max(1, total // config.tensor_parallel_size)
+
+
+def runner_config(config: EngineConfig) -> RunnerConfig:
+    """The runner's configuration: execute's, the same on every tensor-parallel rank."""
+    from gpu.runner import RunnerConfig
+
+    return RunnerConfig(
+        dtype=config.dtype,
+        kv_cache_bytes=config.kv_cache_bytes,
+        block_size=config.block_size,
+        threads=rank_threads(config) if config.tensor_parallel_size > 1 else config.threads,
+        seed=config.seed,
+        quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
+    )
 
 
 def join_group(config: EngineConfig, device: str = "cpu") -> TensorParallel:
