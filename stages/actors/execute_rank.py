@@ -4,7 +4,11 @@ ring, samples, and answers schedule."""
 
 from __future__ import annotations
 
+import time
+
 from pipeline.actor import SyncActor
+from pipeline.clock import now_ns
+from stages import spans
 from stages.actors.tensor_group import (
     join_group,
     lost_rank_is_peer_death,
@@ -30,10 +34,12 @@ class ExecuteRankActor(SyncActor):
     def run(self) -> None:
         from gpu.runner import ForwardInputs
 
-        inbox = self.ctx.broadcast_in["forward"]
+        inbox, trace = self.ctx.broadcast_in["forward"], self.ctx.trace
         while True:
+            waited = now_ns()
             _, arrays = inbox.recv()
             step = unpack_forward(arrays)
+            started, cpu = now_ns(), time.process_time_ns()
             with lost_rank_is_peer_death():
                 self.runner.forward(
                     ForwardInputs(
@@ -46,4 +52,13 @@ class ExecuteRankActor(SyncActor):
                         step.logits_rows,
                     )
                 )
+            finished = now_ns()
+            trace.record(
+                spans.SPAN_FORWARD,
+                started,
+                finished,
+                tokens=len(step.input_ids),
+                wait_ns=started - waited,
+                cpu_ns=time.process_time_ns() - cpu,
+            )
             self.ctx.heartbeat()
