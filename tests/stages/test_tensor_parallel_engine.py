@@ -11,6 +11,7 @@ import pytest
 from pipeline.errors import ActorFailed
 from pipeline.names import names_in_shm
 from stages.engine import Engine
+from stages.speculation import SpeculativeConfig
 from tests.stages.conftest import LoopThread
 from tests.stages.test_recovery import config, request, run_all, wait_ready
 
@@ -86,3 +87,21 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat", "rb") as f:
         return f.read().split(b") ")[1][:1] not in (b"Z", b"X")
+
+
+def test_two_ranks_verify_drafts_as_one_does(engines):
+    """Speculative decoding over two ranks: the draft rows' split attention travels in the
+    forward inputs, so verified steps write the greedy text of one rank without drafts."""
+    start, _ = engines
+    reqs = [request(i) for i in range(3)]
+    engine, runner = start()
+    expected = runner.run(run_all(engine, reqs), timeout=120)
+    runner.run(engine.stop())
+    speculative = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 3, "adaptive_draft_length": false}'
+    )
+    engine, runner = start(tensor_parallel_size=2, speculative=speculative)
+    got = runner.run(run_all(engine, reqs), timeout=120)
+    assert [g[:2] for g in got] == [e[:2] for e in expected]
+    assert engine.stats()["spec_decode_num_draft_tokens_total"] > 0
