@@ -88,6 +88,7 @@ class ActorContext:
             "liveness_interval_s": spec.liveness_interval_s,
             "heartbeat": self.heartbeat,
         }
+        broadcast_options = {k: v for k, v in options.items() if k != "spin_s"}
         self.inbox: dict[str, Consumer] = {}
         self.outbox: dict[str, Producer] = {}
         self.broadcast_in: dict[str, BroadcastReader] = {}
@@ -95,14 +96,14 @@ class ActorContext:
         try:
             for ring in spec.inboxes:
                 handle = launch.rings[ring]
-                if isinstance(handle, BroadcastHandle):
-                    self.broadcast_in[ring] = handle.reader_end(**options)
+                if isinstance(handle, BroadcastHandle):  # it never spins: no spin_s
+                    self.broadcast_in[ring] = handle.reader_end(**broadcast_options)
                 else:
                     self.inbox[ring] = Consumer(handle, **options)
             for ring in spec.outboxes:
                 handle = launch.rings[ring]
                 if isinstance(handle, BroadcastHandle):
-                    self.broadcast_out[ring] = handle.writer(**options)
+                    self.broadcast_out[ring] = handle.writer(**broadcast_options)
                 else:
                     self.outbox[ring] = Producer(handle, **options)
         except BaseException:

@@ -152,7 +152,6 @@ class _End:
         *,
         liveness_interval_s: float = 0.1,
         heartbeat: Callable[[], None] | None = None,
-        spin_s: float = 0.0,  # accepted for symmetry with ring ends; a broadcast end never spins
     ) -> None:
         self.handle = handle
         self.spec = spec = handle.spec
