@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
+import psutil
 import pytest
 
 from pipeline.errors import ActorFailed
@@ -105,3 +107,9 @@ def test_two_ranks_verify_drafts_as_one_does(engines):
     got = runner.run(run_all(engine, reqs), timeout=120)
     assert [g[:2] for g in got] == [e[:2] for e in expected]
     assert engine.stats()["spec_decode_num_draft_tokens_total"] > 0
+    rank = psutil.Process(engine.supervisor.pids()["execute.rank1"])
+    before = rank.cpu_times()
+    time.sleep(2.0)
+    after = rank.cpu_times()
+    idle = (after.user - before.user + after.system - before.system) / 2.0
+    assert idle < 0.03, f"an idle rank used {idle:.1%} of a core"  # it sleeps on the ring
