@@ -7,6 +7,7 @@ min_tokens and seeds) from the first step that names the request until `free`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -17,7 +18,7 @@ from gpu import memory
 from gpu.attention import AttentionInputs
 from gpu.backends import NATIVE_KERNELS, kernels_for
 from gpu.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes
-from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_block_bytes
+from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_block_bytes, num_blocks_for_budget
 from gpu.loader import iter_weights, read_gguf_raw_tensors
 from gpu.model import CausalLM, rope_inv_freq
 from gpu.quantize import QUANTIZATION_MODES, quantize_linears
@@ -31,7 +32,13 @@ from gpu.sampler import (
     sample,
     verify,
 )
-from stages.text.checkpoint import ModelConfig, load_model_config, resolve_kv_cache_dtype
+from gpu.tensor_parallel import TensorParallel, shard_model
+from stages.text.checkpoint import (
+    ModelConfig,
+    cache_shape,
+    load_model_config,
+    resolve_kv_cache_dtype,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -93,6 +100,22 @@ class StepBatch:
 
 
 @dataclass(slots=True, frozen=True)
+class ForwardInputs:
+    """What the network needs of a step: the rank that samples makes it from the StepBatch, and
+    with tensor parallelism the other ranks get it from that one and run the same forward."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: (
+        np.ndarray
+    )  # [R + 1] int32, attention rows (a verified row split in one-token rows)
+    context_lens: np.ndarray  # [R] int32
+    block_tables: np.ndarray  # [R, max_blocks] int32
+    slot_mapping: np.ndarray  # [T] int64
+    logits_rows: np.ndarray  # [L] int64, rows of T whose logits are computed
+
+
+@dataclass(slots=True, frozen=True)
 class StepOutput:
     """Per-sequence results in batch order, and the prompt logprobs of prefill chunks.
 
@@ -140,7 +163,13 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
 
     @classmethod
-    def from_path(cls, model_path: str, config: RunnerConfig) -> ModelRunner:
+    def from_path(
+        cls, model_path: str, config: RunnerConfig, tensor_parallel: TensorParallel | None = None
+    ) -> ModelRunner:
+        """Load the model; with `tensor_parallel`, only this rank's shard of it and of the KV
+        heads (the caller joined the group; every rank calls this with the same arguments)."""
+        if tensor_parallel is not None and config.quantization is not None:
+            raise ValueError("tensor parallelism runs unquantized weights only (quantization None)")
         if config.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype {config.dtype!r} is not supported; use one of {sorted(_DTYPES)}"
@@ -160,8 +189,13 @@ class ModelRunner:
         dtype = _DTYPES[config.dtype]
         model_config = load_model_config(model_path)
         sized = config.gpu_memory_utilization is not None and config.num_kv_blocks is None
+        if sized and tensor_parallel is not None:
+            raise ValueError("under tensor parallelism the KV cache is sized by kv_cache_bytes")
         start = memory.baseline(device) if sized and device.type == "cuda" else None
         model = _load_model(model_path, model_config, config, dtype)
+        local_shape = model_config
+        if tensor_parallel is not None:
+            local_shape = shard_model(model, tensor_parallel)
         if config.quantization is not None:
             is_gguf = model_path.endswith(".gguf")
             raw = {}
@@ -190,18 +224,26 @@ class ModelRunner:
         ]
         if config.num_kv_blocks is not None:
             kv_cache = KVCache(
-                model_config, config.num_kv_blocks, config.block_size, kv_dtype, device
+                local_shape, config.num_kv_blocks, config.block_size, kv_dtype, device
             )
         elif config.gpu_memory_utilization is not None and start is not None:
             kv_cache = cls._sized_kv_cache(
                 model, config, kv_dtype, config.gpu_memory_utilization, start
             )
         else:
-            kv_cache = KVCache.from_budget(
-                model_config, config.kv_cache_bytes, config.block_size, kv_dtype, device
+            # Every rank has the blocks of the rank with the most KV heads (the scheduler hands
+            # out one set of block ids); each holds its own heads only.
+            world_size = 1 if tensor_parallel is None else tensor_parallel.world_size
+            num_blocks = num_blocks_for_budget(
+                cache_shape(model_config, world_size),
+                config.kv_cache_bytes,
+                config.block_size,
+                kv_dtype,
             )
+            kv_cache = KVCache(local_shape, num_blocks, config.block_size, kv_dtype, device)
         runner = cls(model, kv_cache, config)
-        if device.type == "cuda" and not config.enforce_eager:
+        # Under tensor parallelism the other ranks run every forward eagerly (execute_rank.py).
+        if device.type == "cuda" and not config.enforce_eager and tensor_parallel is None:
             runner.capture_graphs()
         log.info(
             "model ready",
@@ -214,6 +256,8 @@ class ModelRunner:
             kv_blocks=kv_cache.num_blocks,
             block_size=config.block_size,
             cuda_graphs=None if runner.graphs is None else list(runner.graphs.sizes),
+            tensor_parallel_rank=None if tensor_parallel is None else tensor_parallel.rank,
+            kv_heads=local_shape.num_kv_heads,
         )
         return runner
 
@@ -288,11 +332,20 @@ class ModelRunner:
         for request_id in np.asarray(request_ids, dtype=np.int64).tolist():
             self._requests.pop(request_id, None)
 
-    def step(self, batch: StepBatch) -> StepOutput:
+    def step(
+        self, batch: StepBatch, share: Callable[[ForwardInputs], None] | None = None
+    ) -> StepOutput:
+        """Run one step and sample. `share` gets the step's ForwardInputs before the forward
+        (tensor parallelism: the other ranks must run the same forward)."""
         with torch.inference_mode():
-            return self._step(batch)
+            return self._step(batch, share)
 
-    def _step(self, batch: StepBatch) -> StepOutput:
+    def forward(self, inputs: ForwardInputs) -> torch.Tensor:  # -> [L, V] float32 (rank 0)
+        """The network alone: what a tensor-parallel rank that does not sample runs."""
+        with torch.inference_mode():
+            return self._forward(inputs)
+
+    def _step(self, batch: StepBatch, share: Callable[[ForwardInputs], None] | None) -> StepOutput:
         starts = batch.query_start_loc.astype(np.int64)
         states = [self._requests.setdefault(int(r), _RequestState()) for r in batch.request_ids]
         for b, state in enumerate(states):
@@ -315,7 +368,19 @@ class ModelRunner:
             elif samples[b]:  # the input token's position, and each draft's
                 rows.append(np.arange(starts[b + 1] - 1 - num_draft[b], starts[b + 1]))
         logits_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-        logits = self._forward(batch, logits_rows)  # [R, V] float32
+        query_start_loc, context_lens, block_tables = _attention_rows(batch)
+        inputs = ForwardInputs(
+            input_ids=batch.input_ids.astype(np.int64, copy=False),
+            positions=batch.positions.astype(np.int64, copy=False),
+            query_start_loc=query_start_loc.astype(np.int32, copy=False),
+            context_lens=context_lens.astype(np.int32, copy=False),
+            block_tables=block_tables.astype(np.int32, copy=False),
+            slot_mapping=batch.slot_mapping.astype(np.int64, copy=False),
+            logits_rows=logits_rows.astype(np.int64, copy=False),
+        )
+        if share is not None:
+            share(inputs)
+        logits = self._forward(inputs)  # [R, V] float32
 
         # Where each sequence's logits end among the rows computed (its last row is row_end - 1).
         row_ends = np.cumsum([len(r) for r in rows]) if rows else np.zeros(0, dtype=np.int64)
@@ -332,37 +397,36 @@ class ModelRunner:
         prompt = self._prompt_logprobs(batch, states, host_logits, wants_prompt, row_ends)
         return StepOutput(*out, *prompt)
 
-    def _forward(self, batch: StepBatch, logits_rows: np.ndarray) -> torch.Tensor:
+    def _forward(self, step: ForwardInputs) -> torch.Tensor:
         device = self.device
         graphs = self.graphs
-        num_rows = len(batch.request_ids)
+        num_rows = len(step.context_lens)
         if (
             graphs is not None
-            and len(batch.input_ids) == num_rows  # every row decodes one token, no draft
-            and len(logits_rows) == num_rows  # and samples it
-            and graphs.fits(num_rows, batch.block_tables.shape[1])
+            and len(step.input_ids) == num_rows  # one token per attention row
+            and len(step.logits_rows) == num_rows  # each sampled (a draft is a row of its own)
+            and graphs.fits(num_rows, step.block_tables.shape[1])
         ):
             rows = DecodeRows(
-                input_ids=batch.input_ids.astype(np.int64),
-                positions=batch.positions.astype(np.int64),
-                slot_mapping=batch.slot_mapping.astype(np.int64),
-                context_lens=batch.context_lens.astype(np.int32),
-                block_tables=batch.block_tables,
+                input_ids=step.input_ids,
+                positions=step.positions,
+                slot_mapping=step.slot_mapping,
+                context_lens=step.context_lens,
+                block_tables=step.block_tables,
             )
             return graphs.run(rows)
-        query_start_loc, context_lens, block_tables = _attention_rows(batch)
         inputs = AttentionInputs(
-            query_start_loc=torch.from_numpy(query_start_loc).to(device),
-            context_lens=torch.from_numpy(context_lens).to(device),
-            block_tables=torch.from_numpy(block_tables).to(device),
-            slot_mapping=torch.from_numpy(batch.slot_mapping.astype(np.int64)).to(device),
+            query_start_loc=torch.from_numpy(step.query_start_loc).to(device),
+            context_lens=torch.from_numpy(step.context_lens).to(device),
+            block_tables=torch.from_numpy(step.block_tables).to(device),
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
         )
         logits = self.model(
-            torch.from_numpy(batch.input_ids.astype(np.int64)).to(device),
-            torch.from_numpy(batch.positions.astype(np.int64)).to(device),
+            torch.from_numpy(step.input_ids).to(device),
+            torch.from_numpy(step.positions).to(device),
             self.kv_cache.layers,
             inputs,
-            torch.from_numpy(logits_rows.astype(np.int64)).to(device),
+            torch.from_numpy(step.logits_rows).to(device),
         )
         return logits.float()  # on the device: sampling runs there
 

@@ -16,6 +16,14 @@ def main(argv: list[str] | None = None) -> int:
     ring.add_argument("--scale", type=float, default=1.0, help="scale the message counts")
     ring.add_argument("--json", dest="json_path", help="write the rows as JSON here")
 
+    broadcast = sub.add_parser(
+        "broadcast", help="the broadcast ring against N single-consumer rings, N reader processes"
+    )
+    broadcast.add_argument("--readers", default="1,2,4", help="reader counts")
+    broadcast.add_argument("--sizes", default="4096,65536,1048576", help="message sizes in bytes")
+    broadcast.add_argument("--scale", type=float, default=1.0, help="scale the message counts")
+    broadcast.add_argument("--json", dest="json_path", help="write the rows as JSON here")
+
     serve = sub.add_parser(
         "serve", help="streaming load generator for any OpenAI-compatible server"
     )
@@ -79,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     offline.add_argument("--dtype", help="default: bfloat16 on CUDA, float32 on CPU")
     offline.add_argument("--quantization", default=None)
     offline.add_argument("--threads", type=int, default=0)
+    offline.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="execute ranks (they share --threads)"
+    )
     offline.add_argument("--max-num-seqs", type=int, default=256)
     offline.add_argument("--max-num-batched-tokens", type=int, default=512)
     offline.add_argument("--json", dest="json_path")
@@ -108,7 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--context", type=int, default=256)
     model.add_argument("--prefill-tokens", type=int, default=512)
     model.add_argument("--steps", type=int, default=8, help="timed decode steps per point (median)")
-    model.add_argument("--threads", type=int, default=0)
+    model.add_argument("--threads", type=int, default=0, help="per rank")
+    model.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks over gloo, this process rank 0 (fp32 and bf16 weights; no baseline)",
+    )
     model.add_argument("--no-baseline", action="store_true")
     model.add_argument("--json", dest="json_path")
 
@@ -176,6 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         return run_chaos_cli(args, parser)
     if args.mode == "serve":
         return run_serve_cli(args, parser)
+    if args.mode == "broadcast":
+        from perf import broadcast_bench
+
+        broadcast_bench.main(
+            [int(n) for n in args.readers.split(",") if n],
+            [int(n) for n in args.sizes.split(",") if n],
+            args.scale,
+            args.json_path,
+        )
+        return 0
     if args.mode == "ring":
         from perf import ring_bench
 
@@ -349,6 +376,7 @@ def run_model_cli(args: argparse.Namespace) -> int:
             steps=args.steps,
             threads=args.threads,
             baseline=not args.no_baseline,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     )
     print(model_bench.format_table(report))
@@ -396,6 +424,7 @@ def run_offline_cli(args: argparse.Namespace) -> int:
         dtype=args.dtype or default_dtype(device),
         quantization=args.quantization,
         threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )

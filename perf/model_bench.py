@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from gpu.backends import apply_rotary
 from gpu.model import CausalLM
-from gpu.runner import ModelRunner, RunnerConfig, StepBatch
+from gpu.runner import ForwardInputs, ModelRunner, RunnerConfig, StepBatch
 from gpu.sampler import SamplingArrays
 
 WEIGHTS = {  # name -> (model dtype, quantization)
@@ -50,6 +51,7 @@ class ModelBenchArgs:
     device: str = "cpu"
     random_weights: bool = False  # model_path is a random-weight checkpoint (--random-weights)
     peak_bandwidth_gb_s: float | None = None  # the roofline's; None: measured (CPU) or an H200's
+    tensor_parallel_size: int = 1  # > 1: this process is rank 0 of a gloo group (perf/tp_ranks.py)
 
 
 H200_HBM_GB_S = 4800.0  # HBM3e, NVIDIA's figure
@@ -239,9 +241,9 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
             max_model_len=max(args.context + 1, args.prefill_tokens),
         )
         print(f"[{weights}] loading ...", file=sys.stderr, flush=True)
-        runner = ModelRunner.from_path(args.model_path, config)
+        runner, share, close = _load(args, config)
         c = runner.model_config
-        if args.baseline and weights == "fp32" and not cuda:
+        if args.baseline and weights == "fp32" and not cuda and args.tensor_parallel_size == 1:
             print("[baseline] unpaged fp32 ...", file=sys.stderr, flush=True)
             base = UnpagedBaseline(runner.model, 1, args.prefill_tokens + 1)
             prompt = torch.from_numpy(rng.integers(0, c.vocab_size, (1, args.prefill_tokens)))
@@ -255,7 +257,7 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
                     partial(base.forward, token, args.context), args.steps
                 )
         step = prefill_batch(runner, args.prefill_tokens, rng)
-        seconds = _median_time(partial(runner.step, step), 2)
+        seconds = _median_time(partial(runner.step, step, share), 2)
         runner.free([10_000])
         rows.append(
             {
@@ -278,7 +280,7 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
             if runner.graphs is not None:
                 eager_seconds, seconds = _eager_and_graphed(runner, step, args.steps)
             else:
-                seconds = _median_time(partial(runner.step, step), args.steps)
+                seconds = _median_time(partial(runner.step, step, share), args.steps)
             runner.free(np.arange(batch))
             kv_bytes = batch * (args.context + 1) * _kv_row_bytes(args.model_path, element) * 2
             w_bytes = weight_bytes_read(runner.model, batch)
@@ -301,10 +303,24 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
                 f"[{weights}] decode batch {batch}: {batch / seconds:.0f} tok/s ({seconds * 1e3:.1f} ms/step)",
                 file=sys.stderr,
             )
+        close()
         del runner
         if cuda:
             torch.cuda.empty_cache()
     return {"bandwidth_gb_s": bandwidth, "device": args.device, "rows": rows}
+
+
+def _load(
+    args: ModelBenchArgs, config: RunnerConfig
+) -> tuple[ModelRunner, Callable[[ForwardInputs], None] | None, Callable[[], None]]:
+    """The runner, what it shares each step's forward with (None: no other rank), and what ends
+    the other ranks. With --tensor-parallel-size N the weights' byte counts are rank 0's."""
+    if args.tensor_parallel_size == 1:
+        return ModelRunner.from_path(args.model_path, config), None, lambda: None
+    from perf.tp_ranks import RankGroup
+
+    group = RankGroup(args.model_path, config, args.tensor_parallel_size)
+    return group.runner, group.share, group.close
 
 
 def _kv_row_bytes(model_path: str, element: int) -> int:

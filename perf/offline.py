@@ -32,6 +32,7 @@ class OfflineArgs:
     dtype: str = "float32"
     quantization: str | None = None
     threads: int = 0
+    tensor_parallel_size: int = 1
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
     kv_cache_bytes: int = 512 * 1024 * 1024
@@ -59,6 +60,7 @@ async def run_offline(args: OfflineArgs) -> tuple[dict[str, Any], list[tuple[str
             dtype=args.dtype,
             quantization=args.quantization,
             threads=args.threads,
+            tensor_parallel_size=args.tensor_parallel_size,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_bytes=args.kv_cache_bytes,

@@ -47,9 +47,12 @@ def overhead_per_token(
     or pipeline-bench itself offline), and `total_us_per_token` both.
     """
     used = {name: cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0) for name in cpu_after}
-    forward_s = sum(
-        float(s["cpu_ns"][s["kind"] == FORWARD_KIND].sum()) / 1e9 for s in spans.values() if len(s)
-    )
+    forward_by = {  # each process's own forward (tensor-parallel ranks each run one)
+        name: float(s["cpu_ns"][s["kind"] == FORWARD_KIND].sum()) / 1e9
+        for name, s in spans.items()
+        if len(s)
+    }
+    forward_s = sum(forward_by.values())
     total = sum(used.values())
     front_end = used.get(FRONT_END, 0.0)
 
@@ -64,6 +67,7 @@ def overhead_per_token(
         "front_end_us_per_token": per_token(front_end),
         "total_us_per_token": per_token(total - forward_s),
         **{f"cpu_s_{name}": value for name, value in used.items()},
+        **{f"forward_s_{name}": value for name, value in forward_by.items()},
     }
 
 
@@ -104,15 +108,14 @@ def format_stages(figures: dict[str, Any], overhead: dict[str, float]) -> str:
     )
     tokens = overhead["tokens"]
     if tokens:
-        # By process; the forward pass is counted in the process that ran it (execute) and taken
-        # out of that one.
+        # By process; the forward pass is counted in the process that ran it (execute, and each
+        # tensor-parallel rank) and taken out of that one.
         shares = []
         for key, value in overhead.items():
             if not key.startswith("cpu_s_") or key in ("cpu_s_total", "cpu_s_forward"):
                 continue
             name = key.removeprefix("cpu_s_")
-            if name == "execute":
-                value -= overhead["cpu_s_forward"]
+            value -= overhead.get(f"forward_s_{name}", 0.0)
             shares.append(f"{name} {value / tokens * 1e6:.1f}")
         lines.append("  by process (us per token): " + ", ".join(shares))
     return "\n".join(lines)

@@ -26,6 +26,7 @@ import setproctitle
 import structlog
 import uvloop
 
+from pipeline.broadcast import BroadcastHandle, BroadcastReader, BroadcastWriter
 from pipeline.control import ActorState, ControlBlock, ControlHandle
 from pipeline.errors import PeerDied, RingClosed
 from pipeline.logs import configure_logging
@@ -57,7 +58,7 @@ class ActorLaunch:
     spec: ActorSpec
     index: int
     control: ControlHandle
-    rings: dict[str, RingHandle]
+    rings: dict[str, RingHandle | BroadcastHandle]
     trace: TraceHandle
     parent_pid: int
     log_format: str
@@ -83,18 +84,29 @@ class ActorContext:
         self._control = control
         self._index = launch.index
         self.stopping = False
-        options = {
+        options: dict[str, Any] = {
             "spin_s": spec.spin_s,
             "liveness_interval_s": spec.liveness_interval_s,
             "heartbeat": self.heartbeat,
         }
+        broadcast_options = {k: v for k, v in options.items() if k != "spin_s"}
         self.inbox: dict[str, Consumer] = {}
         self.outbox: dict[str, Producer] = {}
+        self.broadcast_in: dict[str, BroadcastReader] = {}
+        self.broadcast_out: dict[str, BroadcastWriter] = {}
         try:
             for ring in spec.inboxes:
-                self.inbox[ring] = Consumer(launch.rings[ring], **options)
+                handle = launch.rings[ring]
+                if isinstance(handle, BroadcastHandle):  # it never spins: no spin_s
+                    self.broadcast_in[ring] = handle.reader_end(**broadcast_options)
+                else:
+                    self.inbox[ring] = Consumer(handle, **options)
             for ring in spec.outboxes:
-                self.outbox[ring] = Producer(launch.rings[ring], **options)
+                handle = launch.rings[ring]
+                if isinstance(handle, BroadcastHandle):
+                    self.broadcast_out[ring] = handle.writer(**broadcast_options)
+                else:
+                    self.outbox[ring] = Producer(handle, **options)
         except BaseException:
             self.close_rings()
             raise
@@ -109,6 +121,8 @@ class ActorContext:
     def close_rings(self) -> None:
         for end in (*self.outbox.values(), *self.inbox.values()):
             end.close()
+        for broadcast in (*self.broadcast_out.values(), *self.broadcast_in.values()):
+            broadcast.close()
         self.trace.close()
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import structlog
 
 from pipeline.actor import PEER_DIED_EXIT_CODE, ActorLaunch, ActorSpec, run_actor
+from pipeline.broadcast import BroadcastHandle, BroadcastSpec
 from pipeline.clock import now_ns
 from pipeline.control import ActorState, ControlBlock, ControlHandle
 from pipeline.errors import ActorFailed
@@ -61,7 +62,7 @@ class Supervisor:
 
     def __init__(
         self,
-        rings: Sequence[RingSpec],
+        rings: Sequence[RingSpec | BroadcastSpec],
         actors: Sequence[ActorSpec],
         config: SupervisorConfig | None = None,
         owner_inboxes: Sequence[str] = (),
@@ -75,6 +76,7 @@ class Supervisor:
         self._check_topology()
         self.namespace = ""
         self._handles: dict[str, RingHandle] = {}
+        self._broadcasts: dict[str, BroadcastHandle] = {}
         self._control_handle: ControlHandle | None = None
         self._control: ControlBlock | None = None
         self._procs: list[multiprocessing.process.BaseProcess] = []
@@ -87,7 +89,8 @@ class Supervisor:
         self._stopped = False
 
     def _check_topology(self) -> None:
-        """Every ring: exactly one producer and one consumer (ring invariant 1)."""
+        """Every ring: exactly one producer and one consumer, a broadcast ring one producer and
+        its n_readers consumers, all actors (ring invariant 1)."""
         producers: dict[str, list[str]] = {name: [] for name in self.ring_specs}
         consumers: dict[str, list[str]] = {name: [] for name in self.ring_specs}
         ends = [(a.name, a.inboxes, a.outboxes) for a in self.actor_specs]
@@ -100,11 +103,16 @@ class Supervisor:
         for ring in sorted(set(producers) | set(consumers)):
             if ring not in self.ring_specs:
                 raise ValueError(f"ring {ring!r} is used but not declared")
-            if len(producers[ring]) != 1 or len(consumers[ring]) != 1:
+            spec = self.ring_specs[ring]
+            readers = spec.n_readers if isinstance(spec, BroadcastSpec) else 1
+            if len(producers[ring]) != 1 or len(consumers[ring]) != readers:
+                wanted = "one consumer" if readers == 1 else f"{readers} consumers"
                 raise ValueError(
-                    f"ring {ring!r} needs exactly one producer and one consumer, has "
+                    f"ring {ring!r} needs exactly one producer and {wanted}, has "
                     f"producers {producers[ring]} and consumers {consumers[ring]}"
                 )
+            if isinstance(spec, BroadcastSpec) and OWNER in (*producers[ring], *consumers[ring]):
+                raise ValueError(f"broadcast ring {ring!r} connects actors only")
         names = [a.name for a in self.actor_specs]
         if len(set(names)) != len(names) or OWNER in names:
             raise ValueError(f"actor names must be unique and not {OWNER!r}: {names}")
@@ -141,7 +149,10 @@ class Supervisor:
         self._control_handle = ControlHandle.create(self.namespace, len(self.actor_specs))
         self._control = self._control_handle.attach()
         for spec in self.ring_specs.values():
-            self._handles[spec.name] = RingHandle.create(self.namespace, spec)
+            if isinstance(spec, BroadcastSpec):
+                self._broadcasts[spec.name] = BroadcastHandle.create(self.namespace, spec)
+            else:
+                self._handles[spec.name] = RingHandle.create(self.namespace, spec)
         for actor in self.actor_specs:
             self._traces[actor.name] = TraceHandle.create(self.namespace, actor.name)
             self.traces[actor.name] = self._traces[actor.name].attach()
@@ -168,12 +179,22 @@ class Supervisor:
         assert self._control_handle is not None
         ctx = multiprocessing.get_context("spawn")
         prefix = self.config.process_title_prefix
+        readers_so_far = dict.fromkeys(self._broadcasts, 0)
         for index, spec in enumerate(self.actor_specs):
+            rings: dict[str, RingHandle | BroadcastHandle] = {}
+            for ring in (*spec.inboxes, *spec.outboxes):
+                if ring in self._handles:
+                    rings[ring] = self._handles[ring]
+                elif ring in spec.inboxes:  # readers are numbered in the order actors are declared
+                    rings[ring] = self._broadcasts[ring].for_reader(readers_so_far[ring])
+                    readers_so_far[ring] += 1
+                else:
+                    rings[ring] = self._broadcasts[ring]
             launch = ActorLaunch(
                 spec=spec,
                 index=index,
                 control=self._control_handle,
-                rings={r: self._handles[r] for r in (*spec.inboxes, *spec.outboxes)},
+                rings=rings,
                 trace=self._traces[spec.name],
                 parent_pid=os.getpid(),
                 log_format=self.config.log_format,
@@ -220,6 +241,8 @@ class Supervisor:
     def _unlink_names(self) -> None:
         for handle in self._handles.values():
             handle.unlink()
+        for broadcast in self._broadcasts.values():
+            broadcast.unlink()
         for trace in self._traces.values():
             trace.unlink()
         if self._control_handle is not None:

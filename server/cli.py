@@ -276,6 +276,24 @@ def build_parser() -> argparse.ArgumentParser:
         "of the prompt, unless loads are imbalanced; else the least loaded) or round_robin "
         "(default cache_aware)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_positive_int,
+        help="execute processes, each holding a shard of every layer (Megatron-style), one per "
+        "device; on CPU they divide --threads among them (default 1); unquantized weights only",
+    )
+    parser.add_argument(
+        "--master-addr",
+        help="address of the tensor-parallel group's rendezvous, as torchrun's MASTER_ADDR "
+        "(default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--master-port",
+        type=_port,
+        help="port of the group's rendezvous, as torchrun's MASTER_PORT (default: a free one, "
+        "picked again at each restart)",
+    )
     parser.add_argument("--seed", type=int, help="seed of the engine's default generator")
     parser.add_argument(
         "--api-key",
@@ -559,6 +577,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
     utilization = None
     if device == "cuda" and args.kv_cache_memory is None and not dummy:
         utilization = args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    if (args.tensor_parallel_size or 1) > 1:
+        if dummy:
+            parser.error("--tensor-parallel-size needs a model; the dummy execute has none")
+        if quantization is not None:
+            parser.error("--tensor-parallel-size runs unquantized weights: add --quantization none")
     engine_overrides: dict[str, Any] = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
@@ -579,6 +602,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "threads": args.threads,
         "data_parallel_size": args.data_parallel_size,
         "data_parallel_routing": args.data_parallel_routing,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
         "seed": args.seed,
         "max_waiting_requests": args.max_waiting_requests,
         "speculative": args.speculative_config,

@@ -9,6 +9,7 @@ from typing import Any
 
 from stages.speculation import SpeculativeConfig
 from stages.text.checkpoint import (
+    cache_shape,
     kv_block_bytes_for,
     load_generation_config,
     resolve_kv_cache_dtype,
@@ -74,7 +75,14 @@ class EngineConfig:
     dtype: str = "float32"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # stages.text.checkpoint.resolve_kv_cache_dtype
-    threads: int = 0  # 0: torch's default (all cores)
+    threads: int = 0  # 0: torch's default (all cores); divided among tensor-parallel ranks
+    # --tensor-parallel-size: execute processes that each hold a shard of every layer, joined by
+    # torch.distributed at master_addr:master_port (0: a free port, picked at each start);
+    # tensor_parallel_rank is set per execute process by the engine.
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
     seed: int = 0
     log_format: str = "auto"
     log_level: str = "info"
@@ -149,14 +157,20 @@ def resolve_max_model_len(config: EngineConfig) -> int:
 
 
 def sized_from_device_memory(config: EngineConfig) -> bool:
-    """True when execute sizes the KV cache from device memory (and publishes the block count)."""
-    return config.gpu_memory_utilization is not None and not config.dummy
+    """True when execute sizes the KV cache from device memory (and publishes the block count).
+    Tensor-parallel ranks size theirs by --kv-cache-memory: each rank would measure its own."""
+    return (
+        config.gpu_memory_utilization is not None
+        and not config.dummy
+        and config.tensor_parallel_size == 1
+    )
 
 
 def num_kv_blocks(config: EngineConfig) -> int:
     """KV blocks that fit --kv-cache-memory; execute allocates exactly these and schedule hands
     them out. (Sized from device memory, the count is execute's: stages/kv_size.py.)"""
-    model = model_config_of(config)
+    # Each rank's cache holds its KV heads only: the budget is per rank, as vLLM's is per device.
+    model = cache_shape(model_config_of(config), config.tensor_parallel_size)
     element = resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
     block_bytes = kv_block_bytes_for(model, config.block_size, DTYPE_BYTES[element])
     blocks = config.kv_cache_bytes // block_bytes

@@ -50,6 +50,8 @@ class DataParallelEngine:
                     config,
                     data_parallel_rank=rank,
                     threads=threads,
+                    # Each replica's tensor-parallel group has a rendezvous of its own.
+                    master_port=config.master_port + rank if config.master_port else 0,
                     snapshot_dir=first.config.snapshot_dir,
                 )
             )

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import itertools
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -26,6 +27,7 @@ import numpy as np
 import structlog
 
 from pipeline.actor import ActorSpec
+from pipeline.broadcast import BroadcastSpec
 from pipeline.clock import now_ns, process_cpu_s
 from pipeline.errors import ActorFailed, RuntimeFault
 from pipeline.ring import Producer, RingSpec
@@ -47,7 +49,7 @@ from stages.config import (
     sized_from_device_memory,
 )
 from stages.kv_size import published_num_blocks
-from stages.rings import common, deltas, plan, prompts, requests, results, tokens
+from stages.rings import common, deltas, forward, plan, prompts, requests, results, tokens
 from stages.scheduler import GAUGES
 from stages.text.checkpoint import load_model_config
 from stages.text.prompts import prompt_token_ids
@@ -69,10 +71,12 @@ PROBE_BLAME_WINDOW_S = 2.0
 OVERLOAD_RETRY_AFTER_S = 1.0
 
 
-def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpec]]:
+def pipeline_layout(
+    config: EngineConfig,
+) -> tuple[list[RingSpec | BroadcastSpec], list[ActorSpec]]:
     """The rings and actors of DESIGN.md's drawing."""
     step_bytes = 256 * 1024 + 64 * config.max_num_seqs * 64  # block tables grow with context
-    rings = [
+    rings: list[RingSpec | BroadcastSpec] = [
         RingSpec("requests", requests.REQUESTS, n_slots=64, slot_bytes=64 * 1024),
         # Errors, and the answers to render-only requests (a prompt's ids and text: 64 KiB is
         # about 8k tokens in one slot; longer ones take several).
@@ -89,6 +93,8 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
         if not config.dummy
         else "stages.actors.dummy:DummyExecuteActor"
     )
+    tp_rings, config, tp_ranks = _tensor_parallel_ranks(config, step_bytes)
+    execute_out = ("results", "forward") if tp_rings else ("results",)
     # The asyncio stages do not spin: a spin blocks their whole event loop, several readers each
     # spin, and messages come once per step (milliseconds apart), so spinning would only burn one
     # of two cores. Execute, a blocking loop fed a step ahead, keeps the short default spin.
@@ -110,7 +116,7 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
             spin_s=0.0,
         ),
         ActorSpec(
-            "execute", execute_entry, config, ("plan",), ("results",), heartbeat_interval_s=0.5
+            "execute", execute_entry, config, ("plan",), execute_out, heartbeat_interval_s=0.5
         ),
         ActorSpec(
             "detokenize",
@@ -121,7 +127,45 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
             spin_s=0.0,
         ),
     ]
-    return rings, actors
+    return rings + tp_rings, actors + tp_ranks
+
+
+def _tensor_parallel_ranks(
+    config: EngineConfig, step_bytes: int
+) -> tuple[list[BroadcastSpec], EngineConfig, list[ActorSpec]]:
+    """With --tensor-parallel-size N > 1: the `forward` broadcast ring from rank 0 (execute) to
+    the N - 1 others, rank 0's config (the stages share it) and the other ranks' actors, every
+    config naming the group's rendezvous port and the rank's own number."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return [], config, []
+    if config.dummy:
+        raise ValueError("--tensor-parallel-size needs a model; the dummy execute has none")
+    config = dataclasses.replace(
+        config, master_port=config.master_port or _free_port(config.master_addr)
+    )
+    ring = BroadcastSpec(
+        "forward", forward.FORWARD_VOCAB, size - 1, n_chunks=4, chunk_bytes=_round(step_bytes)
+    )
+    ranks = [
+        ActorSpec(
+            f"execute.rank{rank}",
+            "stages.actors.execute_rank:ExecuteRankActor",
+            dataclasses.replace(config, tensor_parallel_rank=rank),
+            ("forward",),
+            heartbeat_interval_s=0.5,
+        )
+        for rank in range(1, size)
+    ]
+    return [ring], config, ranks
+
+
+def _free_port(host: str) -> int:
+    """A TCP port free now on host, for the group's rendezvous (a fresh one at each start, so a
+    restarted group never meets its predecessor's sockets)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def _round(n: int) -> int:
@@ -232,7 +276,7 @@ class Engine:
         """Start every stage (the loop keeps serving while models load), then the reader tasks."""
         await self._start_pipeline()
         if not self.num_blocks:
-            blocks = published_num_blocks(self.config.snapshot_dir)
+            blocks = published_num_blocks(self.config)
             if blocks is None:
                 raise RuntimeError("execute started without publishing its KV block count")
             self.num_blocks = blocks

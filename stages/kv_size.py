@@ -17,17 +17,22 @@ _FILE = "kv_blocks"
 _POLL_S = 0.05
 
 
-def publish_num_blocks(snapshot_dir: str, num_blocks: int) -> None:
+def _path(config: EngineConfig) -> str:
+    # Data-parallel replicas share the snapshot directory; each sizes its own device.
+    return os.path.join(config.snapshot_dir, f"{_FILE}.dp{config.data_parallel_rank}")
+
+
+def publish_num_blocks(config: EngineConfig, num_blocks: int) -> None:
     """Write the count whole (rename), so that a reader never sees half of it."""
-    path = os.path.join(snapshot_dir, _FILE)
+    path = _path(config)
     with open(f"{path}.tmp", "w", encoding="ascii") as f:
         f.write(str(num_blocks))
     os.replace(f"{path}.tmp", path)
 
 
-def published_num_blocks(snapshot_dir: str) -> int | None:
+def published_num_blocks(config: EngineConfig) -> int | None:
     try:
-        with open(os.path.join(snapshot_dir, _FILE), encoding="ascii") as f:
+        with open(_path(config), encoding="ascii") as f:
             return int(f.read())
     except FileNotFoundError:
         return None
@@ -41,7 +46,7 @@ def planned_num_blocks(config: EngineConfig, timeout_s: float) -> int:
     if not config.snapshot_dir:
         raise ValueError("a KV cache sized from device memory needs the engine's snapshot dir")
     deadline = time.monotonic() + timeout_s
-    while (blocks := published_num_blocks(config.snapshot_dir)) is None:
+    while (blocks := published_num_blocks(config)) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"execute published no KV block count within {timeout_s:g} s")
         time.sleep(_POLL_S)

@@ -8,7 +8,6 @@ and schedule plans the request once `results` says the matcher is ready (results
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,13 +20,15 @@ from pipeline.clock import now_ns
 from pipeline.errors import RingTimeout
 from pipeline.ring import Consumer, Message, Producer
 from stages import spans
-from stages.config import (
-    EngineConfig,
-    num_kv_blocks,
-    resolve_max_model_len,
-    sized_from_device_memory,
+from stages.actors.tensor_group import (
+    forward_sharer,
+    hold_device,
+    join_group,
+    lost_rank_is_peer_death,
+    rank_threads,
+    runner_config,
 )
-from stages.device import cuda_placement
+from stages.config import EngineConfig, num_kv_blocks, sized_from_device_memory
 from stages.kv_size import publish_num_blocks, published_num_blocks
 from stages.rings import plan, results
 from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
@@ -51,38 +52,30 @@ class ExecuteActor(SyncActor):
     def warm_up(self) -> None:
         import torch  # only this stage imports torch
 
-        from gpu.runner import ModelRunner, RunnerConfig
+        from gpu.runner import ModelRunner
 
         config: EngineConfig = self.ctx.config
-        if config.threads > 0:
+        tp = None
+        if config.tensor_parallel_size > 1:
+            torch.set_num_threads(rank_threads(config))
+        elif config.threads > 0:
             torch.set_num_threads(config.threads)
-        device = self.hold_device(config.device)
+        device = hold_device(config, self.ctx.log)
+        if config.tensor_parallel_size > 1:
+            tp = join_group(config, device)
         sized = sized_from_device_memory(config)
         # A pipeline restarted after a failure keeps the count the first execute published.
-        published = published_num_blocks(config.snapshot_dir) if sized else None
-        self.runner = ModelRunner.from_path(
-            config.model_path,
-            RunnerConfig(
-                dtype=config.dtype,
-                kv_cache_bytes=config.kv_cache_bytes,
-                block_size=config.block_size,
-                threads=config.threads,
-                device=device,
-                seed=config.seed,
-                quantization=config.quantization,
-                kv_cache_dtype=config.kv_cache_dtype,
-                random_weights=config.random_weights,
-                gpu_memory_utilization=config.gpu_memory_utilization if sized else None,
-                num_kv_blocks=published,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=resolve_max_model_len(config),
-                enforce_eager=config.enforce_eager,
-            ),
-        )
+        published = published_num_blocks(config) if sized else None
+        # Rank 0 sends each step's network inputs to the other ranks before its forward.
+        forward = self.ctx.broadcast_out.get("forward")
+        self.share = None if forward is None else forward_sharer(forward)
+        with lost_rank_is_peer_death():
+            self.runner = ModelRunner.from_path(
+                config.model_path, runner_config(config, device, sized, published), tp
+            )
         if sized:
             if published is None:
-                publish_num_blocks(config.snapshot_dir, self.runner.num_kv_blocks)
+                publish_num_blocks(config, self.runner.num_kv_blocks)
         elif self.runner.num_kv_blocks != (expected := num_kv_blocks(config)):
             raise RuntimeError(
                 f"execute has {self.runner.num_kv_blocks} KV blocks, the scheduler plans {expected}"
@@ -99,30 +92,6 @@ class ExecuteActor(SyncActor):
         threading.stack_size(GRAMMAR_STACK_BYTES)
         self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.building: dict[int, Future[llguidance.LLMatcher]] = {}
-
-    def hold_device(self, device: str) -> str:
-        """The torch device this process runs on: on CUDA its device by replica and rank
-        (stages/device.py), made current and logged."""
-        if device != "cuda":
-            self.ctx.log.info("execute device", device=device)
-            return device
-        import torch
-
-        placement = cuda_placement(
-            replica=self.ctx.config.data_parallel_rank,
-            rank=0,
-            tensor_parallel_size=1,
-            visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-            device_count=torch.cuda.device_count(),
-        )
-        torch.cuda.set_device(placement.index)
-        self.ctx.log.info(
-            "execute device",
-            device=placement.torch_device,
-            cuda_visible_id=placement.visible_id,
-            name=torch.cuda.get_device_name(placement.index),
-        )
-        return placement.torch_device
 
     def run(self) -> None:
         inbox, outbox, trace = self.ctx.inbox["plan"], self.ctx.outbox["results"], self.ctx.trace
@@ -141,7 +110,8 @@ class ExecuteActor(SyncActor):
             batch = self.batch_of(step)
             started = now_ns()
             cpu = time.process_time_ns()
-            output = self.runner.step(batch)
+            with lost_rank_is_peer_death():
+                output = self.runner.step(batch, self.share)
             finished = now_ns()
             trace.record(
                 spans.SPAN_FORWARD,

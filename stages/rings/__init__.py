@@ -7,6 +7,8 @@ Rings (producer -> consumer), one message per engine step per ring, batched over
   plan       schedule -> execute  `step` one engine step, with requests new to execute and the
                                   handles it may forget
   results    execute -> schedule  `result` the sampled tokens and logprobs of one step
+  forward    execute rank 0 -> the other tensor-parallel ranks (a broadcast ring)
+                                  `forward` one step's network inputs
   tokens     schedule -> detok    `tokens` new tokens and finishes per request, the detokenize
                                   parameters of requests seen for the first time
   stop_hits  detok -> schedule    `finished` handles a stop string finished

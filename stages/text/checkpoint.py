@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -190,6 +191,57 @@ def config_from_gguf(reader: Any) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         sliding_window=None if sliding_window is None else int(sliding_window),
     )
+
+
+@dataclass(slots=True, frozen=True)
+class ShardShape:
+    """What one tensor-parallel rank holds of a model (Megatron-style): a run of whole GQA
+    groups (KV heads and the query heads that attend with them), or with fewer KV heads than
+    ranks its share of one group's query heads and that KV head, replicated; and a run of the
+    MLP's columns. The vocabulary stays whole here (its shards are padded in gpu/)."""
+
+    config: ModelConfig  # this rank's heads, KV heads and MLP columns
+    first_head: int
+    first_kv_head: int
+    first_column: int
+
+
+def shard_shape(config: ModelConfig, world_size: int, rank: int) -> ShardShape:
+    """Rank `rank` of `world_size`'s share. Groups and columns are spread as evenly as they
+    divide (SmolLM2's 3 KV heads on 2 ranks: 1 and 2). UnsupportedModelError when the KV heads
+    are fewer than the ranks and do not divide them, or the query heads do not divide either."""
+    heads, kv_heads, columns = config.num_heads, config.num_kv_heads, config.intermediate_size
+    group = heads // kv_heads
+    if kv_heads >= world_size:
+        first_kv, end_kv = rank * kv_heads // world_size, (rank + 1) * kv_heads // world_size
+        first_head, local_heads, local_kv = (
+            first_kv * group,
+            (end_kv - first_kv) * group,
+            end_kv - first_kv,
+        )
+    elif world_size % kv_heads == 0 and heads % world_size == 0:
+        local_heads, local_kv = heads // world_size, 1
+        first_head, first_kv = rank * local_heads, rank * kv_heads // world_size
+    else:
+        raise UnsupportedModelError(
+            f"--tensor-parallel-size {world_size} with {kv_heads} KV heads and {heads} attention "
+            f"heads: with fewer KV heads than ranks, both head counts must divide the ranks"
+        )
+    first_column = rank * columns // world_size
+    local = dataclasses.replace(
+        config,
+        num_heads=local_heads,
+        num_kv_heads=local_kv,
+        intermediate_size=(rank + 1) * columns // world_size - first_column,
+    )
+    return ShardShape(local, first_head, first_kv, first_column)
+
+
+def cache_shape(config: ModelConfig, world_size: int) -> ModelConfig:
+    """The shape KV blocks are sized by: the most KV heads a rank holds. Every rank has as many
+    blocks (the scheduler hands out one set), as many as that rank's budget holds."""
+    most = max(shard_shape(config, world_size, r).config.num_kv_heads for r in range(world_size))
+    return dataclasses.replace(config, num_kv_heads=most)
 
 
 def kv_block_bytes_for(config: ModelConfig, block_size: int, element_bytes: int) -> int:

@@ -36,6 +36,13 @@ def _hf_config(arch: str):
         )
     if arch == "llama_tied":
         return transformers.LlamaConfig(**TINY, rope_theta=100000.0, tie_word_embeddings=True)
+    if arch == "llama_one_kv":  # GQA down to one KV head; a vocabulary no rank count divides
+        return transformers.LlamaConfig(
+            **(TINY | {"num_key_value_heads": 1, "vocab_size": 131}), tie_word_embeddings=False
+        )
+    if arch == "llama_three_kv":  # SmolLM2's 3 KV heads, which 2 ranks split 1 + 2; odd MLP
+        shape = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}
+        return transformers.LlamaConfig(**(TINY | shape | {"intermediate_size": 101}))
     if arch == "qwen2":
         return transformers.Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True)
     if arch == "mistral":
@@ -57,6 +64,8 @@ def build_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
     classes = {
         "llama": transformers.LlamaForCausalLM,
         "llama_tied": transformers.LlamaForCausalLM,
+        "llama_one_kv": transformers.LlamaForCausalLM,
+        "llama_three_kv": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "mistral_swa": transformers.MistralForCausalLM,

@@ -103,6 +103,28 @@ class Incrementer(SyncActor):
             outbox.send(BLOB, {"meta": meta, "data": data.astype(np.uint8)})
 
 
+class Fanner(SyncActor):
+    """Reads blobs from its ring and broadcasts each to every reader of "fan"."""
+
+    def run(self) -> None:
+        inbox, fan = self.ctx.inbox["in"], self.ctx.broadcast_out["fan"]
+        while True:
+            with inbox.recv() as msg:
+                fan.send(BLOB, msg.arrays)
+
+
+class FanReader(SyncActor):
+    """Reads each broadcast blob and writes it back with its data plus its reader index."""
+
+    def run(self) -> None:
+        fan = self.ctx.broadcast_in["fan"]
+        (outbox,) = self.ctx.outbox.values()
+        while True:
+            _, arrays = fan.recv()
+            data = (arrays["data"].astype(np.uint16) + fan.index) % 256
+            outbox.send(BLOB, {"meta": arrays["meta"], "data": data.astype(np.uint8)})
+
+
 class FailsWarmUp(AsyncActor):
     def warm_up(self) -> None:
         raise RuntimeError("weights file is missing")

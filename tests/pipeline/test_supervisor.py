@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.actor import ActorSpec
+from pipeline.broadcast import BroadcastSpec
 from pipeline.errors import ActorFailed
 from pipeline.names import names_in_shm, pid_alive, sweep_stale
 from pipeline.ring import RingSpec
@@ -181,6 +182,37 @@ def test_supervisor_killed_during_start_leaves_names_the_next_start_sweeps(owner
     assert set(stale) <= set(removed)
     assert not [n for n in names_in_shm() if f".{owner.pid}." in n]
     time.sleep(0.5)  # the orphaned actor exits on its parent-death signal
+
+
+def test_broadcast_ring_reaches_every_reader_actor_and_leaves_no_names():
+    rings: list[RingSpec | BroadcastSpec] = [
+        RingSpec(n, VOCAB, 8, 4096) for n in ("in", "out0", "out1", "out2")
+    ]
+    rings.append(BroadcastSpec("fan", VOCAB, n_readers=3, n_chunks=4, chunk_bytes=1024))
+    actors = [
+        ActorSpec("fanner", "tests.pipeline.peers:Fanner", inboxes=("in",), outboxes=("fan",))
+    ]
+    actors += [
+        ActorSpec(
+            f"reader{k}", "tests.pipeline.peers:FanReader", inboxes=("fan",), outboxes=(f"out{k}",)
+        )
+        for k in range(3)
+    ]
+    outs = ("out0", "out1", "out2")
+    config = SupervisorConfig(log_format="json")
+    with Supervisor(rings, actors, config, owner_inboxes=outs, owner_outboxes=("in",)) as sup:
+        assert names_in_shm(sup.namespace) == []
+        for i in range(50):
+            data = np.arange(i * 40 % 3000, dtype=np.uint16).astype(np.uint8)  # some span chunks
+            sup.producers["in"].send(BLOB, {"meta": np.array([i, 0, 0], np.int64), "data": data})
+            for k, out in enumerate(outs):
+                with sup.consumers[out].recv(timeout_s=10) as msg:
+                    assert msg["meta"][0] == i
+                    np.testing.assert_array_equal(msg["data"], (data.astype(int) + k) % 256)
+        pids = list(sup.pids().values())
+    assert wait_gone(pids)
+    with pytest.raises(ValueError, match="exactly one producer and 3 consumers"):
+        Supervisor(rings, actors[:3], config, owner_inboxes=outs, owner_outboxes=("in",))
 
 
 def test_topology_is_checked():

@@ -260,3 +260,19 @@ def test_vllm_serving_flags(tmp_path: Path) -> None:
     assert engine_config.default_max_tokens == engine_config.max_tokens_cap == 4
     config, engine_config = parse_args([str(tmp_path), "--generation-config", "vllm"])
     assert config.default_sampling_params == {} and engine_config.default_max_tokens is None
+
+
+def test_tensor_parallel_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = str(tmp_path / "llama")
+    args = [model, "--tensor-parallel-size", "2", "--master-addr", "10.0.0.5"]
+    engine_config = parse_args([*args, "--master-port", "29500"])[1]
+    assert engine_config.tensor_parallel_size == 2
+    assert (engine_config.master_addr, engine_config.master_port) == ("10.0.0.5", 29500)
+    assert parse_args([model, "-tp", "4"])[1].tensor_parallel_size == 4
+    assert parse_args([model])[1].master_port == 0  # a free port at each start
+    with pytest.raises(SystemExit):
+        parse_args([model, "--tensor-parallel-size", "2", "--quantization", "int4"])
+    assert "unquantized weights: add --quantization none" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["dummy", "--tensor-parallel-size", "2"])
+    assert "needs a model" in capsys.readouterr().err

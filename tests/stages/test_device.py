@@ -3,6 +3,7 @@ block count execute publishes when it sizes the cache from device memory (stages
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -67,13 +68,16 @@ def test_schedule_waits_for_the_count_execute_publishes(tmp_path, tiny_chat_mode
     config = EngineConfig(
         model_path=tiny_chat_model, gpu_memory_utilization=0.9, snapshot_dir=str(tmp_path)
     )
-    assert published_num_blocks(str(tmp_path)) is None
-    publisher = threading.Timer(0.2, publish_num_blocks, (str(tmp_path), 1234))
+    assert published_num_blocks(config) is None
+    publisher = threading.Timer(0.2, publish_num_blocks, (config, 1234))
     publisher.start()
     started = time.monotonic()
     assert planned_num_blocks(config, timeout_s=30) == 1234
     assert time.monotonic() - started >= 0.15
     publisher.join()
+    # Another data-parallel replica sharing the snapshot directory sizes its own device.
+    other = dataclasses.replace(config, data_parallel_rank=1)
+    assert published_num_blocks(other) is None
 
 
 def test_no_published_count_in_time_is_a_timeout(tmp_path, tiny_chat_model):

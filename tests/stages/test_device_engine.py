@@ -63,7 +63,7 @@ def test_random_weights_serve_on_the_kv_blocks_execute_published(tmp_path):
         loop.run(engine.start())
         expected = num_kv_blocks(config)
         assert engine.num_blocks == expected
-        assert published_num_blocks(engine.config.snapshot_dir) == expected
+        assert published_num_blocks(engine.config) == expected
         outs = loop.run(collect(engine, "héllo 🙂 wörld", 16))
         assert outs[-1].num_output_tokens == 16 and outs[-1].finish_reason == "length"
         ids = [t for o in outs for t in o.token_ids]
@@ -74,7 +74,7 @@ def test_random_weights_serve_on_the_kv_blocks_execute_published(tmp_path):
         again = loop.run(collect(engine, "héllo 🙂 wörld", 16))
         assert [t for o in again for t in o.token_ids] == ids
         assert engine.num_recoveries == 1
-        assert published_num_blocks(engine.config.snapshot_dir) == expected
+        assert published_num_blocks(engine.config) == expected
     finally:
         loop.run(engine.stop())
         loop.close()

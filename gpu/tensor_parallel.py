@@ -1,0 +1,157 @@
+"""Megatron-style tensor parallelism of the decoder: each rank keeps its slice of every layer
+(column-parallel QKV and gate/up, row-parallel o_proj and down_proj with one all-reduce each)
+and of the vocabulary (embedding and LM head); rank 0 gathers the logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.model import CausalLM
+from stages.text.checkpoint import ModelConfig, ShardShape, shard_shape
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group (joined by its caller)."""
+
+    rank: int
+    world_size: int
+    group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+
+    @property
+    def samples(self) -> bool:
+        """Rank 0 gets the whole logits and samples; the others only compute."""
+        return self.rank == 0
+
+
+class RowParallel(nn.Module):
+    """A linear over this rank's slice of its input features: the partial sums of all ranks
+    add up to the full output (one all-reduce)."""
+
+    def __init__(self, linear: nn.Module, tp: TensorParallel) -> None:
+        super().__init__()
+        self.linear = linear
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in / world] -> [T, out]
+        out = self.linear(x)
+        dist.all_reduce(out, group=self.tp.group)
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding table; ids outside them give zeros, and the all-reduce
+    fills each row from the rank that holds it."""
+
+    def __init__(self, weight: torch.Tensor, start: int, count: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [V / world (padded), hidden]
+        self.start, self.count, self.tp = start, count, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [T] int64 -> [T, hidden]
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.count)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(1), 0.0)
+        dist.all_reduce(out, group=self.tp.group)
+        return out
+
+
+class VocabParallelLMHead(nn.Module):
+    """This rank's rows of the LM head: each rank scores its vocabulary slice, rank 0 gathers
+    them into the whole logits (the other ranks return their slice, which nobody reads)."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = weight  # [V / world (padded), hidden]; the embedding's own when tied
+        self.vocab_size, self.tp = vocab_size, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [S, hidden] -> [S, V] on rank 0
+        local = F.linear(x, self.weight).contiguous()
+        if not self.tp.samples:
+            dist.gather(local, None, group=self.tp.group, group_dst=0)
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp.world_size)]
+        dist.gather(local, parts, group=self.tp.group, group_dst=0)
+        return torch.cat(parts, dim=1)[:, : self.vocab_size]
+
+
+@torch.no_grad()
+def shard_model(model: CausalLM, tp: TensorParallel) -> ModelConfig:
+    """Keep only this rank's slices of a loaded model, in place; return the rank's shape (what
+    its attention and KV cache hold)."""
+    full = model.config
+    shard = shard_shape(full, tp.world_size, tp.rank)
+    local = shard.config
+    inter, first = full.intermediate_size, shard.first_column
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _rows(attn.qkv_proj, _qkv_rows(full, shard))
+        q_start = shard.first_head * full.head_dim
+        attn.o_proj = RowParallel(_columns(attn.o_proj, q_start, local.q_size), tp)
+        attn.config = local
+        gate_up = [range(first, first + local.intermediate_size)]
+        gate_up.append(range(inter + first, inter + first + local.intermediate_size))
+        mlp.gate_up_proj = _rows(mlp.gate_up_proj, gate_up)
+        mlp.down_proj = RowParallel(_columns(mlp.down_proj, first, local.intermediate_size), tp)
+    vocab = full.vocab_size
+    per_rank = -(-vocab // tp.world_size)
+    start = tp.rank * per_rank
+    count = max(0, min(per_rank, vocab - start))
+
+    def vocab_slice(weight: torch.Tensor) -> torch.Tensor:  # -> [per_rank, hidden], zero-padded
+        out = weight.new_zeros(per_rank, weight.shape[1])
+        out[:count] = weight[start : start + count]
+        return out
+
+    embedding = VocabParallelEmbedding(
+        vocab_slice(model.model.embed_tokens.weight), start, count, tp
+    )
+    head_weight = (
+        embedding.weight
+        if full.tie_word_embeddings
+        else nn.Parameter(vocab_slice(model.lm_head.weight), requires_grad=False)
+    )
+    model.model.embed_tokens = embedding  # type: ignore[assignment]
+    model.lm_head = VocabParallelLMHead(head_weight, vocab, tp)  # type: ignore[assignment]
+    return local
+
+
+def _qkv_rows(full: ModelConfig, shard: ShardShape) -> list[range]:
+    """Rows of the fused [q; k; v] weight a rank keeps: its query heads and their KV heads."""
+    d, local = full.head_dim, shard.config
+    q_start = shard.first_head * d
+    k_start = full.q_size + shard.first_kv_head * d
+    v_start = full.q_size + full.kv_size + shard.first_kv_head * d
+    return [
+        range(q_start, q_start + local.q_size),
+        range(k_start, k_start + local.kv_size),
+        range(v_start, v_start + local.kv_size),
+    ]
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear holding copies of these tensors (built on meta: no throwaway init)."""
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    out.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    if bias is not None:
+        out.bias = nn.Parameter(bias.clone(), requires_grad=False)
+    return out
+
+
+def _rows(linear: nn.Module, rows: list[range]) -> nn.Linear:
+    """A linear of the given output rows of `linear` (its bias too)."""
+    index = torch.tensor([i for r in rows for i in r], dtype=torch.int64)
+    bias = None if linear.bias is None else linear.bias.index_select(0, index)
+    return _linear(linear.weight.index_select(0, index), bias)
+
+
+def _columns(linear: nn.Module, start: int, count: int) -> nn.Linear:
+    """A bias-free linear of input columns start:start + count of `linear`."""
+    return _linear(linear.weight[:, start : start + count].contiguous(), None)

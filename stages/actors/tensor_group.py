@@ -1,0 +1,148 @@
+"""How execute ranks form a tensor-parallel group: torch.distributed's own TCP rendezvous with
+torchrun's MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (passed, not read from the environment),
+gloo on CPU and NCCL on CUDA; the runner configuration they share; rank 0 sharing each step's forward inputs on the broadcast ring; and
+a lost rank told apart from a bug."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import structlog
+
+from pipeline.broadcast import BroadcastWriter
+from pipeline.errors import PeerDied
+from stages.config import EngineConfig, resolve_max_model_len
+from stages.device import cuda_placement
+from stages.rings.forward import FORWARD, ForwardStep, pack_forward
+
+if TYPE_CHECKING:
+    from gpu.runner import ForwardInputs, RunnerConfig
+    from gpu.tensor_parallel import TensorParallel
+
+log = structlog.get_logger("stages.tensor_group")
+
+# A collective that waits longer than this for a rank that is alive but stuck fails the group
+# (a dead rank fails it at once: its sockets close).
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+def rank_threads(config: EngineConfig) -> int:
+    """Torch threads of one rank: --threads (or every core) divided among the ranks."""
+    total = config.threads or len(os.sched_getaffinity(0))
+    return max(1, total // config.tensor_parallel_size)
+
+
+def runner_config(
+    config: EngineConfig, device: str, sized: bool = False, num_kv_blocks: int | None = None
+) -> RunnerConfig:
+    """The runner's configuration: execute's, the same on every tensor-parallel rank but for
+    its device. `sized`: the KV cache takes what --gpu-memory-utilization leaves (one rank only,
+    stages/config.py:sized_from_device_memory); `num_kv_blocks`: a count published before."""
+    from gpu.runner import RunnerConfig
+
+    return RunnerConfig(
+        dtype=config.dtype,
+        kv_cache_bytes=config.kv_cache_bytes,
+        block_size=config.block_size,
+        threads=rank_threads(config) if config.tensor_parallel_size > 1 else config.threads,
+        device=device,
+        seed=config.seed,
+        quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
+        random_weights=config.random_weights,
+        gpu_memory_utilization=config.gpu_memory_utilization if sized else None,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=resolve_max_model_len(config),
+        enforce_eager=config.enforce_eager,
+    )
+
+
+def hold_device(config: EngineConfig, log: structlog.typing.FilteringBoundLogger) -> str:
+    """The torch device this rank runs on: on CUDA the (replica x TP + rank)-th device of
+    CUDA_VISIBLE_DEVICES (stages/device.py), made current and logged."""
+    if config.device != "cuda":
+        log.info("execute device", device=config.device, rank=config.tensor_parallel_rank)
+        return config.device
+    import torch
+
+    placement = cuda_placement(
+        replica=config.data_parallel_rank,
+        rank=config.tensor_parallel_rank,
+        tensor_parallel_size=config.tensor_parallel_size,
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        device_count=torch.cuda.device_count(),
+    )
+    torch.cuda.set_device(placement.index)
+    log.info(
+        "execute device",
+        device=placement.torch_device,
+        rank=config.tensor_parallel_rank,
+        cuda_visible_id=placement.visible_id,
+        name=torch.cuda.get_device_name(placement.index),
+    )
+    return placement.torch_device
+
+
+def join_group(config: EngineConfig, device: str = "cpu") -> TensorParallel:
+    """Join the group as config.tensor_parallel_rank; returns once every rank has joined."""
+    import torch.distributed as dist
+
+    from gpu.tensor_parallel import TensorParallel
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{config.master_addr}:{config.master_port}",
+        world_size=config.tensor_parallel_size,
+        rank=config.tensor_parallel_rank,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    log.info(
+        "joined the tensor-parallel group",
+        rank=config.tensor_parallel_rank,
+        world_size=config.tensor_parallel_size,
+        backend=backend,
+        device=device,
+        threads=rank_threads(config),
+        master=f"{config.master_addr}:{config.master_port}",
+    )
+    return TensorParallel(config.tensor_parallel_rank, config.tensor_parallel_size)
+
+
+@contextlib.contextmanager
+def lost_rank_is_peer_death() -> Iterator[None]:
+    """A collective that failed because another rank died raises PeerDied, so that the rank
+    which died, not this one, is named as the failure (pipeline.actor.PEER_DIED_EXIT_CODE)."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if isinstance(exc, dist.DistError) or "gloo" in text or "closed by peer" in text:
+            raise PeerDied(f"the tensor-parallel group lost a rank: {text[:300]}") from exc
+        raise
+
+
+def forward_sharer(forward: BroadcastWriter) -> Callable[[ForwardInputs], None]:
+    """What rank 0 hands the runner: it sends a step's network inputs to the other ranks."""
+
+    def share(inputs: ForwardInputs) -> None:
+        step = ForwardStep(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.query_start_loc,
+            inputs.context_lens,
+            inputs.block_tables,
+            inputs.slot_mapping,
+            inputs.logits_rows,
+        )
+        forward.send(FORWARD, pack_forward(step))
+
+    return share

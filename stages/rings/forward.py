@@ -1,0 +1,63 @@
+"""The forward ring (a broadcast ring, execute rank 0 -> every other tensor-parallel rank): one
+step's network inputs, which rank 0 made from the plan, so that every rank runs the same forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.records import Record, Vocabulary
+from stages.rings.common import Views
+
+FORWARD = Record(
+    "forward",
+    ("input_ids", np.int64),  # [T]
+    ("positions", np.int64),  # [T]
+    ("query_start_loc", np.int32),  # [R + 1], attention rows
+    ("context_lens", np.int32),  # [R]
+    ("block_tables", np.int32),  # [R * W], row-major
+    ("slot_mapping", np.int64),  # [T]
+    ("logits_rows", np.int64),  # [L]
+)
+FORWARD_VOCAB = Vocabulary("forward", [FORWARD])
+
+
+@dataclass(slots=True, frozen=True)
+class ForwardStep:
+    """What gpu.runner.ForwardInputs holds, as the ring carries it (this package has no torch)."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [R + 1] int32
+    context_lens: np.ndarray  # [R] int32
+    block_tables: np.ndarray  # [R, W] int32
+    slot_mapping: np.ndarray  # [T] int64
+    logits_rows: np.ndarray  # [L] int64
+
+
+def pack_forward(step: ForwardStep) -> dict[str, np.ndarray]:
+    return {
+        "input_ids": step.input_ids,
+        "positions": step.positions,
+        "query_start_loc": step.query_start_loc,
+        "context_lens": step.context_lens,
+        "block_tables": step.block_tables.reshape(-1),
+        "slot_mapping": step.slot_mapping,
+        "logits_rows": step.logits_rows,
+    }
+
+
+def unpack_forward(arrays: Views) -> ForwardStep:
+    """The step; the arrays are the reader's own copy (the broadcast ring copies out)."""
+    rows = len(arrays["context_lens"])
+    tables = arrays["block_tables"]
+    return ForwardStep(
+        input_ids=arrays["input_ids"],
+        positions=arrays["positions"],
+        query_start_loc=arrays["query_start_loc"],
+        context_lens=arrays["context_lens"],
+        block_tables=tables.reshape(rows, len(tables) // rows if rows else 0),
+        slot_mapping=arrays["slot_mapping"],
+        logits_rows=arrays["logits_rows"],
+    )

@@ -1,0 +1,60 @@
+"""Process entry of the tensor-parallel tests: one rank joins a gloo group and runs a script of
+steps (importable, as spawn requires)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gpu.runner import ForwardInputs, ModelRunner, RunnerConfig
+from gpu.tensor_parallel import TensorParallel
+from tests.gpu.paged import BlockPool, PagedSequence, build_step
+
+RUNNER = RunnerConfig(kv_cache_bytes=1 << 20, block_size=4, threads=1)
+
+
+def script(
+    prompts: list[list[int]], vocab_size: int, steps: int, chunk: int
+) -> list[ForwardInputs]:
+    """Steps that prefill the prompts in chunks of `chunk` tokens, decoding the sequences whose
+    prompt is done in the same steps (mixed batches), every row's logits asked for."""
+    pool = BlockPool(64, RUNNER.block_size)
+    seqs = [PagedSequence(list(p)) for p in prompts]
+    out = []
+    for step in range(steps):
+        chunks = []
+        for i, seq in enumerate(seqs):
+            left = len(seq.token_ids) - seq.num_cached
+            if left == 0:
+                seq.token_ids.append((31 * step + 7 * i) % vocab_size)
+                left = 1
+            chunks.append((seq, min(chunk, left)))
+        b = build_step(pool, chunks)
+        out.append(
+            ForwardInputs(
+                b.input_ids,
+                b.positions,
+                b.query_start_loc,
+                b.context_lens,
+                b.block_tables,
+                b.slot_mapping,
+                np.arange(len(b.input_ids), dtype=np.int64),
+            )
+        )
+    return out
+
+
+def run_rank(
+    path: str, rank: int, world: int, port: int, steps: list[ForwardInputs], results
+) -> None:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        runner = ModelRunner.from_path(path, RUNNER, TensorParallel(rank, world))
+        logits = [runner.forward(inputs).numpy() for inputs in steps]
+        results.put((rank, runner.kv_cache.layers[0][0].shape[2], logits if rank == 0 else None))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,115 @@
+"""--tensor-parallel-size 2 through the real pipeline on the tiny model (gloo on CPU): the text of
+one rank, and a rank killed under load takes its group down and the group restarts as one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from pipeline.errors import ActorFailed
+from pipeline.names import names_in_shm
+from stages.engine import Engine
+from stages.speculation import SpeculativeConfig
+from tests.stages.conftest import LoopThread
+from tests.stages.test_recovery import config, request, run_all, wait_ready
+
+
+@pytest.fixture
+def engines(tiny_chat_model, monkeypatch):
+    """Starts engines of the given overrides; records each failure the engine acts on."""
+    started: list[tuple[Engine, LoopThread]] = []
+    failures: list[ActorFailed] = []
+    on_failure = Engine._on_failure
+
+    def record(self: Engine, failure: ActorFailed) -> None:
+        failures.append(failure)
+        on_failure(self, failure)
+
+    monkeypatch.setattr(Engine, "_on_failure", record)
+
+    def start(**overrides) -> tuple[Engine, LoopThread]:
+        runner = LoopThread()
+        engine = Engine(config(tiny_chat_model, **overrides))
+        runner.run(engine.start(), timeout=180)
+        started.append((engine, runner))
+        return engine, runner
+
+    yield start, failures
+    for engine, runner in started:
+        runner.run(engine.stop())
+        runner.close()
+
+
+def test_two_ranks_write_the_text_of_one_and_a_killed_rank_restarts_the_group(engines):
+    start, failures = engines
+    reqs = [request(i) for i in range(4)]
+    engine, runner = start()
+    expected = runner.run(run_all(engine, reqs), timeout=120)
+    runner.run(engine.stop())
+
+    engine, runner = start(tensor_parallel_size=2)
+    pids = engine.supervisor.pids()
+    assert set(pids) == {"render", "schedule", "execute", "execute.rank1", "detokenize"}
+    got = runner.run(run_all(engine, reqs), timeout=120)
+    assert [g[:2] for g in got] == [e[:2] for e in expected]
+
+    for victim in ("execute.rank1", "execute"):
+        killed = False
+
+        async def kill_once(num_tokens: int, victim: str = victim) -> None:
+            nonlocal killed
+            if not killed and engine.ready:
+                killed = True
+                os.kill(engine.supervisor.pids()[victim], signal.SIGKILL)
+
+        old_pids = engine.supervisor.pids()
+        namespace = engine.supervisor.namespace
+        again = runner.run(run_all(engine, reqs, kill_once), timeout=240)
+        wait_ready(engine)
+        assert failures[-1].actor == victim  # the rank that died is named, not its group
+        for (ids, text, _), (ids_again, text_again, last) in zip(expected, again, strict=True):
+            assert (ids_again, text_again) == (ids, text)
+            assert last.finish_reason is not None
+        assert max(out[2].metrics.num_recoveries for out in again) >= 1
+        new_pids = engine.supervisor.pids()
+        assert not set(new_pids.values()) & set(old_pids.values())  # every rank restarted
+        assert all(not _alive(pid) for pid in old_pids.values())
+        assert [n for n in names_in_shm() if namespace in n] == []
+    assert len(failures) == 2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().split(b") ")[1][:1] not in (b"Z", b"X")
+
+
+def test_two_ranks_verify_drafts_as_one_does(engines):
+    """Speculative decoding over two ranks: the draft rows' split attention travels in the
+    forward inputs, so verified steps write the greedy text of one rank without drafts."""
+    start, _ = engines
+    reqs = [request(i) for i in range(3)]
+    engine, runner = start()
+    expected = runner.run(run_all(engine, reqs), timeout=120)
+    runner.run(engine.stop())
+    speculative = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 3, "adaptive_draft_length": false}'
+    )
+    engine, runner = start(tensor_parallel_size=2, speculative=speculative)
+    got = runner.run(run_all(engine, reqs), timeout=120)
+    assert [g[:2] for g in got] == [e[:2] for e in expected]
+    assert engine.stats()["spec_decode_num_draft_tokens_total"] > 0
+    rank = psutil.Process(engine.supervisor.pids()["execute.rank1"])
+    before = rank.cpu_times()
+    time.sleep(2.0)
+    after = rank.cpu_times()
+    idle = (after.user - before.user + after.system - before.system) / 2.0
+    assert idle < 0.03, f"an idle rank used {idle:.1%} of a core"  # it sleeps on the ring
