@@ -173,13 +173,19 @@ def test_a_killed_replica_fails_none_of_the_others_requests(replicas):
     killed = asyncio.Event()
 
     async def go():
-        async def watch():
-            ready_throughout.append(engine.ready)
-            if not killed.is_set() and sum(in_flight(engine)) == 4:
-                killed.set()
-                os.kill(victim.supervisor.pids()["execute"], signal.SIGKILL)
+        streaming: set[str] = set()  # killed once every stream has output (so each resumes)
 
-        streams = [asyncio.ensure_future(run(engine, r, watch)) for r in reqs]
+        def watch(request_id: str):
+            async def on_token():
+                ready_throughout.append(engine.ready)
+                streaming.add(request_id)
+                if not killed.is_set() and len(streaming) == 4:
+                    killed.set()
+                    os.kill(victim.supervisor.pids()["execute"], signal.SIGKILL)
+
+            return on_token
+
+        streams = [asyncio.ensure_future(run(engine, r, watch(r.request_id))) for r in reqs]
         await killed.wait()
         while victim.ready:
             await asyncio.sleep(0.01)
