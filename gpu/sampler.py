@@ -9,8 +9,9 @@ logits, before any of the above: what the model believes, as OpenAI and vLLM rep
 A row with vLLM's `logprob_token_ids` gets those tokens' logprobs in place of its top-k. A row
 with a forced token (vLLM's thinking_token_budget spent: the end of thinking) takes that token,
 with its logprob under the model's distribution.
-A request with a seed draws its noise from a generator seeded by (seed, output index), so its
-tokens do not depend on which other requests share the batch.
+A request with a seed draws its noise from a generator seeded by (seed, output index, stream),
+so its tokens do not depend on which other requests share the batch; the streams keep a draft
+model's noise and the verifier's apart from plain decoding's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from stages.api import SamplingParams
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over the seed space
 _SEED_MASK = (1 << 63) - 1
+_STREAM_MIX = 0xBF58476D1CE4E5B9  # splitmix64's multiplier: one seed space per noise stream
+# The noise streams of a seeded request: plain decoding's (and the target's at every verified
+# position), a draft model's samples, and the verifier's acceptance and residual draws.
+NOISE_PLAIN, NOISE_DRAFT, NOISE_ACCEPT, NOISE_RESIDUAL = 0, 1, 2, 3
 
 
 @dataclass(slots=True, frozen=True)
@@ -231,12 +236,30 @@ class SampleOutput:
     ranks: torch.Tensor  # [S] int64, 1 = the most likely token
     top_ids: torch.Tensor  # [S, K] int64, K = max num_logprobs (0 when none asked)
     top_logprobs: torch.Tensor  # [S, K] float32
+    # [S, V] float32, with keep_probs: the distribution each row was sampled from (every knob
+    # applied; one-hot for greedy and forced rows); else None
+    probs: torch.Tensor | None = None
 
 
-def seeded_generator(seed: int, output_index: int) -> torch.Generator:
+def seeded_generator(seed: int, output_index: int, stream: int = NOISE_PLAIN) -> torch.Generator:
     generator = torch.Generator()
-    generator.manual_seed((seed * _SEED_MIX + output_index) & _SEED_MASK)
+    mixed = seed * _SEED_MIX + output_index
+    if stream:
+        mixed ^= stream * _STREAM_MIX
+    generator.manual_seed(mixed & _SEED_MASK)
     return generator
+
+
+def _row_generator(
+    params: SamplingArrays,
+    history: Sequence[TokenHistory],
+    row: int,
+    generator: torch.Generator | None,
+    stream: int,
+) -> torch.Generator | None:
+    """A seeded row's generator for this stream at its output index; else the shared one."""
+    seed = int(params.seed[row])
+    return seeded_generator(seed, history[row].num_outputs, stream) if seed >= 0 else generator
 
 
 def logprob_summary(
@@ -359,9 +382,12 @@ def sample(
     params: SamplingArrays,
     history: Sequence[TokenHistory],
     generator: torch.Generator | None = None,
+    noise_stream: int = NOISE_PLAIN,
+    keep_probs: bool = False,
 ) -> SampleOutput:
-    """One token per row. `generator` drives rows without a seed. Logprobs are computed for the
-    rows that asked for them (num_logprobs >= 0); other rows get nan and rank 0."""
+    """One token per row. `generator` drives rows without a seed; seeded rows draw from
+    `noise_stream`. Logprobs are computed for the rows that asked for them (num_logprobs >= 0);
+    other rows get nan and rank 0. `keep_probs` also returns each row's distribution."""
     wanted = np.flatnonzero(params.num_logprobs >= 0)
     raw_logprobs = torch.log_softmax(logits[torch.from_numpy(wanted)].float(), dim=1)
     logits = logits.float().clone()
@@ -372,6 +398,7 @@ def sample(
     greedy = temperature < _GREEDY_BELOW_TEMPERATURE
     token_ids = logits.argmax(dim=1)
     random_rows = torch.nonzero(~greedy).squeeze(1)
+    probs = None
     if random_rows.numel():
         rows_np = random_rows.numpy()
         scaled = logits[random_rows] / temperature[random_rows].unsqueeze(1)
@@ -379,15 +406,19 @@ def sample(
         probs = torch.softmax(scaled, dim=1)
         noise = torch.empty_like(probs)
         for i, row in enumerate(rows_np):
-            seed = int(params.seed[row])
-            row_generator = (
-                seeded_generator(seed, history[row].num_outputs) if seed >= 0 else generator
-            )
+            row_generator = _row_generator(params, history, int(row), generator, noise_stream)
             noise[i].exponential_(generator=row_generator)
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p (the Gumbel-max trick).
         token_ids[random_rows] = (probs / noise).argmax(dim=1)
     forced = torch.from_numpy(params.forced_token_ids.astype(np.int64))
     token_ids = torch.where(forced >= 0, forced, token_ids)
+    distributions = None
+    if keep_probs:
+        distributions = torch.zeros_like(logits)
+        distributions[torch.arange(len(token_ids)), token_ids] = 1.0
+        if probs is not None:
+            sampled_rows = random_rows[forced[random_rows] < 0]
+            distributions[sampled_rows] = probs[forced[random_rows] < 0]
 
     num_top = max(0, int(params.num_logprobs.max(initial=-1)))
     rows = logits.shape[0]
@@ -403,7 +434,74 @@ def sample(
         _report_given_ids(
             raw_logprobs, params.logprob_token_ids[wanted], wanted, top_ids, top_logprobs
         )
-    return SampleOutput(token_ids, chosen, ranks, top_ids, top_logprobs)
+    return SampleOutput(token_ids, chosen, ranks, top_ids, top_logprobs, distributions)
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # logits: [S, V] float32, raw model output
+    token_ids: torch.Tensor,  # token_ids: [S] int64
+    params: SamplingArrays,  # the S rows' (num_logprobs, logprob_token_ids)
+    num_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `sample` reports for rows that took `token_ids` (rows that asked for no logprobs
+    get nan, rank 0 and no top-k): (logprobs [S], ranks [S], top ids [S, K], top logprobs)."""
+    rows = logits.shape[0]
+    chosen = torch.full((rows,), float("nan"))
+    ranks = torch.zeros(rows, dtype=torch.int64)
+    top_ids = torch.full((rows, num_top), -1, dtype=torch.int64)
+    top_logprobs = torch.full((rows, num_top), float("-inf"))
+    wanted = np.flatnonzero(params.num_logprobs >= 0)
+    if len(wanted):
+        index = torch.from_numpy(wanted)
+        raw_logprobs = torch.log_softmax(logits[index].float(), dim=1)
+        chosen[index], ranks[index], top_ids[index], top_logprobs[index] = logprob_summary(
+            raw_logprobs, token_ids[index], num_top
+        )
+        _report_given_ids(
+            raw_logprobs, params.logprob_token_ids[wanted], wanted, top_ids, top_logprobs
+        )
+    return chosen, ranks, top_ids, top_logprobs
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,  # [S', V] float32: p at each verified position (sample's probs)
+    sampled: np.ndarray,  # [S'] int64: the target's plain sample at each position; in place, the
+    # token emitted there (an accepted draft, a residual sample, or the bonus: that sample)
+    draft_probs: torch.Tensor,  # [S', V] float32: q of the draft that follows each position
+    drafts: np.ndarray,  # [S'] int64: that draft (unused at a row's last position)
+    per_row: np.ndarray,  # [S] positions of each row (1 + its drafts), in order
+    params: SamplingArrays,  # S' rows
+    history: Sequence[TokenHistory],  # S' rows
+    generator: torch.Generator | None,
+) -> np.ndarray:  # -> [S] int64, drafts accepted per row
+    """Leviathan et al.'s speculative sampling for drafts a model sampled from q (vLLM's
+    rejection sampler): draft x is accepted with probability min(1, p(x) / q(x)); at the first
+    rejection the emitted token is drawn from norm(max(p - q, 0)) instead of `sampled`; when all
+    are accepted the last position's `sampled` is the bonus token. Greedy rows have one-hot p
+    and q, so they accept while the draft is the target's argmax and then emit that argmax.
+    Seeded rows draw from their (seed, output index) streams, so their output is reproducible."""
+    accepted = np.zeros(len(per_row), dtype=np.int64)
+    start = 0
+    for row, count in enumerate(per_row.tolist()):
+        accepted[row] = count - 1
+        for at in range(start, start + count - 1):
+            draft = int(drafts[at])
+            p, q = target_probs[at], draft_probs[at]
+            accept_noise = _row_generator(params, history, at, generator, NOISE_ACCEPT)
+            if float(torch.rand((), generator=accept_noise)) * float(q[draft]) < float(p[draft]):
+                sampled[at] = draft  # emitted as drafted (the target's own sample is not)
+                continue
+            residual = (p - q).clamp_(min=0.0)
+            if float(residual.sum()) <= 0.0:  # p and q equal up to rounding: p itself
+                residual = p.clone()
+            noise = torch.empty_like(residual).exponential_(
+                generator=_row_generator(params, history, at, generator, NOISE_RESIDUAL)
+            )
+            sampled[at] = int((residual / noise).argmax())
+            accepted[row] = at - start
+            break
+        start += count
+    return accepted
 
 
 def verify(
