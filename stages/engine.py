@@ -41,6 +41,7 @@ from stages.api import (
     TokenLogprob,
 )
 from stages.config import EngineConfig, num_kv_blocks, resolve_max_model_len
+from stages.draft_vocab import check_draft_vocabulary
 from stages.rings import common, deltas, plan, prompts, requests, results, tokens
 from stages.scheduler import GAUGES
 from stages.text.checkpoint import load_model_config
@@ -164,9 +165,12 @@ class Engine:
                 f"request of max_model_len={self.max_model_len}: raise --kv-cache-memory or lower "
                 f"--max-model-len"
             )
+        model_config = load_model_config(config.model_path)
+        if config.speculative is not None and config.speculative.model is not None:
+            check_draft_vocabulary(config.speculative.model, self.bundle, model_config)
         # The stages read the tokenizer and model config from this snapshot (removed at stop).
         self._snapshot_dir = tempfile.mkdtemp(prefix="pipeline-serve-")
-        write_snapshot(self._snapshot_dir, self.bundle, load_model_config(config.model_path))
+        write_snapshot(self._snapshot_dir, self.bundle, model_config)
         config = dataclasses.replace(config, snapshot_dir=self._snapshot_dir)
         self.config = config
         self._info = ModelInfo(
