@@ -276,3 +276,90 @@ def test_rejection_sampling_keeps_the_targets_distribution_and_a_naive_verifier_
     assert _total_variation(naive_pairs, exact) > bound
     # and q is used: min(1, p / q) accepts more than "a sample of p equals the draft" does
     assert acceptance > naive_acceptance
+
+
+def _batch(prompt: list[int], rows: int, drafts: int, sampling: SamplingArrays) -> StepBatch:
+    """`rows` requests of one prompt, each prefilled in one step that samples and verifies
+    `drafts` placeholder drafts after it; request r owns blocks 4r..4r+3 (block size 4)."""
+    length = len(prompt) + drafts
+    positions = np.tile(np.arange(length), rows)
+    tables = np.arange(rows * 4, dtype=np.int32).reshape(rows, 4)
+    owner = np.repeat(np.arange(rows), length)
+    return StepBatch(
+        request_ids=np.arange(rows, dtype=np.int64),
+        input_ids=np.tile(np.array(prompt + [-1] * drafts, np.int64), rows),
+        positions=positions,
+        query_start_loc=(np.arange(rows + 1) * length).astype(np.int32),
+        context_lens=np.full(rows, length, np.int32),
+        block_tables=tables,
+        slot_mapping=(tables[owner, positions // 4] * 4 + positions % 4).astype(np.int64),
+        prompt_lens=np.full(rows, len(prompt), np.int32),
+        sample=np.ones(rows, bool),
+        sampling=sampling,
+        prompt_logprobs=np.full(rows, -1, np.int32),
+        num_draft=np.full(rows, drafts, np.int32),
+    )
+
+
+def test_sampled_tokens_through_the_runner_follow_plain_decodings_distribution(tiny_models, drafts):
+    """Thousands of requests verify two drafts of a near model each (top_k 3, temperature 1):
+    the first two tokens they emit follow the target's exact distribution."""
+    from tests.gpu.test_model import reference_logits
+
+    rows, prompt = 6000, PROMPT[:9]
+    runner = ModelRunner.from_path(
+        str(tiny_models["llama"]),
+        RunnerConfig(kv_cache_bytes=rows * 4 * 2048, block_size=4, threads=1, seed=9),
+    )
+    runner.attach_drafter(str(drafts["near"]))
+    sampling = SamplingArrays.defaults(
+        rows, temperature=np.ones(rows, np.float32), top_k=np.full(rows, 3, np.int32)
+    )
+    out = runner.step(_batch(prompt, rows, 2, sampling))
+    counts = out.num_tokens.astype(np.int64)
+    starts = np.cumsum(counts) - counts
+    first = out.token_ids[starts]
+    second = np.where(
+        counts >= 2, out.token_ids[np.minimum(starts + 1, len(out.token_ids) - 1)], -1
+    )
+    redo = np.flatnonzero(counts == 1)  # a plain step after the first token
+    tables = np.arange(rows * 4, dtype=np.int32).reshape(rows, 4)[redo]
+    position = len(prompt)
+    again = runner.step(
+        StepBatch(
+            request_ids=redo.astype(np.int64),
+            input_ids=first[redo].astype(np.int64),
+            positions=np.full(len(redo), position, np.int64),
+            query_start_loc=np.arange(len(redo) + 1, dtype=np.int32),
+            context_lens=np.full(len(redo), position + 1, np.int32),
+            block_tables=tables,
+            slot_mapping=(tables[:, position // 4] * 4 + position % 4).astype(np.int64),
+            prompt_lens=np.full(len(redo), len(prompt), np.int32),
+            sample=np.ones(len(redo), bool),
+            sampling=sampling.select(redo),
+            prompt_logprobs=np.full(len(redo), -1, np.int32),
+        )
+    )
+    second[redo] = again.token_ids
+    accepted = float((counts - 1).sum()) / (2 * rows)
+
+    def top3(logits: torch.Tensor) -> torch.Tensor:  # [V] -> [V], top_k 3 at temperature 1
+        kept = torch.full_like(logits, float("-inf"))
+        values, ids = logits.topk(3)
+        kept[ids] = values
+        return torch.softmax(kept, 0)
+
+    p1 = top3(reference_logits(tiny_models["llama"], prompt)[-1])
+    exact: dict[tuple[int, int], float] = {}
+    for x1 in torch.nonzero(p1).flatten().tolist():
+        p2 = top3(reference_logits(tiny_models["llama"], [*prompt, x1])[-1])
+        for x2 in torch.nonzero(p2).flatten().tolist():
+            exact[(x1, x2)] = float(p1[x1] * p2[x2])
+    observed: dict[tuple[int, int], int] = {}
+    for pair in zip(first.tolist(), second.tolist(), strict=True):
+        observed[pair] = observed.get(pair, 0) + 1
+    assert set(observed) <= set(exact)
+    variation = 0.5 * sum(abs(observed.get(c, 0) / rows - p) for c, p in exact.items())
+    bound = 5 * 0.5 * np.sqrt(2 / (np.pi * rows)) * sum(np.sqrt(p) for p in exact.values())
+    assert variation < bound
+    assert 0.2 < accepted < 0.95  # some drafts accepted, some replaced
