@@ -3,9 +3,11 @@ drafts inside the step that verifies them, sampling each from q, its own distrib
 request's knobs, which the verifier needs (gpu/sampler.py `rejection_sample`).
 
 Its paged KV cache has as many blocks as the target's and is indexed by the same block tables and
-slots, so the scheduler's blocks serve both, and a prompt block the prefix cache shares holds the
-draft's KV as well as the target's: the draft computes every token the target computes, in the
-same step. Rejected drafts' KV is overwritten by the next step, as the target's is.
+slots, so the scheduler's blocks serve both. The draft computes every prompt token in the step the
+target does, so a prompt block the prefix cache shares holds the draft's KV as well as the
+target's; a decoding request's tokens it computes only when the request drafts (all those it has
+not seen, at once), so steps without drafts cost it nothing. Rejected drafts' KV is overwritten
+later, as the target's is.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from gpu.attention import AttentionInputs
 from gpu.kv_cache import KVCache
 from gpu.model import CausalLM
-from gpu.sampler import NOISE_DRAFT, TokenHistory, rows_needing_token_ids, sample
+from gpu.sampler import TokenHistory, rows_needing_token_ids, sample
 
 if TYPE_CHECKING:
     from gpu.runner import StepBatch
@@ -51,9 +53,10 @@ class Drafter:
         self.model = model
         self.kv_cache = kv_cache
         self.generator = generator  # the target runner's: drives rows without a seed
-        # Per request, how many leading positions of the draft's cache hold its tokens. After a
-        # step that accepted every draft, the last draft's KV is missing (it was never fed to
-        # the draft model); the next step feeds it before the new input token.
+        # Per request, how many leading positions of the draft's cache hold its tokens: short of
+        # the target's by the outputs of steps it drafted nothing in, and after a step that
+        # accepted every draft by that last draft (sampled, never fed). The next step that
+        # drafts feeds them before its input token.
         self._lengths: dict[int, int] = {}
 
     def free(self, request_ids: list[int]) -> None:
@@ -66,8 +69,9 @@ class Drafter:
         known_tokens: list[list[int]],  # per batch row, its tokens by position before this step
         num_draft: np.ndarray,  # [B] int64, drafts each row takes (0 where it does not sample)
     ) -> Proposal:
-        """Feed the draft model every token the target computes this step (and any it missed),
-        then run it num_draft times over the drafting rows, sampling one draft each time."""
+        """Feed the draft model the prompt tokens the target computes this step, and to each
+        drafting row every token of it the draft has not seen; then run it num_draft times over
+        the drafting rows, sampling one draft each time."""
         starts = batch.query_start_loc.astype(np.int64)
         input_ids = batch.input_ids.astype(np.int64, copy=True)
         block_size = self.kv_cache.block_size
@@ -77,6 +81,9 @@ class Drafter:
             first = int(batch.positions[starts[b]])
             known_end = first + int(starts[b + 1] - starts[b]) - int(num_draft[b])
             feed_from = min(self._lengths.get(request_id, first), first)
+            if not num_draft[b] and first >= batch.prompt_lens[b]:  # caught up when it drafts
+                self._lengths[request_id] = feed_from
+                continue
             earlier = known_tokens[b][feed_from:first]
             tokens = np.concatenate(
                 [
@@ -96,6 +103,8 @@ class Drafter:
 
         order = list(histories)  # the drafting rows, in batch order
         probs: dict[int, list[torch.Tensor]] = {b: [] for b in order}
+        if not rows:
+            return Proposal(input_ids, {})
         logits = self._forward(rows, batch.block_tables, [r.batch_row in histories for r in rows])
         for step in range(int(num_draft.max(initial=0))):
             if step:  # feed the draft just sampled, at its planned position and slot
@@ -151,7 +160,9 @@ class Drafter:
         histories: dict[int, list[int]],
     ) -> tuple[list[int], torch.Tensor]:  # -> (R drafts, [R, V] their q)
         """Sample each row's next draft from q: the draft's logits under every knob of the
-        request (as the target's are for p), with the noise of the draft stream."""
+        request (as the target's are for p). A seeded row draws with the noise of its (seed,
+        output index), the noise the target samples that position with: the verifier couples
+        the two (gpu.sampler.rejection_sample)."""
         params = batch.sampling.select(np.asarray(batch_rows, np.int64))
         params = replace(params, num_logprobs=np.full(len(batch_rows), -1, np.int32))
         needs_ids = rows_needing_token_ids(params)
@@ -163,5 +174,5 @@ class Drafter:
                 history.append(TokenHistory.of(tokens[:prompt_len], tokens[prompt_len:]))
             else:
                 history.append(TokenHistory(len(tokens) - prompt_len, _NO_IDS, _NO_IDS))
-        out = sample(logits, params, history, self.generator, NOISE_DRAFT, keep_probs=True)
+        out = sample(logits, params, history, self.generator, keep_probs=True)
         return out.token_ids.tolist(), torch.zeros(0) if out.probs is None else out.probs

@@ -364,7 +364,6 @@ class ModelRunner:
                 sampled,
                 per_row,
                 params,
-                history,
             )
         counts[sampled] = accepted + 1
         # Flat entries: each batch row's, in order (a non-sampling row keeps one -1 entry).
@@ -410,10 +409,10 @@ class ModelRunner:
         sampled: np.ndarray,  # [S] batch rows that sample, in order
         per_row: np.ndarray,  # [S] 1 + drafts of each
         params: SamplingArrays,  # S' rows
-        history: list[TokenHistory],  # S' rows
     ) -> tuple[SampleOutput, np.ndarray]:  # -> (the emitted samples, [S] drafts accepted)
-        """The drafts a model proposed, accepted by rejection sampling; a position where a
-        rejected draft's residual sample replaces the target's gets that token's logprobs."""
+        """The drafts a model proposed, accepted by rejection sampling (seeded rows: while they
+        equal the target's samples); a position that emits another token than the target's
+        sample gets that token's logprobs."""
         vocab = target_probs.shape[1]
         q = torch.zeros_like(target_probs)  # the draft after each position's q; 0 at a row's last
         at = 0
@@ -423,7 +422,13 @@ class ModelRunner:
             at += count
         token_ids = result.token_ids.numpy().copy()
         accepted = rejection_sample(
-            target_probs, token_ids, q, drafted, per_row, params, history, self.generator
+            target_probs,
+            token_ids,
+            q,
+            drafted,
+            per_row,
+            params.seed >= 0,
+            self.generator,
         )
         chosen, ranks = result.logprobs.clone(), result.ranks.clone()
         top_ids, top_logprobs = result.top_ids.clone(), result.top_logprobs.clone()

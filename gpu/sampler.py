@@ -9,9 +9,9 @@ logits, before any of the above: what the model believes, as OpenAI and vLLM rep
 A row with vLLM's `logprob_token_ids` gets those tokens' logprobs in place of its top-k. A row
 with a forced token (vLLM's thinking_token_budget spent: the end of thinking) takes that token,
 with its logprob under the model's distribution.
-A request with a seed draws its noise from a generator seeded by (seed, output index, stream),
-so its tokens do not depend on which other requests share the batch; the streams keep a draft
-model's noise and the verifier's apart from plain decoding's.
+A request with a seed draws its noise from a generator seeded by (seed, output index), so its
+tokens do not depend on which other requests share the batch (nor, with a draft model, on where
+drafts were placed: the draft draws with the same noise, `rejection_sample`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,6 @@ from stages.api import SamplingParams
 _GREEDY_BELOW_TEMPERATURE = 1e-5
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over the seed space
 _SEED_MASK = (1 << 63) - 1
-_STREAM_MIX = 0xBF58476D1CE4E5B9  # splitmix64's multiplier: one seed space per noise stream
-# The noise streams of a seeded request: plain decoding's (and the target's at every verified
-# position), a draft model's samples, and the verifier's acceptance and residual draws.
-NOISE_PLAIN, NOISE_DRAFT, NOISE_ACCEPT, NOISE_RESIDUAL = 0, 1, 2, 3
 
 
 @dataclass(slots=True, frozen=True)
@@ -241,25 +237,10 @@ class SampleOutput:
     probs: torch.Tensor | None = None
 
 
-def seeded_generator(seed: int, output_index: int, stream: int = NOISE_PLAIN) -> torch.Generator:
+def seeded_generator(seed: int, output_index: int) -> torch.Generator:
     generator = torch.Generator()
-    mixed = seed * _SEED_MIX + output_index
-    if stream:
-        mixed ^= stream * _STREAM_MIX
-    generator.manual_seed(mixed & _SEED_MASK)
+    generator.manual_seed((seed * _SEED_MIX + output_index) & _SEED_MASK)
     return generator
-
-
-def _row_generator(
-    params: SamplingArrays,
-    history: Sequence[TokenHistory],
-    row: int,
-    generator: torch.Generator | None,
-    stream: int,
-) -> torch.Generator | None:
-    """A seeded row's generator for this stream at its output index; else the shared one."""
-    seed = int(params.seed[row])
-    return seeded_generator(seed, history[row].num_outputs, stream) if seed >= 0 else generator
 
 
 def logprob_summary(
@@ -382,12 +363,11 @@ def sample(
     params: SamplingArrays,
     history: Sequence[TokenHistory],
     generator: torch.Generator | None = None,
-    noise_stream: int = NOISE_PLAIN,
     keep_probs: bool = False,
 ) -> SampleOutput:
-    """One token per row. `generator` drives rows without a seed; seeded rows draw from
-    `noise_stream`. Logprobs are computed for the rows that asked for them (num_logprobs >= 0);
-    other rows get nan and rank 0. `keep_probs` also returns each row's distribution."""
+    """One token per row. `generator` drives rows without a seed. Logprobs are computed for the
+    rows that asked for them (num_logprobs >= 0); other rows get nan and rank 0. `keep_probs`
+    also returns each row's distribution."""
     wanted = np.flatnonzero(params.num_logprobs >= 0)
     raw_logprobs = torch.log_softmax(logits[torch.from_numpy(wanted)].float(), dim=1)
     logits = logits.float().clone()
@@ -406,7 +386,10 @@ def sample(
         probs = torch.softmax(scaled, dim=1)
         noise = torch.empty_like(probs)
         for i, row in enumerate(rows_np):
-            row_generator = _row_generator(params, history, int(row), generator, noise_stream)
+            seed = int(params.seed[row])
+            row_generator = (
+                seeded_generator(seed, history[row].num_outputs) if seed >= 0 else generator
+            )
             noise[i].exponential_(generator=row_generator)
         # Exponential race: argmax p / E with E ~ Exp(1) draws from p (the Gumbel-max trick).
         token_ids[random_rows] = (probs / noise).argmax(dim=1)
@@ -470,33 +453,39 @@ def rejection_sample(
     draft_probs: torch.Tensor,  # [S', V] float32: q of the draft that follows each position
     drafts: np.ndarray,  # [S'] int64: that draft (unused at a row's last position)
     per_row: np.ndarray,  # [S] positions of each row (1 + its drafts), in order
-    params: SamplingArrays,  # S' rows
-    history: Sequence[TokenHistory],  # S' rows
-    generator: torch.Generator | None,
+    seeded: np.ndarray,  # [S'] bool: the draft drew with the target's noise there (a seeded row)
+    generator: torch.Generator | None,  # the acceptance and residual draws of the other rows
 ) -> np.ndarray:  # -> [S] int64, drafts accepted per row
     """Leviathan et al.'s speculative sampling for drafts a model sampled from q (vLLM's
     rejection sampler): draft x is accepted with probability min(1, p(x) / q(x)); at the first
     rejection the emitted token is drawn from norm(max(p - q, 0)) instead of `sampled`; when all
     are accepted the last position's `sampled` is the bonus token. Greedy rows have one-hot p
     and q, so they accept while the draft is the target's argmax and then emit that argmax.
-    Seeded rows draw from their (seed, output index) streams, so their output is reproducible."""
+
+    A seeded row's draft was drawn as argmax q / E with the very exponentials E of the target's
+    sample there, argmax p / E (the noise of its (seed, output index)): a coupling of q and p
+    (the same token wherever q is p), so the draft is accepted when it equals that sample, and
+    every token emitted is plain decoding's own. Its text then does not depend on where drafts
+    were placed (the load, a preemption, a recovery): it is the text the seed gives unspeculated."""
     accepted = np.zeros(len(per_row), dtype=np.int64)
     start = 0
     for row, count in enumerate(per_row.tolist()):
         accepted[row] = count - 1
         for at in range(start, start + count - 1):
             draft = int(drafts[at])
+            if seeded[at]:
+                if int(sampled[at]) == draft:
+                    continue
+                accepted[row] = at - start
+                break
             p, q = target_probs[at], draft_probs[at]
-            accept_noise = _row_generator(params, history, at, generator, NOISE_ACCEPT)
-            if float(torch.rand((), generator=accept_noise)) * float(q[draft]) < float(p[draft]):
+            if float(torch.rand((), generator=generator)) * float(q[draft]) < float(p[draft]):
                 sampled[at] = draft  # emitted as drafted (the target's own sample is not)
                 continue
             residual = (p - q).clamp_(min=0.0)
             if float(residual.sum()) <= 0.0:  # p and q equal up to rounding: p itself
                 residual = p.clone()
-            noise = torch.empty_like(residual).exponential_(
-                generator=_row_generator(params, history, at, generator, NOISE_RESIDUAL)
-            )
+            noise = torch.empty_like(residual).exponential_(generator=generator)
             sampled[at] = int((residual / noise).argmax())
             accepted[row] = at - start
             break

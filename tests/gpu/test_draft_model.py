@@ -50,11 +50,12 @@ def runner_with(tiny_models, draft: Path | None, seed: int = 3) -> ModelRunner:
 
 
 def speculate(
-    runner: ModelRunner, req: Request, k: int, prefill_chunk: int = 64
+    runner: ModelRunner, req: Request, k: int, prefill_chunk: int = 64, draft_every: int = 1
 ) -> list[tuple[int, int]]:
     """Decode req as schedule plans it with a draft model: the prompt in chunks, then steps of
-    the input token and k placeholder drafts (-1) that the runner's drafter fills in. Returns
-    (drafted, accepted) per verifying step."""
+    the input token and k placeholder drafts (-1) that the runner's drafter fills in (on every
+    `draft_every`-th step; plain decodes between). Returns (drafted, accepted) per verifying
+    step."""
     pool = BlockPool(runner.num_kv_blocks, runner.kv_cache.block_size, seed=1)
     seq = PagedSequence(list(req.prompt))
     prompt_len = len(req.prompt)
@@ -65,6 +66,8 @@ def speculate(
             drafts, count = 0, min(prefill_chunk, left)
         else:
             drafts = min(k, req.max_new_tokens - len(req.outputs) - 1)
+            if len(req.outputs) % draft_every:
+                drafts = 0
             count = 1 + drafts
         seq.token_ids = list(req.prompt) + req.outputs + [-1] * drafts
         step = build_step(pool, [(seq, count)])
@@ -92,7 +95,7 @@ def speculate(
         req.results.extend(
             {"token": t, "logprob": float(out.logprobs[i])} for i, t in enumerate(emitted)
         )
-        if left <= 0:
+        if left <= 0 and drafts:
             steps.append((drafts, len(emitted) - 1))
         req.outputs.extend(emitted)
         seq.num_cached = prompt_len + len(req.outputs) - 1  # rejected drafts' KV is rewritten
@@ -120,6 +123,16 @@ def test_a_draft_equal_to_the_target_is_always_accepted(tiny_models, drafts, pre
     assert len(steps) == 4  # 19 tokens after the prefill's: 4 drafts and a bonus a step
 
 
+def test_the_draft_catches_up_on_the_tokens_of_steps_without_drafts(tiny_models, drafts):
+    """Between drafting steps the draft computes nothing; when a request drafts again, it feeds
+    the tokens it missed first, so an equal draft is still always accepted."""
+    want = plain_outputs(tiny_models, {"temperature": 0.0}, 30).outputs
+    req = Request(2, PROMPT, 30, {"temperature": 0.0})
+    steps = speculate(runner_with(tiny_models, drafts["same"]), req, 2, draft_every=4)
+    assert req.outputs == want
+    assert steps and all(accepted == drafted for drafted, accepted in steps)
+
+
 KNOBS = [
     {"temperature": 0.0},
     {"temperature": 0.0, "repetition_penalty": 1.8, "frequency_penalty": 0.7},
@@ -144,14 +157,20 @@ def test_greedy_with_another_draft_emits_plain_decodings_tokens(tiny_models, dra
         assert sum(a for _, a in steps) > 0
 
 
-def test_a_seeded_request_gives_the_same_text_every_run(tiny_models, drafts):
+@pytest.mark.parametrize("draft", ["same", "near"])
+def test_a_seeded_request_gives_plain_decodings_text_wherever_drafts_fall(
+    tiny_models, drafts, draft
+):
+    """A seeded draft draws with the target's noise at each output index: its text is the one
+    plain decoding gives the seed, however many drafts each step carried."""
     knobs = {"temperature": 1.0, "seed": 11, "top_k": 20, "presence_penalty": 0.5}
-    runs = []
-    for runner_seed in (1, 2):  # the runner's own generator differs: only the request's seed counts
+    want = plain_outputs(tiny_models, knobs, 24).outputs
+    for runner_seed, k, every in ((1, 3, 1), (2, 2, 3)):  # the runner's own generator differs
         req = Request(2, PROMPT, 24, dict(knobs))
-        speculate(runner_with(tiny_models, drafts["near"], seed=runner_seed), req, 3)
-        runs.append(req.outputs)
-    assert runs[0] == runs[1]
+        steps = speculate(runner_with(tiny_models, drafts[draft], runner_seed), req, k, 64, every)
+        assert req.outputs == want
+        if draft == "same":  # the same noise and the same q: every draft is the target's sample
+            assert all(accepted == drafted for drafted, accepted in steps)
 
 
 def test_sampled_drafts_of_an_equal_draft_are_all_accepted(tiny_models, drafts):
@@ -224,8 +243,7 @@ def _first_two_tokens(verifier, seed: int) -> tuple[np.ndarray, float]:
         q,
         drafted.reshape(-1).numpy(),
         np.full(SAMPLES, 3),
-        SamplingArrays.defaults(rows, temperature=np.ones(rows, np.float32)),
-        [_history(j) for j in (0, 1, 2)] * SAMPLES,
+        np.zeros(rows, bool),
         generator,
     )
     first = tokens[0::3]
@@ -250,7 +268,7 @@ def _total_variation(pairs: np.ndarray, exact: np.ndarray) -> float:
     return 0.5 * float(np.abs(counts / len(pairs) - exact).sum())
 
 
-def _naive(p, tokens, q, drafts, per_row, params, history, generator):
+def _naive(p, tokens, q, drafts, per_row, seeded, generator):
     """A wrong verifier: accept a draft if a fresh sample of p equals it; at the first rejection
     emit another fresh sample (the draft is then emitted too often: q p + (1 - sum q p) p)."""
     accepted = np.zeros(len(per_row), np.int64)
