@@ -177,3 +177,35 @@ def test_a_draft_with_another_vocabulary_is_refused_at_start(tiny_chat_model, tm
     other = build_tiny_chat_model(tmp_path / "other", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(_draft_config(tiny_chat_model, str(other)))
+
+
+def test_execute_killed_mid_speculation_resumes_with_plain_decodings_text(engines):
+    """The draft model and its cache die with execute; the resumed requests recompute their KV in
+    both models, and a greedy and a seeded one write what plain decoding writes."""
+    import os
+    import signal
+
+    plain, _, close, loop = engines
+    greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
+    seeded = dict(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+
+    async def killed_midway():
+        streams = [
+            close.generate(request(PROMPTS[1], rid="kg", **greedy)),
+            close.generate(request(PROMPTS[2], rid="ks", **seeded)),
+        ]
+        outs = [[await anext(s) for _ in range(3)] for s in streams]
+        os.kill(close.supervisor.pids()["execute"], signal.SIGKILL)
+        for got, stream in zip(outs, streams, strict=True):
+            got += [out async for out in stream]
+        return outs
+
+    got = loop.run(killed_midway(), timeout=180)
+    want = [
+        loop.run(collect(plain, request(PROMPTS[1], rid="pg", **greedy))),
+        loop.run(collect(plain, request(PROMPTS[2], rid="ps", **seeded))),
+    ]
+    for g, w in zip(got, want, strict=True):
+        assert _tokens(g) == _tokens(w)
+        assert g[-1].metrics is not None and g[-1].metrics.num_recoveries == 1
+    assert _wait_idle(close)["kv_cache_usage_perc"] == 0
