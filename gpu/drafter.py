@@ -107,17 +107,17 @@ class Drafter:
             return Proposal(input_ids, {})
         logits = self._forward(rows, batch.block_tables, [r.batch_row in histories for r in rows])
         for step in range(int(num_draft.max(initial=0))):
-            if step:  # feed the draft just sampled, at its planned position and slot
+            if step:  # feed each draft just sampled, at its planned position and slot
                 order = [b for b in order if step < num_draft[b]]
+                at = [int(starts[b + 1] - num_draft[b]) + step - 1 for b in order]
                 feeds = [
                     _Row(
                         b,
-                        batch.positions[at : at + 1].astype(np.int64),
+                        batch.positions[i : i + 1].astype(np.int64),
                         np.array([histories[b][-1]], np.int64),
-                        batch.slot_mapping[at : at + 1].astype(np.int64),
+                        batch.slot_mapping[i : i + 1].astype(np.int64),
                     )
-                    for b in order
-                    for at in [int(starts[b + 1] - num_draft[b]) + step - 1]
+                    for b, i in zip(order, at, strict=True)
                 ]
                 logits = self._forward(feeds, batch.block_tables, [True] * len(order))
             drafts, q = self._sample(batch, logits, order, histories)
