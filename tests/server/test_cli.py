@@ -246,3 +246,19 @@ def test_vllm_serving_flags(tmp_path: Path) -> None:
     assert engine_config.default_max_tokens == engine_config.max_tokens_cap == 4
     config, engine_config = parse_args([str(tmp_path), "--generation-config", "vllm"])
     assert config.default_sampling_params == {} and engine_config.default_max_tokens is None
+
+
+def test_a_draft_model_speculative_config(tmp_path: Path, capsys) -> None:
+    text = f'{{"method": "draft_model", "model": "{tmp_path}", "num_speculative_tokens": 4}}'
+    engine_config = parse_args(["m", "--speculative-config", text])[1]
+    assert engine_config.speculative is not None
+    assert (engine_config.speculative.model, engine_config.speculative.num_speculative_tokens) == (
+        str(tmp_path),
+        4,
+    )
+    missing = (
+        '{"method": "draft_model", "model": "/nonexistent/draft", "num_speculative_tokens": 4}'
+    )
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--speculative-config", missing])
+    assert "not a model directory or a .gguf file" in capsys.readouterr().err
