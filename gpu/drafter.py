@@ -94,7 +94,16 @@ class Drafter:
             positions = np.arange(feed_from, known_end, dtype=np.int64)
             table = batch.block_tables[b].astype(np.int64)
             slots = table[positions // block_size] * block_size + positions % block_size
-            rows.append(_Row(b, positions, tokens, slots))
+            if feed_from >= batch.prompt_lens[b]:
+                # Outputs, as one-token rows: the target computed each as a decode (plain or
+                # verifying), and the same kernels give the same logits, so an equal draft's
+                # greedy drafts are the target's tokens, never off by a rounding.
+                rows += [
+                    _Row(b, positions[i : i + 1], tokens[i : i + 1], slots[i : i + 1])
+                    for i in range(len(positions))
+                ]
+            else:
+                rows.append(_Row(b, positions, tokens, slots))
             self._lengths[request_id] = known_end
             if num_draft[b]:
                 histories[b] = [*known_tokens[b][:first], *tokens[first - feed_from :].tolist()]
@@ -105,7 +114,10 @@ class Drafter:
         probs: dict[int, list[torch.Tensor]] = {b: [] for b in order}
         if not rows:
             return Proposal(input_ids, {})
-        logits = self._forward(rows, batch.block_tables, [r.batch_row in histories for r in rows])
+        # Logits at each drafting row's last fed position: its last _Row
+        last = {r.batch_row: i for i, r in enumerate(rows)}
+        wants = [r.batch_row in histories and last[r.batch_row] == i for i, r in enumerate(rows)]
+        logits = self._forward(rows, batch.block_tables, wants)
         for step in range(int(num_draft.max(initial=0))):
             if step:  # feed each draft just sampled, at its planned position and slot
                 order = [b for b in order if step < num_draft[b]]
