@@ -247,7 +247,7 @@ class ModelRunner:
             else np.where(samples, batch.num_draft, 0).astype(np.int64)
         )
         draft_probs = None
-        if self.drafter is not None:  # it fills in the drafts, and sees every token computed
+        if self.drafter is not None:  # it fills in the drafts (first feeding what it lacks)
             proposal = self.drafter.propose(batch, [s.token_ids for s in states], num_draft)
             batch = replace(batch, input_ids=proposal.input_ids)
             draft_probs = proposal.probs
