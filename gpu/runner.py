@@ -18,6 +18,7 @@ from gpu import memory
 from gpu.attention import AttentionInputs
 from gpu.backends import NATIVE_KERNELS, kernels_for
 from gpu.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes
+from gpu.drafter import Drafter
 from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_block_bytes, num_blocks_for_budget
 from gpu.loader import iter_weights, read_gguf_raw_tensors
 from gpu.model import CausalLM, rope_inv_freq
@@ -28,8 +29,10 @@ from gpu.sampler import (
     SamplingArrays,
     TokenHistory,
     logprob_summary,
+    rejection_sample,
     rows_needing_token_ids,
     sample,
+    token_logprobs,
     verify,
 )
 from gpu.tensor_parallel import TensorParallel, shard_model
@@ -161,6 +164,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self._requests: dict[int, _RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
+        # Speculative decoding's draft model (attach_drafter): it proposes the drafts of the rows
+        # whose drafts are placeholders; None: drafts come filled in (prompt lookup, suffix).
+        self.drafter: Drafter | None = None
 
     @classmethod
     def from_path(
@@ -314,6 +320,34 @@ class ModelRunner:
             graphs.capture()
         self.graphs = graphs
 
+    def attach_drafter(self, model_path: str) -> None:
+        """Load a draft model beside this one, with the same settings, and a KV cache of as many
+        blocks as this one's (indexed by the same block tables)."""
+        draft_config = load_model_config(model_path)
+        if draft_config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"draft model {model_path!r} has {draft_config.vocab_size} logits, the target "
+                f"{self.model_config.vocab_size}"
+            )
+        kv_dtype = _DTYPES[
+            resolve_kv_cache_dtype(
+                self.config.kv_cache_dtype, self.config.dtype, self.config.quantization
+            )
+        ]
+        block_bytes = kv_block_bytes(draft_config, self.kv_cache.block_size, kv_dtype)
+        draft = ModelRunner.from_path(
+            model_path,
+            # Exactly the target's block count; no graphs (the drafter calls the network itself).
+            replace(
+                self.config,
+                kv_cache_bytes=self.num_kv_blocks * block_bytes,
+                gpu_memory_utilization=None,
+                num_kv_blocks=self.num_kv_blocks,
+                enforce_eager=True,
+            ),
+        )
+        self.drafter = Drafter(draft.model, draft.kv_cache, self.generator)
+
     @property
     def model_config(self) -> ModelConfig:
         return self.model.config
@@ -329,8 +363,11 @@ class ModelRunner:
 
     def free(self, request_ids: np.ndarray | list[int]) -> None:
         """Forget finished or aborted requests."""
-        for request_id in np.asarray(request_ids, dtype=np.int64).tolist():
+        ids = np.asarray(request_ids, dtype=np.int64).tolist()
+        for request_id in ids:
             self._requests.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.free(ids)
 
     def step(
         self, batch: StepBatch, share: Callable[[ForwardInputs], None] | None = None
@@ -348,16 +385,20 @@ class ModelRunner:
     def _step(self, batch: StepBatch, share: Callable[[ForwardInputs], None] | None) -> StepOutput:
         starts = batch.query_start_loc.astype(np.int64)
         states = [self._requests.setdefault(int(r), _RequestState()) for r in batch.request_ids]
-        for b, state in enumerate(states):
-            positions = batch.positions[starts[b] : starts[b + 1]]
-            _store(state.token_ids, positions, batch.input_ids[starts[b] : starts[b + 1]])
-
         samples = np.asarray(batch.sample, dtype=bool)
         num_draft = (
             np.zeros(len(states), np.int64)
             if batch.num_draft is None
             else np.where(samples, batch.num_draft, 0).astype(np.int64)
         )
+        draft_probs = None
+        if self.drafter is not None:  # it fills in the drafts (first feeding what it lacks)
+            proposal = self.drafter.propose(batch, [s.token_ids for s in states], num_draft)
+            batch = replace(batch, input_ids=proposal.input_ids)
+            draft_probs = proposal.probs
+        for b, state in enumerate(states):
+            positions = batch.positions[starts[b] : starts[b + 1]]
+            _store(state.token_ids, positions, batch.input_ids[starts[b] : starts[b + 1]])
         wants_prompt = (batch.prompt_logprobs >= 0) & (
             batch.positions[starts[:-1]] < batch.prompt_lens
         )
@@ -391,7 +432,7 @@ class ModelRunner:
                 last_row[b] = int(row_ends[cursor]) - 1
                 cursor += 1
 
-        out = self._sample(batch, states, logits, last_row, num_draft)
+        out = self._sample(batch, states, logits, last_row, num_draft, draft_probs)
         # Prompt logprobs (rare, and per prompt token) are scored on the host.
         host_logits = logits.cpu() if wants_prompt.any() else logits
         prompt = self._prompt_logprobs(batch, states, host_logits, wants_prompt, row_ends)
@@ -437,10 +478,12 @@ class ModelRunner:
         logits: torch.Tensor,
         last_row: dict[int, int],
         num_draft: np.ndarray,  # [B] int64, drafts each sampling row verifies
+        draft_probs: dict[int, torch.Tensor] | None = None,  # batch row -> [D, V] q of its drafts
     ) -> tuple[np.ndarray, ...]:
-        """Each sampling row's token, or with drafts its verified run (gpu.sampler.verify): every
-        position is sampled as plain decoding would sample it there (same knobs, same seeded
-        noise), and the drafts are accepted while they equal what was sampled."""
+        """Each sampling row's token, or with drafts its verified run: every position is sampled
+        as plain decoding would sample it there (same knobs, same seeded noise), and the drafts
+        are accepted while they equal what was sampled (gpu.sampler.verify); drafts a model
+        sampled from q are accepted by rejection sampling instead (gpu.sampler.rejection_sample)."""
         num_seqs = len(states)
         sampled = np.nonzero(np.asarray(batch.sample, dtype=bool))[0]
         num_top = max(0, int(batch.sampling.num_logprobs[sampled].max(initial=-1)))
@@ -474,9 +517,18 @@ class ModelRunner:
                 history.append(TokenHistory(seen - prompt_len, _NO_IDS, _NO_IDS))
         first_row = np.array([last_row[int(b)] for b in sampled]) - num_draft[sampled]
         rows = torch.from_numpy(np.repeat(first_row, per_row) + offset)
-        on_device = sample(logits[rows.to(logits.device)], params, history, self.generator)
-        # One copy back of the [S'] rows (and their top-k), not of [S', V] logits.
-        result = SampleOutput(*(getattr(on_device, f).cpu() for f in SampleOutput.__slots__))
+        by_model = draft_probs is not None
+        on_device = sample(
+            logits[rows.to(logits.device)], params, history, self.generator, keep_probs=by_model
+        )
+        # One copy back of the [S'] rows (and their top-k), not of [S', V] logits; a draft
+        # model's rejection sampling (rare: one row per draft) takes its distributions too.
+        result = SampleOutput(
+            *(
+                None if (value := getattr(on_device, f)) is None else value.cpu()
+                for f in SampleOutput.__slots__
+            )
+        )
 
         drafted = np.zeros(len(owner), dtype=np.int64)  # the draft each virtual row verifies
         for b, start in zip(sampled.tolist(), (np.cumsum(per_row) - per_row).tolist(), strict=True):
@@ -484,7 +536,19 @@ class ModelRunner:
             if d:
                 end = int(batch.context_lens[b])
                 drafted[start : start + d] = states[b].token_ids[end - d : end]
-        accepted = verify(result.token_ids.numpy(), drafted, per_row)  # [S] drafts accepted
+        if draft_probs is None or result.probs is None:
+            accepted = verify(result.token_ids.numpy(), drafted, per_row)  # [S] drafts accepted
+        else:
+            result, accepted = self._rejection_sample(
+                result,
+                result.probs,
+                logits[rows.to(logits.device)].cpu(),
+                drafted,
+                draft_probs,
+                sampled,
+                per_row,
+                params,
+            )
         counts[sampled] = accepted + 1
         # Flat entries: each batch row's, in order (a non-sampling row keeps one -1 entry).
         starts_of = np.cumsum(per_row) - per_row
@@ -518,6 +582,51 @@ class ModelRunner:
                 tokens.append(int(token_ids[at + n - 1]))
             at += n
         return counts, token_ids, logprobs, ranks, top_ids, top_logprobs
+
+    def _rejection_sample(
+        self,
+        result: SampleOutput,  # the target's plain samples at the S' verified positions
+        target_probs: torch.Tensor,  # [S', V] float32: p at each of them
+        logits: torch.Tensor,  # [S', V] float32, the target's raw logits there
+        drafted: np.ndarray,  # [S'] int64, the draft after each position
+        draft_probs: dict[int, torch.Tensor],  # batch row -> [D, V] q of its drafts
+        sampled: np.ndarray,  # [S] batch rows that sample, in order
+        per_row: np.ndarray,  # [S] 1 + drafts of each
+        params: SamplingArrays,  # S' rows
+    ) -> tuple[SampleOutput, np.ndarray]:  # -> (the emitted samples, [S] drafts accepted)
+        """The drafts a model proposed, accepted by rejection sampling (seeded rows: while they
+        equal the target's samples); a position that emits another token than the target's
+        sample gets that token's logprobs."""
+        vocab = target_probs.shape[1]
+        q = torch.zeros_like(target_probs)  # the draft after each position's q; 0 at a row's last
+        at = 0
+        for b, count in zip(sampled.tolist(), per_row.tolist(), strict=True):
+            if count > 1:
+                q[at : at + count - 1] = draft_probs[b][:, :vocab].to(q.device)
+            at += count
+        token_ids = result.token_ids.numpy().copy()
+        accepted = rejection_sample(
+            target_probs,
+            token_ids,
+            q,
+            drafted,
+            per_row,
+            params.seed >= 0,
+            self.generator,
+        )
+        chosen, ranks = result.logprobs.clone(), result.ranks.clone()
+        top_ids, top_logprobs = result.top_ids.clone(), result.top_logprobs.clone()
+        changed = np.flatnonzero(token_ids != result.token_ids.numpy())
+        if len(changed):
+            index = torch.from_numpy(changed)
+            chosen[index], ranks[index], top_ids[index], top_logprobs[index] = token_logprobs(
+                logits[index],
+                torch.from_numpy(token_ids[changed]),
+                params.select(changed),
+                top_ids.shape[1],
+            )
+        samples = SampleOutput(torch.from_numpy(token_ids), chosen, ranks, top_ids, top_logprobs)
+        return samples, accepted
 
     def _prompt_logprobs(
         self,

@@ -10,7 +10,8 @@ A row with vLLM's `logprob_token_ids` gets those tokens' logprobs in place of it
 with a forced token (vLLM's thinking_token_budget spent: the end of thinking) takes that token,
 with its logprob under the model's distribution.
 A request with a seed draws its noise from a generator seeded by (seed, output index), so its
-tokens do not depend on which other requests share the batch.
+tokens do not depend on which other requests share the batch (nor, with a draft model, on where
+drafts were placed: the draft draws with the same noise, `rejection_sample`).
 """
 
 from __future__ import annotations
@@ -231,6 +232,9 @@ class SampleOutput:
     ranks: torch.Tensor  # [S] int64, 1 = the most likely token
     top_ids: torch.Tensor  # [S, K] int64, K = max num_logprobs (0 when none asked)
     top_logprobs: torch.Tensor  # [S, K] float32
+    # [S, V] float32, with keep_probs: the distribution each row was sampled from (every knob
+    # applied; one-hot for greedy and forced rows); else None
+    probs: torch.Tensor | None = None
 
 
 def seeded_generator(
@@ -368,10 +372,12 @@ def sample(
     params: SamplingArrays,
     history: Sequence[TokenHistory],
     generator: torch.Generator | None = None,
+    keep_probs: bool = False,
 ) -> SampleOutput:
     """One token per row. `generator` drives rows without a seed. Logprobs are computed for the
     rows that asked for them (num_logprobs >= 0); other rows get nan and rank 0. Everything runs
-    on the logits' device (`generator` and the outputs are there too)."""
+    on the logits' device (`generator` and the outputs are there too). `keep_probs` also returns
+    each row's distribution."""
     wanted = np.flatnonzero(params.num_logprobs >= 0)
     raw_logprobs = torch.log_softmax(logits[_on(wanted, logits)].float(), dim=1)
     logits = logits.float().clone()
@@ -381,8 +387,9 @@ def sample(
     temperature = _on(params.temperature.astype(np.float32), logits)
     token_ids = logits.argmax(dim=1)
     rows_np = np.flatnonzero(params.temperature >= _GREEDY_BELOW_TEMPERATURE)
+    random_rows = _on(rows_np, logits)
+    probs = None
     if len(rows_np):
-        random_rows = _on(rows_np, logits)
         scaled = logits[random_rows] / temperature[random_rows].unsqueeze(1)
         _filter_top_k_top_p_min_p(scaled, params.select(rows_np))
         probs = torch.softmax(scaled, dim=1)
@@ -401,6 +408,13 @@ def sample(
         token_ids[random_rows] = (probs / noise).argmax(dim=1)
     forced = _on(params.forced_token_ids.astype(np.int64), logits)
     token_ids = torch.where(forced >= 0, forced, token_ids)
+    distributions = None
+    if keep_probs:
+        distributions = torch.zeros_like(logits)
+        distributions[torch.arange(len(token_ids), device=logits.device), token_ids] = 1.0
+        if probs is not None:
+            sampled_rows = random_rows[forced[random_rows] < 0]
+            distributions[sampled_rows] = probs[forced[random_rows] < 0]
 
     num_top = max(0, int(params.num_logprobs.max(initial=-1)))
     rows = logits.shape[0]
@@ -417,7 +431,80 @@ def sample(
         _report_given_ids(
             raw_logprobs, params.logprob_token_ids[wanted], wanted, top_ids, top_logprobs
         )
-    return SampleOutput(token_ids, chosen, ranks, top_ids, top_logprobs)
+    return SampleOutput(token_ids, chosen, ranks, top_ids, top_logprobs, distributions)
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # logits: [S, V] float32, raw model output
+    token_ids: torch.Tensor,  # token_ids: [S] int64
+    params: SamplingArrays,  # the S rows' (num_logprobs, logprob_token_ids)
+    num_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `sample` reports for rows that took `token_ids` (rows that asked for no logprobs
+    get nan, rank 0 and no top-k): (logprobs [S], ranks [S], top ids [S, K], top logprobs)."""
+    rows = logits.shape[0]
+    chosen = torch.full((rows,), float("nan"))
+    ranks = torch.zeros(rows, dtype=torch.int64)
+    top_ids = torch.full((rows, num_top), -1, dtype=torch.int64)
+    top_logprobs = torch.full((rows, num_top), float("-inf"))
+    wanted = np.flatnonzero(params.num_logprobs >= 0)
+    if len(wanted):
+        index = torch.from_numpy(wanted)
+        raw_logprobs = torch.log_softmax(logits[index].float(), dim=1)
+        chosen[index], ranks[index], top_ids[index], top_logprobs[index] = logprob_summary(
+            raw_logprobs, token_ids[index], num_top
+        )
+        _report_given_ids(
+            raw_logprobs, params.logprob_token_ids[wanted], wanted, top_ids, top_logprobs
+        )
+    return chosen, ranks, top_ids, top_logprobs
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,  # [S', V] float32: p at each verified position (sample's probs)
+    sampled: np.ndarray,  # [S'] int64: the target's plain sample at each position; in place, the
+    # token emitted there (an accepted draft, a residual sample, or the bonus: that sample)
+    draft_probs: torch.Tensor,  # [S', V] float32: q of the draft that follows each position
+    drafts: np.ndarray,  # [S'] int64: that draft (unused at a row's last position)
+    per_row: np.ndarray,  # [S] positions of each row (1 + its drafts), in order
+    seeded: np.ndarray,  # [S'] bool: the draft drew with the target's noise there (a seeded row)
+    generator: torch.Generator | None,  # the acceptance and residual draws of the other rows
+) -> np.ndarray:  # -> [S] int64, drafts accepted per row
+    """Leviathan et al.'s speculative sampling for drafts a model sampled from q (vLLM's
+    rejection sampler): draft x is accepted with probability min(1, p(x) / q(x)); at the first
+    rejection the emitted token is drawn from norm(max(p - q, 0)) instead of `sampled`; when all
+    are accepted the last position's `sampled` is the bonus token. Greedy rows have one-hot p
+    and q, so they accept while the draft is the target's argmax and then emit that argmax.
+
+    A seeded row's draft was drawn as argmax q / E with the very exponentials E of the target's
+    sample there, argmax p / E (the noise of its (seed, output index)): a coupling of q and p
+    (the same token wherever q is p), so the draft is accepted when it equals that sample, and
+    every token emitted is plain decoding's own. Its text then does not depend on where drafts
+    were placed (the load, a preemption, a recovery): it is the text the seed gives unspeculated."""
+    accepted = np.zeros(len(per_row), dtype=np.int64)
+    start = 0
+    for row, count in enumerate(per_row.tolist()):
+        accepted[row] = count - 1
+        for at in range(start, start + count - 1):
+            draft = int(drafts[at])
+            if seeded[at]:
+                if int(sampled[at]) == draft:
+                    continue
+                accepted[row] = at - start
+                break
+            p, q = target_probs[at], draft_probs[at]
+            if float(torch.rand((), generator=generator)) * float(q[draft]) < float(p[draft]):
+                sampled[at] = draft  # emitted as drafted (the target's own sample is not)
+                continue
+            residual = (p - q).clamp_(min=0.0)
+            if float(residual.sum()) <= 0.0:  # p and q equal up to rounding: p itself
+                residual = p.clone()
+            noise = torch.empty_like(residual).exponential_(generator=generator)
+            sampled[at] = int((residual / noise).argmax())
+            accepted[row] = at - start
+            break
+        start += count
+    return accepted
 
 
 def verify(

@@ -157,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the JSON for the speculating server (default: ngram, 5 tokens, n-grams of 2-5)",
     )
+    spec.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculate with this draft model instead (draft_model, --num-speculative-tokens); "
+        "'self' drafts with the served model itself",
+    )
+    spec.add_argument("--num-speculative-tokens", type=int, default=3)
     spec.add_argument("--threads", type=int, default=2)
     spec.add_argument("--max-tokens", type=int, default=128)
     spec.add_argument("--repeats", type=int, default=1, help="pairs per case, order alternated")
@@ -292,6 +299,12 @@ def run_spec_cli(args: argparse.Namespace) -> int:
     )
     if args.speculative_config:
         bench_args = replace(bench_args, speculative_config=args.speculative_config)
+    if args.draft_model:
+        if args.speculative_config:
+            raise SystemExit("pipeline-bench spec: --draft-model or --speculative-config, not both")
+        draft = args.draft_model if args.draft_model != "self" else args.model
+        config = spec_bench.draft_model_config(draft, args.num_speculative_tokens)
+        bench_args = replace(bench_args, speculative_config=config)
     report = spec_bench.run_spec_bench(bench_args, args.log_dir)
     print(spec_bench.format_table(report))
     if args.json_path:

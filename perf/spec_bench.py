@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import json
 import os
 import signal
 import subprocess
@@ -45,6 +46,21 @@ class SpecBenchArgs:
     max_tokens: int = 128
     repeats: int = 1
     extra_server_args: tuple[str, ...] = ()
+
+
+def draft_model_config(draft: str | None, num_speculative_tokens: int) -> str:
+    """The --speculative-config of the draft_model method; None drafts with the default model
+    (SmolLM2 for SmolLM2, the one pair at hand: a correctness and overhead figure, since the
+    draft costs as much as the target)."""
+    from stages.config import default_model_path
+
+    return json.dumps(
+        {
+            "method": "draft_model",
+            "model": draft or default_model_path(),
+            "num_speculative_tokens": num_speculative_tokens,
+        }
+    )
 
 
 def _get(port: int, path: str) -> int:

@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_speculative_config,
         help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
-        "(prompt lookup; drafts are verified exactly, and drafted only where they pay)",
+        "(prompt lookup; drafts are verified exactly, and drafted only where they pay); "
+        '"suffix", or "draft_model" with "model": a smaller checkpoint of the same vocabulary',
     )
     parser.add_argument(
         "--max-waiting-requests",

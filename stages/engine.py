@@ -48,6 +48,7 @@ from stages.config import (
     resolve_max_model_len,
     sized_from_device_memory,
 )
+from stages.draft_vocab import check_draft_vocabulary
 from stages.kv_size import published_num_blocks
 from stages.rings import common, deltas, forward, plan, prompts, requests, results, tokens
 from stages.scheduler import GAUGES
@@ -211,9 +212,12 @@ class Engine:
         self.num_blocks = 0 if sized_from_device_memory(config) else num_kv_blocks(config)
         if self.num_blocks:
             _check_kv_fits(self.num_blocks, config.block_size, self.max_model_len)
+        model_config = load_model_config(config.model_path)
+        if config.speculative is not None and config.speculative.model is not None:
+            check_draft_vocabulary(config.speculative.model, self.bundle, model_config)
         # The stages read the tokenizer and model config from this snapshot (removed at stop).
         self._snapshot_dir = tempfile.mkdtemp(prefix="pipeline-serve-")
-        write_snapshot(self._snapshot_dir, self.bundle, load_model_config(config.model_path))
+        write_snapshot(self._snapshot_dir, self.bundle, model_config)
         config = dataclasses.replace(config, snapshot_dir=self._snapshot_dir)
         self.config = config
         self._info = ModelInfo(

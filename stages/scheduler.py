@@ -13,8 +13,8 @@ sampled for that request last step. A request that stops on a token id is found 
 extra token is dropped.
 
 With speculative decoding a decode whose tokens are all known may carry draft tokens after its input
-(prompt lookup over its own tokens, stages/speculation.py), as many as stages/draft_policy.py says
-pay: the step verifies them and emits 1 + the accepted ones. Such a plan needs the previous step's
+(prompt lookup over its own tokens, stages/speculation.py; with a draft model, -1 placeholders that
+execute's draft model fills in), as many as stages/draft_policy.py says pay: the step verifies them and emits 1 + the accepted ones. Such a plan needs the previous step's
 tokens, so while drafting pays the scheduler keeps one step in flight instead of two
 (`max_in_flight`); the KV slots of rejected drafts go back at once.
 """
@@ -381,6 +381,8 @@ class Scheduler:
         )
         if room <= 0:
             return np.zeros(0, np.int32)
+        if spec.proposes_in_execute:  # a draft model: positions reserved, drafts unknown (-1)
+            return np.full(room, -1, np.int32)
         tokens = np.concatenate([seq.prompt_ids, np.asarray(seq.output_ids, np.int32)])
         if spec.suffix is None:
             return propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, room)

@@ -1,14 +1,17 @@
 """Speculative decoding's configuration (vLLM's `--speculative-config` JSON) and its model-free
 proposers, which schedule runs on each request's known tokens: prompt lookup (vLLM's `ngram`) and
 SuffixDecoding (vLLM's `suffix`, over the request's tokens and the outputs of recent requests).
+A draft model (vLLM's `draft_model`) proposes in execute instead (gpu/drafter.py).
 
-Execute verifies the drafts (gpu/sampler.py `verify`): a step checks 1 + k positions of a request
-at once, and every token it emits is distributed exactly as plain decoding's would be.
+Execute verifies the drafts (gpu/sampler.py `verify`, `rejection_sample`): a step checks 1 + k
+positions of a request at once, and every token it emits is distributed exactly as plain
+decoding's would be.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +19,9 @@ import numpy as np
 
 # The acceptance counters have a slot per draft position: speculation deeper than this is refused.
 MAX_SPECULATIVE_TOKENS = 16
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 # vLLM's methods that this server does not run yet: refused by name rather than misread.
-_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 _COMMON_KEYS = {
     "method",
     "num_speculative_tokens",
@@ -32,6 +35,8 @@ _KEYS = {
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
     },
+    # vLLM's draft tensor parallelism: only 1 here (one execute process runs both models).
+    "draft_model": {"model", "draft_tensor_parallel_size"},
 }
 # vLLM keys that change nothing for a model-free method, accepted so that configs carry over.
 _IGNORABLE = {"disable_logprobs", "disable_log_stats"}
@@ -49,7 +54,7 @@ class SuffixParams:
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: str  # "ngram" or "suffix"
+    method: str  # "ngram", "suffix" or "draft_model"
     num_speculative_tokens: int
     prompt_lookup_min: int = 5  # ngram
     prompt_lookup_max: int = 5
@@ -57,6 +62,14 @@ class SpeculativeConfig:
     # num_speculative_tokens, whatever the load (vLLM's behaviour, for comparison and tests).
     adaptive_draft_length: bool = True
     suffix: SuffixParams | None = None  # suffix
+    # draft_model: the draft's checkpoint (a Hugging Face directory or a GGUF file), with the
+    # target's vocabulary; it runs in execute beside the target, on the same block tables.
+    model: str | None = None
+
+    @property
+    def proposes_in_execute(self) -> bool:
+        """Drafts come from a model in execute: schedule reserves their positions only."""
+        return self.method == "draft_model"
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
@@ -73,12 +86,17 @@ class SpeculativeConfig:
             raw = {k: v for k, v in raw.items() if k != "model"}
         if method == "[ngram]":
             method = "ngram"
+        if method is None and isinstance(raw.get("model"), str):
+            method = "draft_model"  # vLLM's reading of a bare draft model
         if method in _NOT_YET:
             raise ValueError(
-                f"speculative method {method!r} is not supported; use 'ngram' or 'suffix'"
+                f"speculative method {method!r} is not supported; use 'ngram', 'suffix' or "
+                "'draft_model'"
             )
         if method not in METHODS:
-            raise ValueError(f"speculative method {method!r} is unknown; use 'ngram' or 'suffix'")
+            raise ValueError(
+                f"speculative method {method!r} is unknown; use 'ngram', 'suffix' or 'draft_model'"
+            )
         unknown = set(raw) - _COMMON_KEYS - _KEYS[method] - _IGNORABLE
         if unknown:
             raise ValueError(f"--speculative-config keys not supported: {sorted(unknown)}")
@@ -92,6 +110,13 @@ class SpeculativeConfig:
                 "num_speculative_tokens", min(suffix.max_tree_depth, MAX_SPECULATIVE_TOKENS)
             )
             return cls(method, _draft_count(k), adaptive_draft_length=adaptive, suffix=suffix)
+        if method == "draft_model":
+            return cls(
+                method,
+                _draft_count(raw.get("num_speculative_tokens")),
+                adaptive_draft_length=adaptive,
+                model=_draft_model_path(raw),
+            )
         given_low, given_high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         # vLLM's defaults: 5 and 5, or the one given for both.
         low = _positive("prompt_lookup_min", given_low if given_low is not None else given_high)
@@ -107,6 +132,20 @@ def _draft_count(k: object) -> int:
             f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]"
         )
     return k
+
+
+def _draft_model_path(raw: dict[str, Any]) -> str:
+    path = raw.get("model")
+    if not isinstance(path, str) or not path:
+        raise ValueError('draft_model needs "model": the path of the draft checkpoint')
+    if not (os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf"))):
+        raise ValueError(
+            f"draft model {path!r} is not a model directory or a .gguf file (nothing is downloaded)"
+        )
+    parallel = raw.get("draft_tensor_parallel_size", 1)
+    if parallel != 1 or isinstance(parallel, bool):
+        raise ValueError("draft_tensor_parallel_size must be 1")
+    return path
 
 
 def _suffix_params(raw: dict[str, Any]) -> SuffixParams:

@@ -80,6 +80,9 @@ class ExecuteActor(SyncActor):
             raise RuntimeError(
                 f"execute has {self.runner.num_kv_blocks} KV blocks, the scheduler plans {expected}"
             )
+        spec = config.speculative
+        if spec is not None and spec.model is not None:
+            self.runner.attach_drafter(spec.model)
         self.sampling: dict[int, RequestSampling] = {}
         self.last_token: dict[int, int] = {}
         self.with_bad_words: set[int] = set()  # steps without them skip building their arrays
@@ -198,6 +201,11 @@ class ExecuteActor(SyncActor):
         unknown = np.nonzero(input_ids < 0)[0]
         if len(unknown):
             owner = np.searchsorted(seqs["query_start"], unknown, side="right") - 1
+            # Only a row's input token is the one sampled last; unknown drafts are a draft
+            # model's placeholders, which the runner fills in.
+            first_draft = seqs["query_start"] + seqs["query_len"] - seqs["num_draft"]
+            inputs = unknown < first_draft[owner]
+            unknown, owner = unknown[inputs], owner[inputs]
             input_ids[unknown] = [self.last_token[int(h)] for h in handles[owner]]
         requests = [self.sampling[h] for h in handles.tolist()]
         grammars = self.grammars if len(self.grammars) else None

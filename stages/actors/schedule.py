@@ -69,7 +69,8 @@ class ScheduleActor(AsyncActor):
                 else:
                     handles, prompt = [], prompts.unpack_prompt(message)
             if prompt is not None:
-                seq = _sequence(prompt)
+                spec = self.scheduler.config.speculative
+                seq = _sequence(prompt, spec is not None and spec.proposes_in_execute)
                 if prompt.request().grammar:
                     self.awaiting_matchers[seq.handle] = seq
                     self.matchers_to_build.append(seq)
@@ -289,9 +290,10 @@ class ScheduleActor(AsyncActor):
         await self.ctx.outbox["tokens"].send_async(tokens.TOKENS, arrays)
 
 
-def _sequence(prompt: RenderedPrompt) -> Sequence:
+def _sequence(prompt: RenderedPrompt, proposes_in_execute: bool) -> Sequence:
     """A rendered prompt as the scheduler tracks it; one resumed after a stage failure starts with
-    the outputs its client already has, to be recomputed as after a preemption."""
+    the outputs its client already has, to be recomputed as after a preemption.
+    `proposes_in_execute`: speculation drafts with a draft model."""
     request = prompt.request()
     resume = request.resume
     return Sequence(
@@ -305,8 +307,9 @@ def _sequence(prompt: RenderedPrompt) -> Sequence:
         detok=prompt.detok,
         cacheable=request.cacheable,
         # No drafts with a thinking budget (execute forces the end tag one sampled token at a
-        # time); a grammar's drafts are checked against it in execute.
-        can_draft=request.thinking is None,
+        # time); a grammar's drafts are checked against it in execute, but a draft model would
+        # have to sample under the grammar too: such a request decodes plainly there.
+        can_draft=request.thinking is None and not (request.grammar and proposes_in_execute),
         cache_salt=request.cache_salt,
         render_start_ns=prompt.render_start_ns,
         rendered_ns=prompt.rendered_ns,

@@ -25,6 +25,17 @@ def test_grounded_prompts_ask_to_copy_a_function_of_the_project():
     assert any(source in text for source in sources)
 
 
+def test_the_draft_model_method_gets_its_json(tmp_path):
+    from stages.speculation import SpeculativeConfig
+
+    config = SpeculativeConfig.parse(spec_bench.draft_model_config(str(tmp_path), 4))
+    assert (config.method, config.model, config.num_speculative_tokens) == (
+        "draft_model",
+        str(tmp_path),
+        4,
+    )
+
+
 def test_acceptance_comes_from_the_counters_deltas():
     before = serve_bench.parse_spec_counters(METRICS)
     assert before == {

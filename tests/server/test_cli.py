@@ -276,3 +276,19 @@ def test_tensor_parallel_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         parse_args(["dummy", "--tensor-parallel-size", "2"])
     assert "needs a model" in capsys.readouterr().err
+
+
+def test_a_draft_model_speculative_config(tmp_path: Path, capsys) -> None:
+    text = f'{{"method": "draft_model", "model": "{tmp_path}", "num_speculative_tokens": 4}}'
+    engine_config = parse_args(["m", "--speculative-config", text])[1]
+    assert engine_config.speculative is not None
+    assert (engine_config.speculative.model, engine_config.speculative.num_speculative_tokens) == (
+        str(tmp_path),
+        4,
+    )
+    missing = (
+        '{"method": "draft_model", "model": "/nonexistent/draft", "num_speculative_tokens": 4}'
+    )
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--speculative-config", missing])
+    assert "not a model directory or a .gguf file" in capsys.readouterr().err

@@ -33,6 +33,21 @@ def test_config_takes_vllms_json_and_defaults():
     assert old.method == "ngram"
 
 
+def test_config_takes_a_draft_model(tmp_path):
+    text = f'{{"method": "draft_model", "model": "{tmp_path}", "num_speculative_tokens": 3}}'
+    config = SpeculativeConfig.parse(text)
+    assert (config.method, config.model, config.num_speculative_tokens) == (
+        "draft_model",
+        str(tmp_path),
+        3,
+    )
+    assert config.proposes_in_execute
+    # vLLM reads a bare model as a draft model
+    bare = SpeculativeConfig.parse(f'{{"model": "{tmp_path}", "num_speculative_tokens": 2}}')
+    assert bare.method == "draft_model" and bare.proposes_in_execute
+    assert not SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').model
+
+
 @pytest.mark.parametrize(
     ("text", "says"),
     [
@@ -41,7 +56,15 @@ def test_config_takes_vllms_json_and_defaults():
         ('{"method": "ngram", "num_speculative_tokens": 99}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
          '"prompt_lookup_max": 2}', "must be <="),
-        ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}', "not supported"),
+        ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}',
+         "not a model directory"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
+        ('{"method": "draft_model", "model": ".", "draft_tensor_parallel_size": 2, '
+         '"num_speculative_tokens": 2}', "must be 1"),
+        ('{"method": "draft_model", "model": ".", "num_speculative_tokens": 2, '
+         '"quantization": "fp8"}', "not supported"),
+        ('{"method": "draft_model", "model": "."}', "num_speculative_tokens"),
+        ('{"method": "eagle", "model": ".", "num_speculative_tokens": 2}', "not supported"),
         ('{"method": "medusa2", "num_speculative_tokens": 2}', "unknown"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": "x"}',
          "not supported"),
@@ -268,6 +291,25 @@ def test_a_request_whose_drafts_are_in_flight_is_not_planned_again_until_they_ar
     planned = {x.seq.handle: x for x in step4.seqs}
     assert planned[1].start == a.num_prompt + len(a.output_ids) - 1
     assert all(x.num_tokens >= 1 for x in step4.seqs)
+
+
+def test_a_draft_model_gets_k_placeholder_positions_and_their_kv_back(tmp_path):
+    spec = SpeculativeConfig("draft_model", 3, model=str(tmp_path), adaptive_draft_length=False)
+    s = Scheduler(SchedulerConfig(8, 32, 512, 64, 4, speculative=spec))
+    r = seq(1, 6, max_tokens=5)  # a prompt that never repeats: a draft model drafts anyway
+    s.add(r)
+    complete(s, s.schedule(), [[900]])
+    assert s.wants_drafts and s.max_in_flight == 1
+    step = s.schedule()
+    # execute's draft model fills in the drafts: schedule only reserves their positions
+    assert step.seqs[0].draft.tolist() == [-1, -1, -1] and r.num_computed == 6 + 1 + 3
+    out = complete(s, step, [[901, 902]])  # one draft accepted
+    assert [t for _, t in out] == [901, 902] and r.num_computed == 6 + 2
+    step = s.schedule()
+    assert step.seqs[0].draft.tolist() == [-1]  # no draft past max_tokens - 1
+    complete(s, step, [[903, 904]])
+    assert r.status == Status.FINISHED and s.blocks.num_free == 64
+    assert (r.spec_steps, r.spec_drafted, r.spec_accepted) == (2, 4, 2)
 
 
 # -- suffix decoding -------------------------------------------------------------------------------
