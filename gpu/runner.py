@@ -7,6 +7,7 @@ min_tokens and seeds) from the first step that names the request until `free`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -17,6 +18,7 @@ from gpu.attention import AttentionInputs
 from gpu.backends import NATIVE_KERNELS, kernels_for
 from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from gpu.loader import iter_weights, read_gguf_raw_tensors
+from gpu.lora import install_lora
 from gpu.model import CausalLM
 from gpu.quantize import QUANTIZATION_MODES, quantize_linears
 from gpu.sampler import (
@@ -27,6 +29,7 @@ from gpu.sampler import (
     sample,
     verify,
 )
+from stages.lora import LoraConfig
 from stages.text.checkpoint import ModelConfig, load_model_config, resolve_kv_cache_dtype
 
 log = structlog.get_logger(__name__)
@@ -53,6 +56,7 @@ class RunnerConfig:
     # quantized matmuls with int8 activations); None: wherever they build. False: torch only.
     native_kernels: bool | None = None
     kv_cache_dtype: str = "auto"  # see stages.text.checkpoint.resolve_kv_cache_dtype
+    lora: LoraConfig | None = None  # --enable-lora: adapter slots on every decoder projection
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,6 +80,9 @@ class StepBatch:
     # [S', ceil(V / 32)] int32: with drafts and a grammar, the structured-output mask of each
     # verified position (sampling rows in order, 1 + num_draft each); None: each row's own
     draft_bitmask: np.ndarray | None = None
+    # [B] int64: each row's LoRA adapter id, 0 for the base model; None: every row is the base's
+    lora_ids: np.ndarray | None = None
+    lora_paths: Mapping[int, str] = field(default_factory=dict)  # each adapter id's directory
 
 
 @dataclass(slots=True, frozen=True)
@@ -165,6 +172,8 @@ class ModelRunner:
                 use_native=use_native,
             )
         model = model.to(device=config.device)
+        if config.lora is not None:
+            install_lora(model, config.lora, torch.device(config.device))
         kv_cache = KVCache.from_budget(
             model_config,
             config.kv_cache_bytes,
@@ -254,13 +263,25 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables).to(device),
             slot_mapping=torch.from_numpy(batch.slot_mapping.astype(np.int64)).to(device),
         )
-        logits = self.model(
-            torch.from_numpy(batch.input_ids.astype(np.int64)).to(device),
-            torch.from_numpy(batch.positions.astype(np.int64)).to(device),
-            self.kv_cache.layers,
-            inputs,
-            torch.from_numpy(logits_rows.astype(np.int64)).to(device),
-        )
+        lora = self.model.lora
+        if lora is not None:
+            ids = (
+                np.zeros(len(batch.request_ids), np.int64)
+                if batch.lora_ids is None
+                else batch.lora_ids
+            )
+            lora.begin(np.repeat(ids, np.diff(batch.query_start_loc)), batch.lora_paths)
+        try:
+            logits = self.model(
+                torch.from_numpy(batch.input_ids.astype(np.int64)).to(device),
+                torch.from_numpy(batch.positions.astype(np.int64)).to(device),
+                self.kv_cache.layers,
+                inputs,
+                torch.from_numpy(logits_rows.astype(np.int64)).to(device),
+            )
+        finally:
+            if lora is not None:
+                lora.end()
         return logits.float().cpu()
 
     def _sample(
