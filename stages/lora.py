@@ -191,9 +191,10 @@ def _check_tensors(
             )
         out_features, in_features = module_shape(model, module)
         expected = [rank, in_features] if side == "A" else [out_features, rank]
-        if list(info.get("shape", [])) != expected:
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if shape != expected:
             raise LoraError(
-                f"adapter {path}: tensor {name!r} has shape {info.get('shape')}, expected {expected}"
+                f"adapter {path}: tensor {name!r} has shape {shape}, expected {expected}"
                 " (an adapter of another model?)"
             )
         pairs.setdefault((layer, module), set()).add(side)
@@ -205,7 +206,7 @@ def _check_tensors(
     return {layer for layer, _ in pairs}
 
 
-def _safetensors_header(path: str) -> dict[str, dict[str, object]]:
+def _safetensors_header(path: str) -> dict[str, object]:
     """The JSON header of a safetensors file: {name: {dtype, shape, data_offsets}}."""
     try:
         with open(path, "rb") as file:

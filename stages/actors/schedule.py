@@ -38,6 +38,7 @@ class ScheduleActor(AsyncActor):
                 block_size=config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 speculative=config.speculative,
+                max_loras=0 if config.lora is None else config.lora.max_loras,
             )
         )
         self.wake = asyncio.Event()
@@ -306,6 +307,7 @@ def _sequence(prompt: RenderedPrompt) -> Sequence:
         # time); a grammar's drafts are checked against it in execute.
         can_draft=request.thinking is None,
         cache_salt=request.cache_salt,
+        lora_id=0 if request.lora is None else request.lora.lora_id,
         render_start_ns=prompt.render_start_ns,
         rendered_ns=prompt.rendered_ns,
         output_ids=[] if resume is None else list(resume.output_ids),
