@@ -287,6 +287,11 @@ class EngineClient(Protocol):
         finds no prefix cached from before."""
         ...
 
+    def check_lora(self, path: str) -> None:
+        """Whether the LoRA adapter directory at `path` can be served (stages.lora.read_adapter):
+        EngineError 400 that says why not, 404 where no adapter is found; reads its files."""
+        ...
+
     def stats(self) -> Mapping[str, float]:
         """Engine-wide gauges and counters for /metrics (names as vLLM's where the meaning is the same)."""
         ...

@@ -41,6 +41,7 @@ from stages.api import (
     TokenLogprob,
 )
 from stages.config import EngineConfig, num_kv_blocks, resolve_max_model_len
+from stages.lora import LoraError, read_adapter
 from stages.rings import common, deltas, plan, prompts, requests, results, tokens
 from stages.scheduler import GAUGES
 from stages.text.checkpoint import load_model_config
@@ -166,7 +167,8 @@ class Engine:
             )
         # The stages read the tokenizer and model config from this snapshot (removed at stop).
         self._snapshot_dir = tempfile.mkdtemp(prefix="pipeline-serve-")
-        write_snapshot(self._snapshot_dir, self.bundle, load_model_config(config.model_path))
+        self._model_config = load_model_config(config.model_path)
+        write_snapshot(self._snapshot_dir, self.bundle, self._model_config)
         config = dataclasses.replace(config, snapshot_dir=self._snapshot_dir)
         self.config = config
         self._info = ModelInfo(
@@ -538,6 +540,18 @@ class Engine:
                 await self.supervisor.producers["requests"].send_async(
                     common.RESET_PREFIX_CACHE, common.pack_reset_prefix_cache(self._num_resets)
                 )
+
+    def check_lora(self, path: str) -> None:
+        if self.config.lora is None:
+            raise EngineError("LoRA is not enabled: start the server with --enable-lora")
+        try:
+            read_adapter(path, self._model_config, self.config.lora.max_lora_rank)
+        except LoraError as error:
+            raise EngineError(
+                str(error),
+                status=404 if error.not_found else 400,
+                type="NotFoundError" if error.not_found else "BadRequestError",
+            ) from error
 
     def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
         return prompt_token_ids(
