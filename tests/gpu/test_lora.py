@@ -156,3 +156,52 @@ def test_an_adapter_gone_from_disk_since_it_was_checked_is_refused_at_load(
     )
     with pytest.raises(LoraError, match="No adapter found"):
         slots.begin(np.array([7]), {7: str(tmp_path)})
+
+
+def test_adapter_rows_leave_the_fused_native_layers_and_base_steps_keep_them(
+    tiny_models, adapters, monkeypatch
+):
+    """On GGUF-style int4 weights a step of base rows runs the fused C layers; a step with an
+    adapter row takes the per-op path (the fused layers know no adapters), where its base rows
+    get the fused path's logits and its adapter rows their adapter's."""
+    from gpu import native
+    from gpu.backends import NATIVE_KERNELS
+    from gpu.loader import iter_weights
+    from gpu.quantize import quantize_linears
+    from stages.text.checkpoint import load_model_config
+
+    if not native.available():
+        pytest.skip("the native kernels do not build here")
+    calls = {"fused": 0}
+    fused_attn_in = native.q4_layer_attn_in
+
+    def counted(*args):
+        calls["fused"] += 1
+        return fused_attn_in(*args)
+
+    monkeypatch.setattr(native, "q4_layer_attn_in", counted)
+    path = str(tiny_models["llama"])
+    config = load_model_config(path)
+    model = CausalLM(config, NATIVE_KERNELS).eval()
+    model.load_weights(iter_weights(path, config, torch.float32))
+    quantize_linears(model, "int4", max_thin_rows=48)
+    assert model.fused_layers is not None
+    slots = install_lora(model, LoraConfig(max_loras=1, max_lora_rank=8), torch.device("cpu"))
+    tokens = list(range(3, 15))
+
+    def prefill(lora_ids: list[int]) -> torch.Tensor:  # rows of the same tokens, one per id
+        cache = KVCache.from_budget(config, 1 << 20, 4, torch.float32, "cpu")
+        pool = BlockPool(cache.num_blocks, 4)
+        seqs = [PagedSequence(list(tokens)) for _ in lora_ids]
+        step = build_step(pool, [(s, len(tokens)) for s in seqs])
+        slots.begin(np.repeat(lora_ids, len(tokens)), _paths(adapters["llama"]))
+        logits = run_step(model, cache, step)
+        slots.end()
+        return logits.view(len(lora_ids), len(tokens), -1)
+
+    base_only = prefill([0])
+    assert calls["fused"] == config.num_layers
+    mixed = prefill([1, 0])
+    assert calls["fused"] == config.num_layers  # no fused call in the mixed step
+    torch.testing.assert_close(mixed[1], base_only[0], rtol=1e-5, atol=1e-5)
+    assert (mixed[0] - mixed[1]).abs().max() > 1e-2
