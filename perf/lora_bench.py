@@ -138,7 +138,9 @@ def run_lora_bench(args: LoraBenchArgs, work_dir: str) -> dict[str, Any]:
         # The load generator's random-word prompts (about 200 tokens), calibrated on the server.
         words = asyncio.run(_tokens_per_word(url))
         work = serve_bench.synthetic(args.num_requests, 204, args.max_tokens, 0, words)
-        asyncio.run(_round(url, ["base", *names], work, args.concurrency))  # warm every adapter
+        # Warm-up: one short request per model, so every adapter is loaded before timing.
+        warm = serve_bench.Workload(work.prompts[: len(names) + 1], [4] * (len(names) + 1))
+        asyncio.run(_round(url, ["base", *names], warm, len(names) + 1))
         for repeat in range(args.repeats):
             order = ("base", "lora") if repeat % 2 == 0 else ("lora", "base")
             runs = {}
