@@ -19,6 +19,7 @@ from stages.text.checkpoint import ModelConfig, RopeScaling, UnsupportedModelErr
 
 if TYPE_CHECKING:
     from gpu.fused import FusedLayers
+    from gpu.lora import LoraSlots
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # -> [head_dim // 2] float32
@@ -137,6 +138,7 @@ class CausalLM(nn.Module):
         self.inv_freq: torch.Tensor  # [head_dim // 2] float32, RoPE angular frequencies
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.fused_layers: FusedLayers | None = None  # set by quantize_linears where it fits
+        self.lora: LoraSlots | None = None  # set by gpu.lora.install_lora (--enable-lora)
 
     def forward(
         self,
@@ -152,7 +154,9 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         fused = self.fused_layers
-        if fused is not None and fused.applies(x, layout, kv_caches):
+        # The fused C layers know no adapters: a step with adapter rows takes the per-op path.
+        with_adapters = self.lora is not None and self.lora.step is not None
+        if fused is not None and not with_adapters and fused.applies(x, layout, kv_caches):
             x, residual = fused.run(x, rope, kv_caches, layout)
         else:
             for layer, kv in zip(self.model.layers, kv_caches, strict=True):

@@ -7,7 +7,7 @@ min_tokens and seeds) from the first step that names the request until `free`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -21,6 +21,7 @@ from gpu.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes
 from gpu.drafter import Drafter
 from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_block_bytes, num_blocks_for_budget
 from gpu.loader import iter_weights, read_gguf_raw_tensors
+from gpu.lora import install_lora
 from gpu.model import CausalLM, rope_inv_freq
 from gpu.quantize import QUANTIZATION_MODES, quantize_linears
 from gpu.random_weights import fill_random
@@ -36,6 +37,7 @@ from gpu.sampler import (
     verify,
 )
 from gpu.tensor_parallel import TensorParallel, shard_model
+from stages.lora import LoraConfig
 from stages.text.checkpoint import (
     ModelConfig,
     cache_shape,
@@ -77,6 +79,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048  # the profiled step's tokens
     max_model_len: int = 0  # 0: the model's; sets the CUDA graphs' block table width
     enforce_eager: bool = False  # CUDA: no graphs for decode steps
+    lora: LoraConfig | None = None  # --enable-lora: adapter slots on every decoder projection
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +103,9 @@ class StepBatch:
     # [S', ceil(V / 32)] int32: with drafts and a grammar, the structured-output mask of each
     # verified position (sampling rows in order, 1 + num_draft each); None: each row's own
     draft_bitmask: np.ndarray | None = None
+    # [B] int64: each row's LoRA adapter id, 0 for the base model; None: every row is the base's
+    lora_ids: np.ndarray | None = None
+    lora_paths: Mapping[int, str] = field(default_factory=dict)  # each adapter id's directory
 
 
 @dataclass(slots=True, frozen=True)
@@ -225,6 +231,10 @@ class ModelRunner:
                 use_native=use_native,
             )
         model = model.to(device=device)
+        if config.lora is not None:
+            if tensor_parallel is not None:
+                raise ValueError("LoRA adapters are not sharded: no tensor parallelism with them")
+            install_lora(model, config.lora, device)
         kv_dtype = _DTYPES[
             resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
         ]
@@ -248,8 +258,10 @@ class ModelRunner:
             )
             kv_cache = KVCache(local_shape, num_blocks, config.block_size, kv_dtype, device)
         runner = cls(model, kv_cache, config)
-        # Under tensor parallelism the other ranks run every forward eagerly (execute_rank.py).
-        if device.type == "cuda" and not config.enforce_eager and tensor_parallel is None:
+        # Under tensor parallelism the other ranks run every forward eagerly (execute_rank.py);
+        # adapters apply their updates around the network's call, which a graph would not see.
+        eager = config.enforce_eager or tensor_parallel is not None or config.lora is not None
+        if device.type == "cuda" and not eager:
             runner.capture_graphs()
         log.info(
             "model ready",
@@ -344,6 +356,7 @@ class ModelRunner:
                 gpu_memory_utilization=None,
                 num_kv_blocks=self.num_kv_blocks,
                 enforce_eager=True,
+                lora=None,  # drafts are proposals: the target verifies them under the adapter
             ),
         )
         self.drafter = Drafter(draft.model, draft.kv_cache, self.generator)
@@ -421,7 +434,11 @@ class ModelRunner:
         )
         if share is not None:
             share(inputs)
-        logits = self._forward(inputs)  # [R, V] float32
+        adapters = None
+        if batch.lora_ids is not None:
+            per_token = np.repeat(batch.lora_ids, np.diff(batch.query_start_loc))
+            adapters = (per_token, batch.lora_paths)
+        logits = self._forward(inputs, adapters)  # [R, V] float32
 
         # Where each sequence's logits end among the rows computed (its last row is row_end - 1).
         row_ends = np.cumsum([len(r) for r in rows]) if rows else np.zeros(0, dtype=np.int64)
@@ -438,7 +455,12 @@ class ModelRunner:
         prompt = self._prompt_logprobs(batch, states, host_logits, wants_prompt, row_ends)
         return StepOutput(*out, *prompt)
 
-    def _forward(self, step: ForwardInputs) -> torch.Tensor:
+    def _forward(
+        self,
+        step: ForwardInputs,
+        # [T] int64 each token's adapter id (0: the base), and each id's directory; None: base
+        adapters: tuple[np.ndarray, Mapping[int, str]] | None = None,
+    ) -> torch.Tensor:
         device = self.device
         graphs = self.graphs
         num_rows = len(step.context_lens)
@@ -462,13 +484,21 @@ class ModelRunner:
             block_tables=torch.from_numpy(step.block_tables).to(device),
             slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
         )
-        logits = self.model(
-            torch.from_numpy(step.input_ids).to(device),
-            torch.from_numpy(step.positions).to(device),
-            self.kv_cache.layers,
-            inputs,
-            torch.from_numpy(step.logits_rows).to(device),
-        )
+        lora = self.model.lora
+        if lora is not None:
+            ids, paths = adapters or (np.zeros(len(step.input_ids), np.int64), {})
+            lora.begin(ids, paths)
+        try:
+            logits = self.model(
+                torch.from_numpy(step.input_ids).to(device),
+                torch.from_numpy(step.positions).to(device),
+                self.kv_cache.layers,
+                inputs,
+                torch.from_numpy(step.logits_rows).to(device),
+            )
+        finally:
+            if lora is not None:
+                lora.end()
         return logits.float()  # on the device: sampling runs there
 
     def _sample(

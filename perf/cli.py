@@ -187,9 +187,25 @@ def main(argv: list[str] | None = None) -> int:
     dp.add_argument("--log-dir", default=".", help="where the servers' logs and workloads go")
     dp.add_argument("--json", dest="json_path")
 
+    lora = sub.add_parser(
+        "lora", help="LoRA adapters against the base model alone, one server, rounds interleaved"
+    )
+    lora.add_argument("model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)")
+    lora.add_argument("--adapters", type=int, default=4, help="random adapters, one per slot")
+    lora.add_argument("--rank", type=int, default=8)
+    lora.add_argument("--concurrency", type=int, default=32)
+    lora.add_argument("--num-requests", type=int, default=64)
+    lora.add_argument("--max-tokens", type=int, default=64)
+    lora.add_argument("--repeats", type=int, default=3, help="pairs of rounds, order alternated")
+    lora.add_argument("--threads", type=int, default=2)
+    lora.add_argument("--port", type=int, default=8620)
+    lora.add_argument("--json", dest="json_path")
+
     args = parser.parse_args(argv)
     if args.mode == "dp":
         return run_dp_cli(args)
+    if args.mode == "lora":
+        return run_lora_cli(args)
     if args.mode == "spec":
         return run_spec_cli(args)
     if args.mode == "model":
@@ -333,6 +349,32 @@ def run_dp_cli(args: argparse.Namespace) -> int:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
     return 1 if any(run["errors"] for run in report["runs"]) else 0
+
+
+def run_lora_cli(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+
+    from perf import lora_bench
+
+    bench_args = lora_bench.LoraBenchArgs(
+        model=args.model,
+        num_adapters=args.adapters,
+        rank=args.rank,
+        concurrency=args.concurrency,
+        num_requests=args.num_requests,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        port=args.port,
+        threads=args.threads,
+    )
+    with tempfile.TemporaryDirectory(prefix="lora-bench-") as work_dir:
+        report = lora_bench.run_lora_bench(bench_args, work_dir)
+    print(lora_bench.format_table(report))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
 
 
 def run_chaos_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -18,6 +18,7 @@ from server.config import ServerConfig
 from server.cors import install_cors
 from server.drain import Drain, install_drain
 from server.errors import APIError, error_body, error_type_for, retry_after_header
+from server.lora_routes import lora_routes
 from server.openai_serving import (
     EXTENSION,
     OpenAIServing,
@@ -51,6 +52,8 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
     if config.allowed_origins is not None:
         install_cors(app, config)  # first, so that preflights need no API key
     app.register_blueprint(routes)
+    if config.allow_runtime_lora_updating:  # as in vLLM: else these routes do not exist
+        app.register_blueprint(lora_routes)
     install_drain(app, drain)  # 503 with Retry-After while the server drains
     return app
 
@@ -141,14 +144,17 @@ async def completions() -> Response:
 
 
 def _model_card(serving: OpenAIServing, name: str) -> dict[str, object]:
+    """A served name's card; a LoRA adapter's names its directory as `root` and the base model's
+    name as `parent` (vLLM's shape)."""
     info = serving.engine.model_info
+    adapter = serving.lora_adapters.by_name.get(name)
     return {
         "id": name,
         "object": "model",
         "created": info.created,
         "owned_by": "pipeline-serve",
-        "root": info.model_path,
-        "parent": None,
+        "root": info.model_path if adapter is None else adapter.request.path,
+        "parent": None if adapter is None else adapter.parent,
         "max_model_len": info.max_model_len,
     }
 
@@ -177,14 +183,15 @@ async def render_completion() -> Response:
 @routes.get("/v1/models")
 async def models() -> Response:
     serving = openai_serving()
-    cards = [_model_card(serving, name) for name in serving.served_model_names]
+    names = [*serving.served_model_names, *serving.lora_adapters.by_name]
+    cards = [_model_card(serving, name) for name in names]
     return json_response({"object": "list", "data": cards})
 
 
 @routes.get("/v1/models/<path:model_id>")
 async def model(model_id: str) -> Response:
-    """The card of a served name, the first or a further --served-model-name (the OpenAI
-    client's `models.retrieve`); 404 for any other name. A path, since Hugging Face names have a
+    """The card of a served name, the first or a further --served-model-name or an adapter's (the
+    OpenAI client's `models.retrieve`); 404 for any other name. A path, since Hugging Face names have a
     slash in them (`HuggingFaceTB/SmolLM2-135M`)."""
     serving = openai_serving()
     serving.check_model(model_id)

@@ -19,7 +19,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from server.serve import serve_app
 from server.systemd import Notifier, PipelineState, monitor, status_line
 from stages.config import EngineConfig, default_model_path, generation_defaults
 from stages.device import DEVICE_CHOICES, default_dtype, resolve_device
+from stages.lora import SUPPORTED_RANKS, LoraConfig, LoraError, LoraModule, read_adapter
 from stages.speculation import SpeculativeConfig
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from stages.text.random_model import PRESETS, write_random_checkpoint
@@ -239,6 +240,38 @@ def build_parser() -> argparse.ArgumentParser:
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} '
         "(prompt lookup; drafts are verified exactly, and drafted only where they pay); "
         '"suffix", or "draft_model" with "model": a smaller checkpoint of the same vocabulary',
+    )
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (PEFT format, attention and MLP projections); a request's "
+        "`model` names one, and requests of different adapters and the base share steps",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help='adapters to serve: name=path or vLLM\'s JSON {"name": ..., "path": ..., '
+        '"base_model_name": ...}',
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=_positive_int,
+        default=LoraConfig().max_loras,
+        help="adapters one step may mix (weight slots in execute; default 1, as in vLLM)",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        choices=SUPPORTED_RANKS,
+        default=LoraConfig().max_lora_rank,
+        help="the largest adapter rank served (default 16)",
+    )
+    parser.add_argument(
+        "--max-cpu-loras",
+        type=_positive_int,
+        help="adapters kept loaded in host memory, least recently used out (default --max-loras)",
     )
     parser.add_argument(
         "--max-waiting-requests",
@@ -466,7 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineConfig]:
+def parse_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[ServerConfig, EngineConfig]:
+    """The configs of the command line and of the environment (os.environ unless given), read
+    once here: VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
+    environ = os.environ if environ is None else environ
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # `pipeline-serve serve MODEL`, as `vllm serve MODEL`
@@ -532,6 +570,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
     override_max_new_tokens = (args.override_generation_config or {}).get("max_new_tokens")
     capped = args.generation_config not in ("auto", "vllm") or override_max_new_tokens is not None
     max_tokens_cap = default_max_tokens if capped else None
+    lora = _lora_config(parser, args, dummy)
+    taken = [m.name for m in args.lora_modules or () if m.name in served_model_names]
+    if taken:
+        parser.error(f"--lora-modules {taken[0]}: that is a --served-model-name")
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -565,6 +607,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         ssl_certfile=args.ssl_certfile,
         uvicorn_log_level=args.uvicorn_log_level,
         trust_request_chat_template=args.trust_request_chat_template,
+        enable_lora=lora is not None,
+        lora_modules=tuple(args.lora_modules or ()),
+        allow_runtime_lora_updating=environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0")
+        .strip()
+        .lower()
+        in ("1", "true"),
     )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
@@ -583,6 +631,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
             parser.error("--tensor-parallel-size needs a model; the dummy execute has none")
         if quantization is not None:
             parser.error("--tensor-parallel-size runs unquantized weights: add --quantization none")
+        if args.enable_lora:
+            parser.error("--enable-lora does not combine with --tensor-parallel-size yet")
     engine_overrides: dict[str, Any] = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
@@ -609,6 +659,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, EngineC
         "seed": args.seed,
         "max_waiting_requests": args.max_waiting_requests,
         "speculative": args.speculative_config,
+        "lora": lora,
         "max_stage_restarts": args.max_stage_restarts,
         "stage_restart_window_s": args.stage_restart_window,
         "tokenizer": args.tokenizer,
@@ -636,6 +687,43 @@ def _fraction(text: str) -> float:
     if not 0.0 < value <= 1.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+def _lora_module(text: str) -> LoraModule:
+    try:
+        return LoraModule.parse(text)
+    except LoraError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _lora_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, dummy: bool
+) -> LoraConfig | None:
+    """--enable-lora's limits, with every --lora-modules adapter read and checked against the
+    model now, so that one the server cannot apply stops the start with the reason."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            parser.error("--lora-modules needs --enable-lora")
+        return None
+    if dummy:
+        parser.error("--enable-lora needs a model (the dummy one computes nothing to adapt)")
+    try:
+        config = LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+    except ValueError as error:
+        parser.error(str(error))
+    names = [module.name for module in args.lora_modules or ()]
+    if len(set(names)) != len(names):
+        parser.error("--lora-modules names an adapter twice")
+    if args.lora_modules:
+        from stages.text.checkpoint import load_model_config
+
+        model = load_model_config(args.model)
+        for module in args.lora_modules:
+            try:
+                read_adapter(module.path, model, config.max_lora_rank)
+            except LoraError as error:
+                parser.error(f"--lora-modules {module.name}: {error}")
+    return config
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:

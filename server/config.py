@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from stages.lora import LoraModule
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,3 +55,9 @@ class ServerConfig:
     uvicorn_log_level: str = "info"  # Hypercorn's loggers (vLLM's flag name)
     # --trust-request-chat-template: a request's own chat_template is rendered (in the sandbox)
     trust_request_chat_template: bool = False
+    # LoRA: --enable-lora, the adapters of --lora-modules (checked at start), and vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING (read once, at start): /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter exist.
+    enable_lora: bool = False
+    lora_modules: tuple[LoraModule, ...] = ()
+    allow_runtime_lora_updating: bool = False

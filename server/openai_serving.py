@@ -24,6 +24,7 @@ from server.config import ServerConfig
 from server.drain import Drain
 from server.errors import APIError
 from server.limits import body_too_large, check_json_depth
+from server.lora import LoraAdapters
 from server.metrics import ServerMetrics
 from server.render import token_in_request
 from server.schemas import ChatCompletionRequest, check_max_logprobs
@@ -141,6 +142,7 @@ class OpenAIServing:
         "drain",
         "engine",
         "fingerprint",
+        "lora_adapters",
         "metrics",
         "served_model_name",
         "served_model_names",
@@ -153,6 +155,9 @@ class OpenAIServing:
         self.drain = drain
         self.served_model_name = config.served_model_name or engine.model_info.served_model_name
         self.served_model_names = (self.served_model_name, *config.served_model_aliases)
+        self.lora_adapters = LoraAdapters.of(
+            self.served_model_names, config.enable_lora, config.lora_modules
+        )
         self.metrics = ServerMetrics(engine.stats, self.served_model_name)
         self.fingerprint = f"pipeline-serve-{server_version()}"
         self.api_key = config.api_key.encode() if config.api_key is not None else None
@@ -169,9 +174,11 @@ class OpenAIServing:
 
     def check_model(self, name: str | None) -> str:
         """The name responses report (the first served name, as in vLLM) for a request's
-        `model`, which may be any of the served names."""
+        `model`, which may be any of the served names, or a LoRA adapter's (reported as is)."""
         if name is None or name in self.served_model_names:
             return self.served_model_name
+        if self.lora_adapters.get(name) is not None:
+            return name
         raise APIError(
             f"The model `{name}` does not exist.",
             status=404,
@@ -284,6 +291,7 @@ class OpenAIServing:
             tool_call_parser=tool_call_parser,
             cache_salt=body.cache_salt,
             return_prompt_token_ids=body.wants_prompt_token_ids,
+            lora=self.lora_adapters.get(model),
         )
         return body, model, generate_request
 

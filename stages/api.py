@@ -85,6 +85,15 @@ class TokensPrompt(msgspec.Struct, frozen=True, tag="tokens"):
 Prompt = ChatPrompt | TextPrompt | TokensPrompt
 
 
+class LoraRequest(msgspec.Struct, frozen=True, array_like=True):
+    """The LoRA adapter a request runs with (vLLM's LoRARequest): the server names it, execute
+    loads its weights from `path` once (stages.lora reads and checks the directory)."""
+
+    name: str
+    lora_id: int  # unique for the server's life, from 1: a reloaded name gets a new one
+    path: str
+
+
 class GenerateRequest(msgspec.Struct, frozen=True):
     """One request to the engine; the render stage receives it as it is (msgpack)."""
 
@@ -99,6 +108,7 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     # vLLM's cache_salt: prefix-cache blocks are shared only among requests with the same salt.
     cache_salt: str | None = None
     return_prompt_token_ids: bool = False  # the first output carries the prompt's token ids
+    lora: LoraRequest | None = None  # the adapter the request's `model` named; None: the base
 
 
 class ToolCall(msgspec.Struct, frozen=True, array_like=True):
@@ -275,6 +285,11 @@ class EngineClient(Protocol):
     async def reset_prefix_cache(self) -> None:
         """Drop every cached prefix block no request holds; every request sent after this returns
         finds no prefix cached from before."""
+        ...
+
+    def check_lora(self, path: str) -> None:
+        """Whether the LoRA adapter directory at `path` can be served (stages.lora.read_adapter):
+        EngineError 400 that says why not, 404 where no adapter is found; reads its files."""
         ...
 
     def stats(self) -> Mapping[str, float]:

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from stages.lora import LoraConfig
 from stages.speculation import SpeculativeConfig
 from stages.text.checkpoint import (
     cache_shape,
@@ -99,6 +100,8 @@ class EngineConfig:
     # one more and the engine gives up, so that the service manager restarts the server.
     # Speculative decoding (--speculative-config); None: off.
     speculative: SpeculativeConfig | None = None
+    # --enable-lora with its limits (stages.lora.LoraConfig); None: no adapters.
+    lora: LoraConfig | None = None
     max_stage_restarts: int = 3
     stage_restart_window_s: float = 300.0
     # --data-parallel-size: whole pipelines behind one server (stages/data_parallel.py), each with

@@ -188,7 +188,11 @@ class DataParallelEngine:
             if engine.num_recoveries != self._recoveries[rank]:  # a fresh pipeline: cache empty
                 self._recoveries[rank] = engine.num_recoveries
                 self.router.forget(rank)
-        key = self.router.key(request.prompt, request.cache_salt)
+        # The prefix caches key blocks by adapter as by salt (stages/scheduler.py), so does this.
+        salt = request.cache_salt
+        if request.lora is not None:
+            salt = f"{salt or ''}\0lora {request.lora.lora_id}"
+        key = self.router.key(request.prompt, salt)
         route = self.router.route(key, [_load(engine) for engine in self.replicas])
         if route is None:
             raise self.not_ready_error
@@ -222,6 +226,9 @@ class DataParallelEngine:
         await asyncio.gather(*(self.replicas[rank].reset_prefix_cache() for rank in ready))
         for rank in range(len(self.replicas)):
             self.router.forget(rank)
+
+    def check_lora(self, path: str) -> None:
+        self.replicas[0].check_lora(path)  # every replica serves the same model and limits
 
     def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
         return self.replicas[0].tokenize(prompt)

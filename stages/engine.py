@@ -50,6 +50,7 @@ from stages.config import (
 )
 from stages.draft_vocab import check_draft_vocabulary
 from stages.kv_size import published_num_blocks
+from stages.lora import LoraError, read_adapter
 from stages.rings import common, deltas, forward, plan, prompts, requests, results, tokens
 from stages.scheduler import GAUGES
 from stages.text.checkpoint import load_model_config
@@ -217,6 +218,7 @@ class Engine:
             check_draft_vocabulary(config.speculative.model, self.bundle, model_config)
         # The stages read the tokenizer and model config from this snapshot (removed at stop).
         self._snapshot_dir = tempfile.mkdtemp(prefix="pipeline-serve-")
+        self._model_config = model_config
         write_snapshot(self._snapshot_dir, self.bundle, model_config)
         config = dataclasses.replace(config, snapshot_dir=self._snapshot_dir)
         self.config = config
@@ -606,6 +608,18 @@ class Engine:
                 await self.supervisor.producers["requests"].send_async(
                     common.RESET_PREFIX_CACHE, common.pack_reset_prefix_cache(self._num_resets)
                 )
+
+    def check_lora(self, path: str) -> None:
+        if self.config.lora is None:
+            raise EngineError("LoRA is not enabled: start the server with --enable-lora")
+        try:
+            read_adapter(path, self._model_config, self.config.lora.max_lora_rank)
+        except LoraError as error:
+            raise EngineError(
+                str(error),
+                status=404 if error.not_found else 400,
+                type="NotFoundError" if error.not_found else "BadRequestError",
+            ) from error
 
     def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
         return prompt_token_ids(

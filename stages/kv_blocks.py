@@ -97,20 +97,25 @@ class BlockManager:
 
 
 def prompt_block_hashes(
-    prompt_ids: np.ndarray, block_size: int, cache_salt: str | None = None
+    prompt_ids: np.ndarray, block_size: int, cache_salt: str | None = None, lora_id: int = 0
 ) -> list[bytes]:
     """A chained hash per full block of the prompt: block j's covers tokens [0, (j + 1) * size).
 
     BLAKE2b rather than Python's hash: a client must not be able to craft a prompt that collides
     with another's prefix and read its cached KV (why vLLM hashes with SHA-256 by default). A
     salt (vLLM's cache_salt) goes into the first block's hash, so the whole chain: requests
-    share cached blocks only when their salts are the same (or both absent).
+    share cached blocks only when their salts are the same (or both absent). A LoRA adapter's id
+    goes in the same way: its KV is not the base model's, nor another adapter's.
     """
     ids = np.ascontiguousarray(prompt_ids, np.int32)
     hashes = []
     parent = b""
     if cache_salt is not None:  # a hash of its own (`person`), so no token block can match it
         parent = hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache_salt").digest()
+    if lora_id:
+        parent = hashlib.blake2b(
+            parent + lora_id.to_bytes(8, "little"), digest_size=16, person=b"lora"
+        ).digest()
     for start in range(0, len(ids) - block_size + 1, block_size):
         parent = hashlib.blake2b(
             parent + ids[start : start + block_size].tobytes(), digest_size=16

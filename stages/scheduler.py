@@ -112,6 +112,7 @@ class Sequence:
     proposal_key: tuple[int, int] = (-1, -1)
     proposal: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     cache_salt: str | None = None  # only requests with the same salt share cached blocks
+    lora_id: int = 0  # its LoRA adapter (stages.api.LoraRequest.lora_id); 0: the base model
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.prompt_ids)
@@ -178,6 +179,9 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: int = 64
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
+    # --max-loras: adapters the running requests may use at once (execute's weight slots, so
+    # every step fits them); 0: no adapters.
+    max_loras: int = 0
 
 
 class Scheduler:
@@ -312,9 +316,20 @@ class Scheduler:
                     self._register_prefix(seq)
                 taken.add(seq.handle)
                 budget -= count
+        loras = self._running_loras()
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            # A preempted request waits for its steps in flight before it is recomputed.
-            admit = next((s for s in self.waiting if s.steps_in_flight == 0), None)
+            # A preempted request waits for its steps in flight before it is recomputed; one
+            # whose adapter would make the running requests' more than --max-loras waits for
+            # the requests of one of theirs to finish (vLLM's rule), and the next may go first.
+            admit = next(
+                (
+                    s
+                    for s in self.waiting
+                    if s.steps_in_flight == 0
+                    and (not s.lora_id or s.lora_id in loras or len(loras) < self.config.max_loras)
+                ),
+                None,
+            )
             if admit is None:
                 break
             cached = self._take_cached_prefix(admit)
@@ -328,6 +343,8 @@ class Scheduler:
             self.waiting.remove(admit)
             admit.status = Status.RUNNING
             self.running.append(admit)
+            if admit.lora_id:
+                loras.add(admit.lora_id)
             planned.append(self._plan(admit, count, admit.num_computed + count == admit.num_tokens))
             self._register_prefix(admit)
             budget -= count
@@ -344,6 +361,12 @@ class Scheduler:
         self._next_step += 1
         self.in_flight.append(step)
         return step
+
+    def _running_loras(self) -> set[int]:
+        """The adapters of the running requests (at most --max-loras)."""
+        if not self.config.max_loras:
+            return set()
+        return {seq.lora_id for seq in self.running if seq.lora_id}
 
     def _plan(
         self, seq: Sequence, count: int, sample: bool, draft: np.ndarray | None = None
@@ -487,7 +510,7 @@ class Scheduler:
     def _prompt_hashes(self, seq: Sequence) -> list[bytes]:
         if seq.block_hashes is None:
             seq.block_hashes = prompt_block_hashes(
-                seq.prompt_ids, self.blocks.block_size, seq.cache_salt
+                seq.prompt_ids, self.blocks.block_size, seq.cache_salt, seq.lora_id
             )
         return seq.block_hashes
 

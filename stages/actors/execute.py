@@ -28,6 +28,7 @@ from stages.actors.tensor_group import (
     rank_threads,
     runner_config,
 )
+from stages.api import LoraRequest
 from stages.config import EngineConfig, num_kv_blocks, sized_from_device_memory
 from stages.kv_size import publish_num_blocks, published_num_blocks
 from stages.rings import plan, results
@@ -87,6 +88,7 @@ class ExecuteActor(SyncActor):
         self.last_token: dict[int, int] = {}
         self.with_bad_words: set[int] = set()  # steps without them skip building their arrays
         self.thinking: dict[int, ThinkingTracker] = {}  # requests with a thinking_token_budget
+        self.loras: dict[int, LoraRequest] = {}  # requests with an adapter
         # Built now (~0.25 s and ~30 MB for a 49k vocabulary), not at the first structured-output
         # request: llguidance holds the GIL while it builds its tokenizer, which would stop every
         # running stream that long, even from a worker thread.
@@ -165,6 +167,7 @@ class ExecuteActor(SyncActor):
             self.last_token.pop(handle, None)
             self.with_bad_words.discard(handle)
             self.thinking.pop(handle, None)
+            self.loras.pop(handle, None)
             building = self.building.pop(handle, None)
             if building is not None:  # aborted before its matcher was done
                 building.cancel()
@@ -188,6 +191,8 @@ class ExecuteActor(SyncActor):
                     tracker.forced()
                     tracker.consume(token)
                 self.thinking[handle] = tracker
+            if request.lora is not None:
+                self.loras[handle] = request.lora
             if request.grammar and handle not in self.grammars:
                 raise RuntimeError(f"request {handle} was planned before its grammar matcher")
 
@@ -218,6 +223,7 @@ class ExecuteActor(SyncActor):
         draft_bitmask = None
         if bitmask.shape[1] and num_draft.any():
             draft_bitmask = self.draft_bitmask(step, bitmask)
+        lora_ids, lora_paths = self.adapters_of(handles)
         return StepBatch(
             request_ids=handles,
             input_ids=input_ids,
@@ -237,7 +243,18 @@ class ExecuteActor(SyncActor):
             prompt_logprobs=np.array([r.prompt_logprobs for r in requests], np.int32),
             num_draft=num_draft if num_draft.any() else None,
             draft_bitmask=draft_bitmask,
+            lora_ids=lora_ids,
+            lora_paths=lora_paths,
         )
+
+    def adapters_of(self, handles: np.ndarray) -> tuple[np.ndarray | None, dict[int, str]]:
+        """Each row's adapter id (0: the base model) and each adapter's path; (None, {}) when no
+        row has one."""
+        if not self.loras:
+            return None, {}
+        found = [self.loras.get(h) for h in handles.tolist()]
+        ids = np.array([0 if lora is None else lora.lora_id for lora in found], np.int64)
+        return ids, {lora.lora_id: lora.path for lora in found if lora is not None}
 
     def draft_bitmask(self, step: PlannedStep, bitmask: np.ndarray) -> np.ndarray:
         """[S', width]: a mask per verified position of each sampling row (its input token's,

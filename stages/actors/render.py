@@ -208,6 +208,7 @@ class RenderActor(AsyncActor):
             resume=resume,
             cache_salt=request.cache_salt,
             thinking=self.thinking_budget(request, ids),
+            lora=request.lora,
         )
         detok = DetokParams(
             stop=s.stop,

@@ -40,6 +40,7 @@ class ScheduleActor(AsyncActor):
                 block_size=config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 speculative=config.speculative,
+                max_loras=0 if config.lora is None else config.lora.max_loras,
             )
         )
         self.wake = asyncio.Event()
@@ -311,6 +312,7 @@ def _sequence(prompt: RenderedPrompt, proposes_in_execute: bool) -> Sequence:
         # have to sample under the grammar too: such a request decodes plainly there.
         can_draft=request.thinking is None and not (request.grammar and proposes_in_execute),
         cache_salt=request.cache_salt,
+        lora_id=0 if request.lora is None else request.lora.lora_id,
         render_start_ns=prompt.render_start_ns,
         rendered_ns=prompt.rendered_ns,
         output_ids=[] if resume is None else list(resume.output_ids),

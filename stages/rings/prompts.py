@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 
 from pipeline.records import Record, Vocabulary
-from stages.api import SamplingParams
+from stages.api import LoraRequest, SamplingParams
 from stages.rings.common import ABORT, RESET_PREFIX_CACHE, Resume, Views
 from stages.text.thinking import ThinkingBudget
 
@@ -28,6 +28,7 @@ class RenderedRequest(msgspec.Struct, frozen=True, array_like=True):
     resume: Resume | None = None  # resubmitted after a stage failure: the outputs already sent
     cache_salt: str | None = None  # mixed into the first prompt block's hash (prefix caching)
     thinking: ThinkingBudget | None = None  # thinking_token_budget, with the tags as tokens
+    lora: LoraRequest | None = None  # the adapter it runs with; None: the base model
 
     @property
     def cacheable(self) -> bool:

@@ -26,11 +26,17 @@ def http_get(port: int, path: str) -> tuple[int, str]:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], port: int, log_path: Path) -> Iterator[subprocess.Popen]:
-    """`python -m server.cli ARGS --port PORT`, ready (200 on /health) within 120 s; SIGTERM after."""
+def running_server(
+    args: list[str], port: int, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """`python -m server.cli ARGS --port PORT`, ready (200 on /health) within 120 s; SIGTERM after.
+    `env`: variables set for it besides ours."""
     argv = [sys.executable, "-m", "server.cli", *args, "--port", str(port), "--log-format", "json"]
+    environ = {**os.environ, **(env or {})}
     with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=environ
+        )
         try:
             deadline = time.monotonic() + 120
             while True:

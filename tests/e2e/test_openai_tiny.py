@@ -782,6 +782,23 @@ def test_structural_tag_compiles_in_render(client):
     assert "trigger" in info.value.message
 
 
+def test_without_lora_the_adapter_routes_do_not_exist(server, client):
+    """No --enable-lora and no VLLM_ALLOW_RUNTIME_LORA_UPDATING: as in vLLM, no load route, and
+    an adapter's name is an unknown model."""
+    port, _ = server
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        body = json.dumps({"lora_name": "a", "lora_path": "/tmp"})
+        connection.request(
+            "POST", "/v1/load_lora_adapter", body, {"Content-Type": "application/json"}
+        )
+        assert connection.getresponse().status == 404
+    finally:
+        connection.close()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="a", prompt="hi", max_tokens=1)
+
+
 # Last: it stops the module's server.
 def test_sigterm_stops_every_process_and_leaves_no_names(server):
     port, process = server

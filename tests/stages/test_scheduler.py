@@ -321,3 +321,41 @@ def test_salted_block_hashes_differ_from_every_unsalted_one():
     assert prompt_block_hashes(ids, 4, "s") == salted
     assert not set(plain) & set(salted)
     assert not set(salted) & set(prompt_block_hashes(ids, 4, "t"))
+
+
+def test_requests_share_cached_blocks_only_under_the_same_adapter():
+    """A LoRA adapter's KV is its own: the adapter is in the hash chain, as a salt is."""
+    s = Scheduler(SchedulerConfig(8, 64, 512, 64, 4, max_loras=4))
+
+    def adapted(handle: int, lora_id: int, salt: str | None = None) -> Sequence:
+        request = seq(handle, 40, prompt=SHARED)
+        request.lora_id, request.cache_salt = lora_id, salt
+        return request
+
+    s.add(adapted(1, 5))
+    run_step(s)
+    for handle, lora_id, salt, cached in [
+        (2, 6, None, 0),
+        (3, 0, None, 0),
+        (4, 5, "x", 0),
+        (5, 5, None, 36),
+    ]:
+        s.add(adapted(handle, lora_id, salt))
+        run_step(s)
+        assert s.by_handle[handle].num_cached_tokens == cached, (lora_id, salt)
+
+
+def test_running_requests_use_at_most_max_loras_adapters():
+    """vLLM's rule: a request whose adapter would make the running requests' adapters more than
+    --max-loras waits, and one behind it whose adapter is running (or the base) goes first."""
+    s = Scheduler(SchedulerConfig(8, 64, 512, 64, 4, max_loras=2))
+    for handle, lora_id in [(1, 11), (2, 12), (3, 13), (4, 11), (5, 0)]:
+        request = seq(handle, 5, max_tokens=2)
+        request.lora_id = lora_id
+        s.add(request)
+    step, _ = run_step(s)
+    assert [x.seq.handle for x in step.seqs] == [1, 2, 4, 5]
+    assert s.by_handle[3].status == Status.WAITING
+    run_step(s)  # 1, 2, 4 and 5 reach max_tokens: adapter 13 may run now
+    step, _ = run_step(s)
+    assert [x.seq.handle for x in step.seqs] == [3]
