@@ -198,6 +198,10 @@ class ModelRunner:
         """Requests whose token history the runner holds (seen and not yet freed)."""
         return frozenset(self._requests)
 
+    def copy_blocks(self, pairs: np.ndarray) -> None:  # pairs: [C, 2] int32 (source, destination)
+        """Copy KV blocks before a step (beam search's copy on write)."""
+        self.kv_cache.copy_blocks(torch.from_numpy(pairs.astype(np.int64)).to(self.device))
+
     def free(self, request_ids: np.ndarray | list[int]) -> None:
         """Forget finished or aborted requests."""
         for request_id in np.asarray(request_ids, dtype=np.int64).tolist():

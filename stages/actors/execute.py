@@ -20,6 +20,7 @@ from pipeline.clock import now_ns
 from pipeline.errors import RingTimeout
 from pipeline.ring import Consumer, Message, Producer
 from stages import spans
+from stages.beam_group import scoring_sampling
 from stages.config import EngineConfig, num_kv_blocks
 from stages.rings import plan, results
 from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
@@ -92,6 +93,8 @@ class ExecuteActor(SyncActor):
                 step = plan.unpack_step(message)
             self.forget(step.free_handles)
             self.admit(step.new_requests)
+            if len(step.block_copies):  # beams about to write blocks they shared
+                self.runner.copy_blocks(step.block_copies)
             batch = self.batch_of(step)
             started = now_ns()
             cpu = time.process_time_ns()
@@ -157,9 +160,10 @@ class ExecuteActor(SyncActor):
         from gpu.sampler import RequestSampling
 
         for handle, request in requests:
-            sampling = RequestSampling.of(
-                request.sampling, request.stop_token_ids, request.bad_words
-            )
+            params = request.sampling
+            if params.beam is not None:
+                params = scoring_sampling(params, len(request.stop_token_ids))
+            sampling = RequestSampling.of(params, request.stop_token_ids, request.bad_words)
             self.sampling[handle] = sampling
             if sampling.has_bad_words:
                 self.with_bad_words.add(handle)
