@@ -761,7 +761,9 @@ class Scheduler:
 
     def stats(self) -> dict[str, float]:
         return {
-            "num_requests_running": len(self.running),
+            # a beam search's parked choices run with its leader (vLLM counts its n as running)
+            "num_requests_running": len(self.running)
+            + sum(len(g.members) - (0 in g.members) for g in self.beam_groups.values()),
             "num_requests_waiting": len(self.waiting),
             "kv_cache_usage_perc": self.blocks.usage,
             "num_free_blocks": self.blocks.num_free,
