@@ -1,4 +1,4 @@
-"""Beam search through the whole server (HTTP, four stages) on a tiny random Llama in float32: the
+"""Beam search through the whole server (HTTP, four stages) on a tiny random Llama in float32 (and SmolLM2, slow): the
 choices equal transformers' `generate(num_beams=W, num_return_sequences=W, ...)`, best first,
 and nothing stays held once requests end or are aborted."""
 
@@ -194,3 +194,59 @@ def test_nothing_stays_held_after_beam_searches_end_or_are_aborted(server):
     while metric(server, "vllm:num_requests_running") or metric(server, "vllm:kv_cache_usage_perc"):
         assert time.monotonic() < deadline, "beam search left requests or KV blocks held"
         time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_smollm2_beams_equal_transformers_in_float32(smollm2_gguf, tmp_path):
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.text.tokenizer import load_tokenizer
+
+    directory, name = os.path.dirname(smollm2_gguf), os.path.basename(smollm2_gguf)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}], tokenize=False, add_generation_prompt=True
+    )
+    prompt = load_tokenizer(smollm2_gguf).encode(text)
+    stop_ids = list(load_tokenizer(smollm2_gguf).eos_token_ids)
+    width, max_tokens = 4, 24
+    with torch.inference_mode():
+        out = hf.eval().generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            num_beams=width,
+            num_return_sequences=width,
+            length_penalty=1.0,
+            early_stopping=True,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=stop_ids,
+            pad_token_id=stop_ids[0],
+        )
+    expected = []
+    for row in out[:, len(prompt) :].tolist():
+        ends = [i for i, t in enumerate(row) if t in stop_ids]
+        expected.append(row[: ends[0] + 1] if ends else row)
+    port = free_port()
+    args = [smollm2_gguf, "--quantization", "none", "--dtype", "float32", "--threads", "2"]
+    with running_server(args, port, tmp_path / "serve.log"):
+        status, body = post(
+            port,
+            "/v1/completions",
+            {
+                "prompt": prompt,
+                "n": width,
+                "use_beam_search": True,
+                "early_stopping": True,
+                "max_tokens": max_tokens,
+                "include_stop_str_in_output": True,
+                "return_token_ids": True,
+            },
+        )
+    assert status == 200, body
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert [c["token_ids"] for c in choices] == expected
