@@ -50,6 +50,7 @@ class BeamGroup:
     search: BeamSearch | None = None
     beams: list[Sequence] = field(default_factory=list)  # in the search's order
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks
+    resumed: dict[int, int] = field(default_factory=dict)  # by index: outputs its client has
 
     @property
     def width(self) -> int:

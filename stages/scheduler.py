@@ -239,6 +239,10 @@ class Scheduler:
         group = self.beam_groups.setdefault(params.group, BeamGroup(seq.beam_request))
         seq.beam, seq.status = group, Status.PARKED
         group.members[params.index] = seq
+        # Resubmitted after a stage failure: the search runs again from the prompt (it is
+        # deterministic), and the choice emits only what its client does not have yet.
+        group.resumed[params.index] = len(seq.output_ids)
+        seq.output_ids = []
         if len(group.members) == group.width and group.leader is not None:
             self._enqueue(group.leader)
 
@@ -346,11 +350,20 @@ class Scheduler:
                     self._register_prefix(seq)
                 taken.add(seq.handle)
                 budget -= count
+        # A beam search runs as many rows as beams: the others count against max_num_seqs too.
+        beam_rows = sum(
+            g.width - 1
+            for g in self.beam_groups.values()
+            if g.leader is not None and g.leader.status == Status.RUNNING
+        )
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             # A preempted request waits for its steps in flight before it is recomputed.
             admit = next((s for s in self.waiting if s.steps_in_flight == 0), None)
             if admit is None:
                 break
+            extra = 0 if admit.beam is None else admit.beam.width - 1
+            if self.running and len(self.running) + beam_rows + extra >= self.config.max_num_seqs:
+                break  # (a search wider than max_num_seqs runs alone)
             cached = self._take_cached_prefix(admit)
             count = min(admit.num_tokens - admit.num_computed, budget)
             if not self.blocks.grow(admit.blocks, admit.num_computed + count):
@@ -362,6 +375,7 @@ class Scheduler:
             self.waiting.remove(admit)
             admit.status = Status.RUNNING
             self.running.append(admit)
+            beam_rows += extra
             planned.append(self._plan(admit, count, admit.num_computed + count == admit.num_tokens))
             self._register_prefix(admit)
             budget -= count
@@ -713,7 +727,7 @@ class Scheduler:
             member.output_ids = [] if hypothesis is None else list(hypothesis.tokens)
             # No logprobs (refused), so any row of the step will do; a choice left without a
             # hypothesis (stop strings ended every beam early) still gets its finish.
-            for token in member.output_ids or [-1]:
+            for token in member.output_ids[group.resumed.get(index, 0) :] or [-1]:
                 out.append((member, token))
                 rows.append(entries[-1])
             stop_token = bool(member.output_ids) and member.output_ids[-1] in leader.stop_ids

@@ -37,6 +37,20 @@ def choices(width: int, prompt_len: int = 6, max_tokens: int = 20, stop=()) -> l
     ]
 
 
+def single(handle: int) -> Sequence:
+    """A request without beams."""
+    return Sequence(
+        handle=handle,
+        priority=0,
+        arrival_ns=100 + handle,
+        prompt_ids=np.arange(3, dtype=np.int32) + 50 * handle,
+        max_tokens=5,
+        stop_ids=frozenset(),
+        rendered=b"",
+        detok=b"",
+    )
+
+
 def step(s: Scheduler, candidates):
     """Plan a step and complete it; `candidates(row)` gives a row's (ids, logprobs)."""
     planned = s.schedule()
@@ -176,3 +190,35 @@ def test_a_preempted_search_starts_over_from_its_prompt():
     assert s.num_preemptions == 1 and leader.num_preemptions == 1
     assert [b.output_ids for b in leader.beam.beams] == [[1], [2]]  # the first step's again
     assert s.blocks.num_free == 1
+
+
+def test_a_choice_resubmitted_after_a_failure_gets_only_what_its_client_lacks():
+    s = make()
+    members = choices(2, max_tokens=3)
+    members[1].output_ids = [11, 12]  # its client read these before the stage failed
+    for c in members:
+        s.add(c)
+    planned, _ = step(s, spread)
+    assert planned.seqs[0].num_tokens == 6  # the prompt alone: the search starts over
+    emitted: list = []
+    while not emitted:
+        _, emitted = step(s, spread)
+    full = [t for seq, t in emitted if seq.handle == 10]
+    rest = [t for seq, t in emitted if seq.handle == 11]
+    assert len(full) == 3 and len(rest) == 1
+    assert s.by_handle == {}
+
+
+def test_a_search_counts_its_beams_against_max_num_seqs():
+    s = Scheduler(SchedulerConfig(4, 64, 512, 64, BLOCK))
+    for c in choices(3):
+        s.add(c)
+    step(s, spread)
+    plain, late = single(1), single(2)
+    s.add(plain)
+    s.add(late)
+    planned = s.schedule()
+    assert planned is not None
+    # three beams and one request fill the four rows: the second request waits
+    assert sorted({x.seq.handle for x in planned.seqs}) == [1, 10]
+    assert late.status == Status.WAITING
