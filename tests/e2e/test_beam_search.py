@@ -93,19 +93,25 @@ PROMPT = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33, 10, 84, 104, 
 
 
 @pytest.mark.parametrize(
-    ("width", "length_penalty", "early_stopping", "max_tokens"),
-    [(2, 1.0, False, 12), (4, 0.5, True, 16), (3, 2.0, "never", 10), (1, 1.0, False, 8)],
+    ("width", "length_penalty", "early_stopping", "max_tokens", "prompt_len"),
+    [
+        (2, 1.0, False, 12, 16),  # the prompt fills its one block: beams start a block each
+        (4, 0.5, True, 16, 13),  # the prompt's block is partly filled: copied on write at once
+        (3, 2.0, "never", 10, 7),
+        (1, 1.0, False, 8, 16),
+    ],
 )
 def test_beams_equal_transformers(
-    server, reference, width, length_penalty, early_stopping, max_tokens
+    server, reference, width, length_penalty, early_stopping, max_tokens, prompt_len
 ):
     generate, eos = reference
+    prompt = PROMPT[:prompt_len]
     # A token the model favours also stops beams, so that hypotheses end early and the length
     # penalty and early stopping decide among them.
-    greedy = generate(PROMPT, [eos], max_new_tokens=3)[0]
+    greedy = generate(prompt, [eos], max_new_tokens=3)[0]
     stop_ids = [eos, greedy[1]]
     expected = generate(
-        PROMPT,
+        prompt,
         stop_ids,
         num_beams=width,
         num_return_sequences=width,
@@ -118,7 +124,7 @@ def test_beams_equal_transformers(
         "/v1/completions",
         {
             "model": "tiny",
-            "prompt": PROMPT,
+            "prompt": prompt,
             "n": width,
             "use_beam_search": True,
             "length_penalty": length_penalty,
