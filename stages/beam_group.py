@@ -22,12 +22,14 @@ if TYPE_CHECKING:
 Decode = Callable[[list[list[int]]], list[str]]
 
 
-def scoring_sampling(sampling: SamplingParams, num_stop_ids: int) -> SamplingParams:
+def scoring_sampling(
+    sampling: SamplingParams, stop_token_ids: tuple[int, ...], vocab_size: int
+) -> SamplingParams:
     """How execute runs a beam search's rows: greedy (the token is not used), with the raw
-    log-probabilities of the candidates each beam needs."""
+    log-probabilities of the candidates each beam needs (never more than the vocabulary)."""
     assert sampling.beam is not None
-    k = candidates_per_beam(sampling.beam.width, num_stop_ids)
-    return msgspec.structs.replace(sampling, temperature=0.0, logprobs=k)
+    k = candidates_per_beam(sampling.beam.width, len(set(stop_token_ids)))
+    return msgspec.structs.replace(sampling, temperature=0.0, logprobs=min(k, vocab_size))
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,6 +19,13 @@ def candidates_per_beam(width: int, num_stop_ids: int) -> int:
     return max(2, 1 + num_stop_ids) * width
 
 
+def penalised(logprob: float, length: int, length_penalty: float) -> float:
+    """logprob / length ** length_penalty, in float64 that overflows to inf rather than raising
+    (a client may send any length_penalty)."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return float(logprob / np.float64(length) ** length_penalty)
+
+
 @dataclass(slots=True, frozen=True)
 class Hypothesis:
     tokens: tuple[int, ...]  # the generated tokens, the one that ended it included
@@ -85,7 +92,7 @@ class BeamSearch:
                 Hypothesis(
                     self.running[p] + (t,),
                     s,
-                    s / length**self.length_penalty,
+                    penalised(s, length, self.length_penalty),
                     stop and not at_limit,
                 )
                 for p, t, s, stop in zip(
@@ -108,7 +115,7 @@ class BeamSearch:
         if self.running:
             longest = self.early_stopping == "never" and self.length_penalty > 0
             best_length = self.max_new_tokens if longest else self.num_generated
-            best = self.logprobs[0] / best_length**self.length_penalty
+            best = penalised(self.logprobs[0], best_length, self.length_penalty)
             worst = self.finished[-1].score if len(self.finished) == self.width else _NONE_SCORE
             self.improvable = self.improvable and best > worst
         all_found = self.early_stopping is True and len(self.finished) == self.width

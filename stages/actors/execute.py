@@ -162,7 +162,8 @@ class ExecuteActor(SyncActor):
         for handle, request in requests:
             params = request.sampling
             if params.beam is not None:
-                params = scoring_sampling(params, len(request.stop_token_ids))
+                vocab_size = self.runner.model_config.vocab_size
+                params = scoring_sampling(params, request.stop_token_ids, vocab_size)
             sampling = RequestSampling.of(params, request.stop_token_ids, request.bad_words)
             self.sampling[handle] = sampling
             if sampling.has_bad_words:

@@ -256,3 +256,21 @@ def test_smollm2_beams_equal_transformers_in_float32(smollm2_gguf, tmp_path):
     assert status == 200, body
     choices = sorted(body["choices"], key=lambda c: c["index"])
     assert [c["token_ids"] for c in choices] == expected
+
+
+def test_more_candidates_than_the_vocabulary_holds_are_not_asked_for(server):
+    # (1 + 300 stop ids) * 4 candidates per beam: more than the 384 tokens there are
+    status, body = post(
+        server,
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "n": 4,
+            "use_beam_search": True,
+            "max_tokens": 4,
+            "stop_token_ids": list(range(1, 301)),
+            "length_penalty": 1e6,
+        },
+    )
+    assert status == 200, body
+    assert len(body["choices"]) == 4

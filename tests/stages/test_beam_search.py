@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from stages.beam_search import BeamSearch, candidates_per_beam
+from stages.beam_search import BeamSearch, candidates_per_beam, penalised
 
 EOS = 0
 
@@ -116,3 +116,12 @@ def test_a_finished_search_refuses_more_steps():
     search.step(ids, np.zeros((1, 2), np.float32), ids < 0)
     with pytest.raises(RuntimeError):
         search.step(ids, np.zeros((1, 2), np.float32), ids < 0)
+
+
+def test_any_length_penalty_scores_without_raising():
+    search = BeamSearch(width=1, max_new_tokens=2, length_penalty=1e6)
+    ids = np.array([[3, 4]])
+    search.step(ids, np.log(np.array([[0.6, 0.4]], np.float32)), ids < 0)
+    search.step(ids, np.log(np.array([[0.6, 0.4]], np.float32)), ids < 0)
+    assert search.done and search.results()[0].score == 0.0  # -0.36 / 2 ** 1e6
+    assert math.isinf(penalised(-1.0, 2, -1e6))
