@@ -725,6 +725,7 @@ class Scheduler:
         for index, member in members:
             hypothesis = results[index] if index < len(results) else None
             member.output_ids = [] if hypothesis is None else list(hypothesis.tokens)
+            member.scheduled_ns = member.scheduled_ns or leader.scheduled_ns  # (its queue ended)
             # No logprobs (refused), so any row of the step will do; a choice left without a
             # hypothesis (stop strings ended every beam early) still gets its finish.
             for token in member.output_ids[group.resumed.get(index, 0) :] or [-1]:
