@@ -18,8 +18,9 @@ from stages.kv_blocks import BlockManager
 if TYPE_CHECKING:
     from stages.scheduler import Sequence
 
-# Texts of token lists (the outputs of beams, each with a candidate), for stop strings.
-Decode = Callable[[list[list[int]]], list[str]]
+# Texts of token lists (the outputs of beams, each with a candidate), for stop strings; the flag
+# is skip_special_tokens.
+Decode = Callable[[list[list[int]], bool], list[str]]
 
 
 def scoring_sampling(
@@ -38,6 +39,7 @@ class BeamRequest:
 
     params: BeamSearchParams
     stop: tuple[str, ...] = ()  # stop strings: a beam whose text shows one ends there
+    skip_special_tokens: bool = True  # whether that text shows special tokens
 
 
 @dataclass(slots=True)
@@ -114,7 +116,10 @@ class BeamGroup:
         """Which candidates complete a stop string: the text of the beam's outputs with the
         candidate shows one (a running beam's own text shows none, or it would have ended)."""
         where = np.argwhere(ids >= 0)
-        texts = decode([[*parents[b].output_ids, int(ids[b, j])] for b, j in where.tolist()])
+        texts = decode(
+            [[*parents[b].output_ids, int(ids[b, j])] for b, j in where.tolist()],
+            self.request.skip_special_tokens,
+        )
         hits = np.zeros(ids.shape, bool)
         for (b, j), text in zip(where.tolist(), texts, strict=True):
             hits[b, j] = any(stop in text for stop in self.request.stop)

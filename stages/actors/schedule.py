@@ -143,12 +143,14 @@ class ScheduleActor(AsyncActor):
                 spans.SPAN_RESULT, started, now_ns(), batch=len(result.handles), tokens=len(emitted)
             )
 
-    def decode(self, token_lists: list[list[int]]) -> list[str]:
+    def decode(self, token_lists: list[list[int]], skip_special_tokens: bool) -> list[str]:
         """Texts of token lists: the stop strings of beam searches are looked for here, before
         a beam runs on (detokenize only ever sees the hypotheses)."""
         if self.tokenizer is None:
             self.tokenizer = tokenizer_of(self.ctx.config)
-        return self.tokenizer.tokenizer.decode_batch(token_lists, skip_special_tokens=True)
+        return self.tokenizer.tokenizer.decode_batch(
+            token_lists, skip_special_tokens=skip_special_tokens
+        )
 
     # -- outputs ---------------------------------------------------------------------------------
 
@@ -327,5 +329,7 @@ def _sequence(prompt: RenderedPrompt) -> Sequence:
         num_recoveries=0 if resume is None else resume.num_recoveries,
         beam_request=None
         if request.sampling.beam is None
-        else BeamRequest(request.sampling.beam, request.sampling.stop),
+        else BeamRequest(
+            request.sampling.beam, request.sampling.stop, request.sampling.skip_special_tokens
+        ),
     )
