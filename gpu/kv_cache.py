@@ -48,6 +48,13 @@ class KVCache:
             for _ in range(config.num_layers)
         ]
 
+    def copy_blocks(self, pairs: torch.Tensor) -> None:  # pairs: [C, 2] int64 (source, dest)
+        """Every layer's K and V of each source block into its destination block."""
+        sources, destinations = pairs[:, 0], pairs[:, 1]
+        for k_cache, v_cache in self.layers:
+            k_cache[destinations] = k_cache[sources]
+            v_cache[destinations] = v_cache[sources]
+
     @classmethod
     def from_budget(
         cls,

@@ -47,6 +47,8 @@ from stages.text.checkpoint import (
 
 log = structlog.get_logger(__name__)
 
+_NO_COPIES = np.zeros((0, 2), np.int32)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NO_IDS = np.zeros(0, dtype=np.int64)
 
@@ -106,6 +108,9 @@ class StepBatch:
     # [B] int64: each row's LoRA adapter id, 0 for the base model; None: every row is the base's
     lora_ids: np.ndarray | None = None
     lora_paths: Mapping[int, str] = field(default_factory=dict)  # each adapter id's directory
+    # [C, 2] int32 (source, destination): KV blocks copied before the forward (beams about to
+    # write blocks they shared); None: none
+    block_copies: np.ndarray | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -122,6 +127,8 @@ class ForwardInputs:
     block_tables: np.ndarray  # [R, max_blocks] int32
     slot_mapping: np.ndarray  # [T] int64
     logits_rows: np.ndarray  # [L] int64, rows of T whose logits are computed
+    # [C, 2] int32 (source, destination): KV blocks every rank copies first (copy on write)
+    block_copies: np.ndarray = field(default_factory=lambda: _NO_COPIES)
 
 
 @dataclass(slots=True, frozen=True)
@@ -374,6 +381,10 @@ class ModelRunner:
         """Requests whose token history the runner holds (seen and not yet freed)."""
         return frozenset(self._requests)
 
+    def copy_blocks(self, pairs: np.ndarray) -> None:  # pairs: [C, 2] int32 (source, destination)
+        """Copy KV blocks before a step (beam search's copy on write)."""
+        self.kv_cache.copy_blocks(torch.from_numpy(pairs.astype(np.int64)).to(self.device))
+
     def free(self, request_ids: np.ndarray | list[int]) -> None:
         """Forget finished or aborted requests."""
         ids = np.asarray(request_ids, dtype=np.int64).tolist()
@@ -431,6 +442,7 @@ class ModelRunner:
             block_tables=block_tables.astype(np.int32, copy=False),
             slot_mapping=batch.slot_mapping.astype(np.int64, copy=False),
             logits_rows=logits_rows.astype(np.int64, copy=False),
+            block_copies=_NO_COPIES if batch.block_copies is None else batch.block_copies,
         )
         if share is not None:
             share(inputs)
@@ -462,6 +474,8 @@ class ModelRunner:
         adapters: tuple[np.ndarray, Mapping[int, str]] | None = None,
     ) -> torch.Tensor:
         device = self.device
+        if len(step.block_copies):
+            self.copy_blocks(step.block_copies)
         graphs = self.graphs
         num_rows = len(step.context_lens)
         if (

@@ -201,11 +201,26 @@ def main(argv: list[str] | None = None) -> int:
     lora.add_argument("--port", type=int, default=8620)
     lora.add_argument("--json", dest="json_path")
 
+    beam = sub.add_parser(
+        "beam", help="beam search (width 4) against n=4 sampling on one server, interleaved"
+    )
+    beam.add_argument("model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)")
+    beam.add_argument("--width", type=int, default=4)
+    beam.add_argument("--concurrency", default="1,8")
+    beam.add_argument("--repeats", type=int, default=3, help="batch pairs per level")
+    beam.add_argument("--max-tokens", type=int, default=64)
+    beam.add_argument("--threads", type=int, default=2)
+    beam.add_argument("--port", type=int, default=8630)
+    beam.add_argument("--log-dir", default=".", help="where the server's log goes")
+    beam.add_argument("--json", dest="json_path")
+
     args = parser.parse_args(argv)
     if args.mode == "dp":
         return run_dp_cli(args)
     if args.mode == "lora":
         return run_lora_cli(args)
+    if args.mode == "beam":
+        return run_beam_cli(args)
     if args.mode == "spec":
         return run_spec_cli(args)
     if args.mode == "model":
@@ -298,6 +313,30 @@ def run_serve_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             )
             print(f"wrote {path}", file=sys.stderr)
     return 1 if any(run["completed"] == 0 for run in report["runs"]) else 0
+
+
+def run_beam_cli(args: argparse.Namespace) -> int:
+    import json
+
+    from perf import beam_bench
+
+    report = beam_bench.run_beam_bench(
+        beam_bench.BeamBenchArgs(
+            model=args.model,
+            width=args.width,
+            concurrency=tuple(int(c) for c in args.concurrency.split(",") if c),
+            repeats=args.repeats,
+            max_tokens=args.max_tokens,
+            port=args.port,
+            threads=args.threads,
+        ),
+        args.log_dir,
+    )
+    print(beam_bench.format_table(report))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
 
 
 def run_spec_cli(args: argparse.Namespace) -> int:

@@ -110,6 +110,7 @@ def _follow(
                     step.block_tables,
                     step.slot_mapping,
                     step.logits_rows,
+                    step.block_copies,
                 )
             )
     dist.destroy_process_group()

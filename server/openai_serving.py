@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import threading
 import time
 import uuid
@@ -138,6 +139,7 @@ class OpenAIServing:
     __slots__ = (
         "_workers",
         "api_key",
+        "beam_groups",
         "config",
         "drain",
         "engine",
@@ -162,6 +164,7 @@ class OpenAIServing:
         self.fingerprint = f"pipeline-serve-{server_version()}"
         self.api_key = config.api_key.encode() if config.api_key is not None else None
         self.unknown_fields = UnknownFields(config.log_level == "debug")
+        self.beam_groups = itertools.count(1)  # ids of beam search requests, for the scheduler
         self._workers: anyio.CapacityLimiter | None = None  # made in the loop, at first use
 
     async def in_worker(self, work: Callable[[], T]) -> T:
@@ -205,6 +208,8 @@ class OpenAIServing:
         """The body's sampling parameters, with the generation config's defaults for those the
         body leaves unset (vLLM's default_sampling_params)."""
         sampling: SamplingParams = body.sampling_params()
+        if sampling.beam is not None:  # beams are ranked on the model's own distribution
+            return sampling
         defaults = {
             name: value
             for name, value in self.config.default_sampling_params.items()
@@ -370,11 +375,26 @@ class OpenAIServing:
         seed + i, so the choices differ and the whole response still repeats."""
         requests = [generate_request]
         seed = generate_request.sampling.seed
-        for i in range(1, n):
-            sampling = msgspec.structs.replace(
-                generate_request.sampling, seed=None if seed is None else seed + i
-            )
-            requests.append(msgspec.structs.replace(generate_request, sampling=sampling))
+        beam = generate_request.sampling.beam
+        if beam is not None:
+            # One search for all: its choices share a group and take the hypotheses in order.
+            group = next(self.beam_groups)
+            requests = [
+                msgspec.structs.replace(
+                    generate_request,
+                    sampling=msgspec.structs.replace(
+                        generate_request.sampling,
+                        beam=msgspec.structs.replace(beam, group=group, index=i),
+                    ),
+                )
+                for i in range(n)
+            ]
+        else:
+            for i in range(1, n):
+                sampling = msgspec.structs.replace(
+                    generate_request.sampling, seed=None if seed is None else seed + i
+                )
+                requests.append(msgspec.structs.replace(generate_request, sampling=sampling))
         log_outputs = self.config.enable_log_outputs
         trackers = [
             Tracker(self.metrics, r.request_id, r.arrival_ns, log_outputs) for r in requests

@@ -17,7 +17,14 @@ from msgspec import Meta
 
 from server.errors import APIError
 from server.limits import check_json_depth
-from stages.api import ChatPrompt, SamplingParams, StructuredOutput, TextPrompt, TokensPrompt
+from stages.api import (
+    BeamSearchParams,
+    ChatPrompt,
+    SamplingParams,
+    StructuredOutput,
+    TextPrompt,
+    TokensPrompt,
+)
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -87,12 +94,15 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     # vLLM: the logprobs of these tokens at each position, in place of the top ones
     logprob_token_ids: LogprobTokenIds | None = None
     cache_salt: CacheSalt | None = None  # vLLM: only requests with the same salt share the cache
-    length_penalty: float = 1.0  # vLLM scores beams with it; no beams, no effect (as there)
+    # Beam search (vLLM's): n beams, whose finished hypotheses are the n choices, best first.
+    # length_penalty and early_stopping have no effect without it (as in vLLM).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # vLLM: tokens the reasoning may take before its end tag is forced (chat, with a reasoning
     # parser); -1: unlimited
     thinking_token_budget: int | None = None
     # vLLM fields this server refuses (`_refuse_unsupported` says why)
-    use_beam_search: bool = False
     vllm_xargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -127,8 +137,6 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     def _refuse_unsupported(self) -> None:
         """vLLM's fields that this server cannot honour: each a 400 that says so, never a 200
         that ignores it."""
-        if self.use_beam_search:
-            raise APIError("beam search is not supported", param="use_beam_search")
         if self.thinking_token_budget is not None and self.thinking_token_budget < -1:
             raise APIError(
                 "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
@@ -146,8 +154,49 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
                 param="kv_transfer_params",
             )
 
+    @property
+    def asks_logprobs(self) -> bool:
+        return False
+
+    def _check_beam_search(self) -> None:
+        """Beam search ranks beams by the model's raw log-probabilities and returns whole
+        hypotheses: a field that would reshape the distribution, or asks for what a sampled
+        token brings (logprobs), is refused rather than ignored."""
+        if not self.use_beam_search:
+            return
+        reshaping = {
+            "temperature": self.temperature not in (None, 0.0, 1.0),
+            "top_p": self.top_p not in (None, 1.0),
+            "top_k": self.top_k not in (None, 0, -1),
+            "min_p": self.min_p not in (None, 0.0),
+            "presence_penalty": self.presence_penalty not in (None, 0.0),
+            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words),
+            "min_tokens": self.min_tokens > 0,
+            "logprobs": self.asks_logprobs,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "logprob_token_ids": self.logprob_token_ids is not None,
+            "thinking_token_budget": self.thinking_token_budget not in (None, -1),
+        }
+        for name, refused in reshaping.items():
+            if refused:
+                raise APIError(
+                    f"{name} cannot be used with beam search: beams are ranked by the model's "
+                    "own log-probabilities (temperature may only be 0 or 1)",
+                    param=name,
+                )
+        structured = self.structured()
+        if structured is not None:
+            raise APIError(
+                "structured outputs cannot be used with beam search", param=structured.param
+            )
+
     def _validate_common(self, max_tokens: int | None, vocab_size: int) -> None:
         self._refuse_unsupported()
+        self._check_beam_search()
         if self.n > MAX_CHOICES:
             raise APIError(f"n must be at most {MAX_CHOICES}", param="n")
         if self.prompt_logprobs is not None and self.stream:
@@ -219,6 +268,10 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             thinking_token_budget=None
             if self.thinking_token_budget in (None, -1)
             else self.thinking_token_budget,
+            # The choices' group and places are set as each becomes an engine request.
+            beam=BeamSearchParams(self.n, 0, 0, self.length_penalty, self.early_stopping)
+            if self.use_beam_search
+            else None,
         )
 
     def top_logprob_count(self, asked: int) -> int:
@@ -310,6 +363,10 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             if self.max_completion_tokens is not None
             else (self.max_tokens)
         )
+
+    @property
+    def asks_logprobs(self) -> bool:
+        return self.logprobs
 
     def validate(self, vocab_size: int) -> None:
         self._validate_common(self.effective_max_tokens, vocab_size)
@@ -475,6 +532,10 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     @property
     def effective_max_tokens(self) -> int:
         return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+    @property
+    def asks_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     def validate(self, vocab_size: int) -> None:
         if self.suffix is not None:

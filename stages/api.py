@@ -26,6 +26,18 @@ class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
     param: str = "response_format"  # the request field it came from, named by errors
 
 
+class BeamSearchParams(msgspec.Struct, frozen=True, array_like=True):
+    """vLLM's use_beam_search: `width` beams searched together; each of the request's `width`
+    choices is an engine request of its own that carries this, and the one with index 0 runs the
+    search for all (stages.beam_group)."""
+
+    width: int
+    group: int  # the same for the choices of one request, unique among requests
+    index: int  # this choice's place among them: it gets the index-th best hypothesis
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as transformers
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """Per-request sampling and stopping, with vLLM's meanings and defaults.
 
@@ -62,6 +74,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # vLLM: tokens the request may think for (inside its reasoning parser's tags) before the end
     # tag is forced; None: no limit
     thinking_token_budget: int | None = None
+    beam: BeamSearchParams | None = None  # beam search instead of sampling
 
 
 class ChatPrompt(msgspec.Struct, frozen=True, tag="chat"):

@@ -47,14 +47,41 @@ class BlockManager:
         if need > len(self._free):
             return False
         for _ in range(need):
-            block, _ = self._free.popitem(last=False)
-            cached = self._hash_of[block]
-            if cached is not None:  # evicted: its prefix is no longer cached
-                del self._cached[cached]
-                self._hash_of[block] = None
-            self._refs[block] = 1
-            blocks.append(block)
+            blocks.append(self._take())
         return True
+
+    def _take(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        cached = self._hash_of[block]
+        if cached is not None:  # evicted: its prefix is no longer cached
+            del self._cached[cached]
+            self._hash_of[block] = None
+        self._refs[block] = 1
+        return block
+
+    def share(self, blocks: list[int]) -> list[int]:
+        """A second holder of the same blocks (a beam forked from another)."""
+        for block in blocks:
+            self._refs[block] += 1
+        return list(blocks)
+
+    def grow_writable(
+        self, blocks: list[int], num_tokens: int, copies: list[tuple[int, int]]
+    ) -> bool:
+        """`grow`, for a table whose blocks may be shared (beams): when the block that token
+        num_tokens - 1 lands in is partly filled and held by another table too, it is replaced by a
+        fresh block, and (source, destination) goes on `copies` for execute to copy first (copy on
+        write at the first divergent token). False (and no change) if blocks run out."""
+        last = (num_tokens - 1) // self.block_size
+        shared = last < len(blocks) and self._refs[blocks[last]] > 1
+        if self.blocks_for(num_tokens) - len(blocks) + shared > len(self._free):
+            return False
+        if shared:
+            source = blocks[last]
+            self._refs[source] -= 1
+            blocks[last] = self._take()
+            copies.append((source, blocks[last]))
+        return self.grow(blocks, num_tokens)
 
     def free(self, blocks: list[int]) -> None:
         # Tail first: a prefix's last blocks are evicted before its first ones.

@@ -29,6 +29,7 @@ import numpy as np
 
 from pipeline.clock import now_ns
 from stages import draft_policy
+from stages.beam_group import BeamGroup, BeamRequest, Decode
 from stages.draft_policy import StepCost
 from stages.kv_blocks import BlockManager, prompt_block_hashes
 from stages.rings import common as m
@@ -57,6 +58,7 @@ class Status(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    PARKED = 3  # a beam search's choice: waits for the others, then for the search's end
 
 
 @dataclass(slots=True)
@@ -113,6 +115,12 @@ class Sequence:
     proposal: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     cache_salt: str | None = None  # only requests with the same salt share cached blocks
     lora_id: int = 0  # its LoRA adapter (stages.api.LoraRequest.lora_id); 0: the base model
+    # Beam search (stages.beam_group): a choice of such a request brings `beam_request`, and
+    # `add` puts it in its group (`beam`); a beam is a sequence of the leader's handle (`beam_of`)
+    # with blocks of its own, planned with the others of its group.
+    beam_request: BeamRequest | None = None
+    beam: BeamGroup | None = None
+    beam_of: Sequence | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt = len(self.prompt_ids)
@@ -166,6 +174,8 @@ class Step:
     new_for_execute: list[Sequence]
     free_handles: list[int]
     planned_after_result: bool = False  # planned at once on the previous step's results
+    # (source, destination) KV blocks execute copies before the step: beams' copy on write
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +195,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, decode: Decode | None = None) -> None:
+        """`decode`: texts of token lists, for beam searches with stop strings."""
         self.config = config
+        self.decode = decode
+        self.beam_groups: dict[int, BeamGroup] = {}  # by BeamSearchParams.group
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.waiting: list[Sequence] = []  # kept sorted by (priority, arrival)
         self.running: list[Sequence] = []  # in admission order
@@ -222,7 +235,20 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.cacheable = seq.cacheable and self.config.enable_prefix_caching
         self.by_handle[seq.handle] = seq
-        self._enqueue(seq)
+        if seq.beam_request is None:
+            self._enqueue(seq)
+            return
+        # A beam search's choices park until all have come; then the leader runs the search.
+        params = seq.beam_request.params
+        group = self.beam_groups.setdefault(params.group, BeamGroup(seq.beam_request))
+        seq.beam, seq.status = group, Status.PARKED
+        group.members[params.index] = seq
+        # Resubmitted after a stage failure: the search runs again from the prompt (it is
+        # deterministic), and the choice emits only what its client does not have yet.
+        group.resumed[params.index] = len(seq.output_ids)
+        seq.output_ids = []
+        if len(group.members) == group.width and group.leader is not None:
+            self._enqueue(group.leader)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -241,10 +267,12 @@ class Scheduler:
             return
         if seq.status == Status.WAITING:
             self.waiting.remove(seq)
-        else:
+        elif seq.status == Status.RUNNING:
             self.running.remove(seq)
         seq.status = Status.FINISHED
         seq.finish = reason
+        if seq.beam is not None:
+            self._leave_beam_group(seq, reason)
         if self.suffix_cache is not None and reason in (m.FINISH_STOP, m.FINISH_LENGTH):
             self.suffix_cache.add(seq.output_ids)
         # Blocks are safe to reuse at once: execute runs steps in order, so a step in flight that
@@ -287,7 +315,12 @@ class Scheduler:
         # share a bounded allowance, which bounds the running streams' inter-token latency.
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
+        searches: list[Sequence] = []  # beam searches' leaders whose beams are due a step
         for seq in self.running:
+            if seq.beam is not None and (seq.beam.beams or seq.pending_outputs):
+                if seq.beam.beams and not seq.steps_in_flight:
+                    searches.append(seq)
+                continue  # a search's next step waits for the candidates of its last
             num_outputs = len(seq.output_ids) + seq.pending_outputs
             if num_outputs >= seq.max_tokens or seq.drafts_in_flight:
                 continue  # its last token is in flight, or its drafts are being verified
@@ -295,6 +328,11 @@ class Scheduler:
             (decodes if left == 1 else prefills).append((seq, left))
         drafts = self._drafts(decodes, prefills, budget)
         capacity = self.blocks.block_size
+        copies: list[tuple[int, int]] = []
+        for leader in searches:
+            rows = self._plan_beams(leader, budget, taken, copies)
+            planned.extend(rows)
+            budget -= len(rows)
         for group in (decodes, prefills):
             if group is prefills and planned:
                 budget = min(budget, self.config.max_prefill_tokens_while_decoding)
@@ -317,6 +355,12 @@ class Scheduler:
                 taken.add(seq.handle)
                 budget -= count
         loras = self._running_loras()
+        # A beam search runs as many rows as beams: the others count against max_num_seqs too.
+        beam_rows = sum(
+            g.width - 1
+            for g in self.beam_groups.values()
+            if g.leader is not None and g.leader.status == Status.RUNNING
+        )
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             # A preempted request waits for its steps in flight before it is recomputed; one
             # whose adapter would make the running requests' more than --max-loras waits for
@@ -332,6 +376,9 @@ class Scheduler:
             )
             if admit is None:
                 break
+            extra = 0 if admit.beam is None else admit.beam.width - 1
+            if self.running and len(self.running) + beam_rows + extra >= self.config.max_num_seqs:
+                break  # (a search wider than max_num_seqs runs alone)
             cached = self._take_cached_prefix(admit)
             count = min(admit.num_tokens - admit.num_computed, budget)
             if not self.blocks.grow(admit.blocks, admit.num_computed + count):
@@ -345,6 +392,7 @@ class Scheduler:
             self.running.append(admit)
             if admit.lora_id:
                 loras.add(admit.lora_id)
+            beam_rows += extra
             planned.append(self._plan(admit, count, admit.num_computed + count == admit.num_tokens))
             self._register_prefix(admit)
             budget -= count
@@ -356,7 +404,7 @@ class Scheduler:
         after_result = (
             not self.in_flight and now_ns() - self._completed_at_ns < _SYNC_PLAN_WITHIN_NS
         )
-        step = Step(self._next_step, planned, new, self._to_free, after_result)
+        step = Step(self._next_step, planned, new, self._to_free, after_result, copies)
         self._to_free = []
         self._next_step += 1
         self.in_flight.append(step)
@@ -367,6 +415,44 @@ class Scheduler:
         if not self.config.max_loras:
             return set()
         return {seq.lora_id for seq in self.running if seq.lora_id}
+
+    def _plan_beams(
+        self, leader: Sequence, budget: int, taken: set[int], copies: list[tuple[int, int]]
+    ) -> list[ScheduledSeq]:
+        """One row per running beam of a search, all or none: each beam's next token needs a
+        slot of its own, in a block no other beam holds (copied on write)."""
+        group = leader.beam
+        assert group is not None
+        if len(group.beams) > budget:
+            return []
+        for beam in group.beams:
+            while not self.blocks.grow_writable(beam.blocks, beam.num_computed + 1, group.copies):
+                victim = next((s for s in reversed(self.running) if s.handle not in taken), None)
+                if victim is None:
+                    return []  # the copies made so far wait in the group for its next plan
+                self._preempt(victim)
+                if victim is leader:
+                    return []
+        taken.add(leader.handle)
+        copies.extend(group.copies)
+        group.copies = []
+        leader.steps_in_flight += 1
+        return [self._plan(beam, 1, True) for beam in group.beams]
+
+    def _leave_beam_group(self, seq: Sequence, reason: int) -> None:
+        """A choice of a beam search finished: the leader's end (normal, or an abort) ends the
+        search and gives back the beams' blocks; choices still parked end with it."""
+        group, request = seq.beam, seq.beam_request
+        assert group is not None and request is not None
+        index = request.params.index
+        if group.members.get(index) is seq:
+            del group.members[index]
+        if index != 0:
+            return
+        group.drop(self.blocks)
+        self.beam_groups.pop(request.params.group, None)
+        for member in list(group.members.values()):
+            self.finish(member, reason)
 
     def _plan(
         self, seq: Sequence, count: int, sample: bool, draft: np.ndarray | None = None
@@ -547,6 +633,8 @@ class Scheduler:
         """Free the request's blocks; it waits to be recomputed from prompt and outputs."""
         self.running.remove(seq)
         self.blocks.free(seq.blocks)
+        if seq.beam is not None:  # a beam search starts over from its prompt (it is deterministic)
+            seq.beam.drop(self.blocks)
         seq.num_computed = seq.num_registered = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -562,10 +650,13 @@ class Scheduler:
         num_tokens: np.ndarray | None = None,  # [B] int32 entries per row; None: one each
         t_start_ns: int = 0,  # when execute began and ended the step (0: not known)
         t_end_ns: int = 0,
+        top_ids: np.ndarray | None = None,  # [N, K] int64: beam searches read their candidates
+        top_logprobs: np.ndarray | None = None,  # [N, K] float32
     ) -> tuple[list[tuple[Sequence, int]], list[int]]:
         """Apply one step's sampled tokens: the (sequence, token) pairs to pass on, in order, and
         the entry of token_ids each came from. A row that verified drafts emits up to 1 + drafts
-        tokens; none after a stop token or the length limit."""
+        tokens; none after a stop token or the length limit. A beam search emits nothing until it
+        ends, and then each choice's whole hypothesis."""
         step = self.in_flight.popleft()
         if step.step_id != step_id:
             raise RuntimeError(f"result for step {step_id} while step {step.step_id} was oldest")
@@ -578,6 +669,7 @@ class Scheduler:
         tokens = token_ids.tolist()
         out: list[tuple[Sequence, int]] = []
         rows: list[int] = []
+        searches: dict[int, tuple[Sequence, list[int]]] = {}  # leader, its rows' entries
         at = 0
         for scheduled, handle, count in zip(step.seqs, handles.tolist(), counts, strict=True):
             first, at = at, at + count
@@ -587,6 +679,14 @@ class Scheduler:
             seq.steps_in_flight -= 1
             if scheduled.sample:
                 seq.pending_outputs -= 1
+            if seq.beam_of is not None:  # a beam's row: its search steps once all are in
+                searches.setdefault(seq.beam_of.handle, (seq.beam_of, []))[1].append(first)
+                continue
+            if seq.beam is not None and scheduled.sample and seq.status != Status.FINISHED:
+                if seq.status == Status.RUNNING:  # the prompt's candidates: the search's first
+                    searches[seq.handle] = (seq, [first])
+                    seq.steps_in_flight += 1  # counted down with the beams' rows below
+                continue  # (preempted meanwhile: it starts over)
             if seq.status == Status.FINISHED:
                 if seq.steps_in_flight == 0:
                     self.by_handle.pop(seq.handle, None)
@@ -610,9 +710,56 @@ class Scheduler:
                     self.finish(seq, m.FINISH_LENGTH)
                 if seq.status == Status.FINISHED:
                     break
+        for leader, entries in searches.values():
+            leader.steps_in_flight -= 1
+            if leader.status == Status.RUNNING:
+                self._step_search(leader, entries, top_ids, top_logprobs, out, rows)
+            elif leader.status == Status.FINISHED and leader.steps_in_flight == 0:
+                self.by_handle.pop(leader.handle, None)
         self._completed_at_ns = now_ns()
         self._update_wants_drafts()
         return out, rows
+
+    def _step_search(
+        self,
+        leader: Sequence,
+        entries: list[int],  # the entries of its rows in the step's results
+        top_ids: np.ndarray | None,
+        top_logprobs: np.ndarray | None,
+        out: list[tuple[Sequence, int]],
+        rows: list[int],
+    ) -> None:
+        """Step a beam search on its candidates; once it is over, each choice gets its hypothesis
+        (the index-th best) as its outputs, and the request finishes."""
+        group = leader.beam
+        if group is None or top_ids is None or top_logprobs is None:
+            raise RuntimeError(f"beam search {leader.handle}: a result without candidates")
+        max_new_tokens = min(leader.max_tokens, self.config.max_model_len - leader.num_prompt)
+        done = group.advance(
+            self.blocks,
+            leader,
+            max_new_tokens,
+            top_ids[entries],
+            top_logprobs[entries],
+            self.decode,
+        )
+        if not done:
+            return
+        results = group.results()
+        members = sorted(group.members.items(), reverse=True)  # the leader last: it ends the group
+        for index, member in members:
+            hypothesis = results[index] if index < len(results) else None
+            member.output_ids = [] if hypothesis is None else list(hypothesis.tokens)
+            member.scheduled_ns = member.scheduled_ns or leader.scheduled_ns  # (its queue ended)
+            # No logprobs (refused), so any row of the step will do; a choice left without a
+            # hypothesis (stop strings ended every beam early) still gets its finish.
+            for token in member.output_ids[group.resumed.get(index, 0) :] or [-1]:
+                out.append((member, token))
+                rows.append(entries[-1])
+            stop_token = bool(member.output_ids) and member.output_ids[-1] in leader.stop_ids
+            # A stop string's hypothesis ends as "length" here: detokenize finds the string
+            # and makes it "stop" (a stop token's finish would hide the last token's text).
+            self.finish(member, m.FINISH_STOP if stop_token else m.FINISH_LENGTH)
 
     def _verified(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """Count a verification and give back the KV slots of the rejected drafts."""
@@ -654,7 +801,9 @@ class Scheduler:
 
     def stats(self) -> dict[str, float]:
         return {
-            "num_requests_running": len(self.running),
+            # a beam search's parked choices run with its leader (vLLM counts its n as running)
+            "num_requests_running": len(self.running)
+            + sum(len(g.members) - (0 in g.members) for g in self.beam_groups.values()),
             "num_requests_waiting": len(self.waiting),
             "kv_cache_usage_perc": self.blocks.usage,
             "num_free_blocks": self.blocks.num_free,

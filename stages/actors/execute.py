@@ -29,6 +29,7 @@ from stages.actors.tensor_group import (
     runner_config,
 )
 from stages.api import LoraRequest
+from stages.beam_group import scoring_sampling
 from stages.config import EngineConfig, num_kv_blocks, sized_from_device_memory
 from stages.kv_size import publish_num_blocks, published_num_blocks
 from stages.rings import plan, results
@@ -179,9 +180,11 @@ class ExecuteActor(SyncActor):
         from gpu.sampler import RequestSampling
 
         for handle, request in requests:
-            sampling = RequestSampling.of(
-                request.sampling, request.stop_token_ids, request.bad_words
-            )
+            params = request.sampling
+            if params.beam is not None:
+                vocab_size = self.runner.model_config.vocab_size
+                params = scoring_sampling(params, request.stop_token_ids, vocab_size)
+            sampling = RequestSampling.of(params, request.stop_token_ids, request.bad_words)
             self.sampling[handle] = sampling
             if sampling.has_bad_words:
                 self.with_bad_words.add(handle)
@@ -245,6 +248,7 @@ class ExecuteActor(SyncActor):
             draft_bitmask=draft_bitmask,
             lora_ids=lora_ids,
             lora_paths=lora_paths,
+            block_copies=step.block_copies,  # beams about to write blocks they shared
         )
 
     def adapters_of(self, handles: np.ndarray) -> tuple[np.ndarray | None, dict[int, str]]:

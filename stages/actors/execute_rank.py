@@ -54,6 +54,7 @@ class ExecuteRankActor(SyncActor):
                         step.block_tables,
                         step.slot_mapping,
                         step.logits_rows,
+                        step.block_copies,
                     )
                 )
             finished = now_ns()

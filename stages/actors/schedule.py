@@ -16,12 +16,15 @@ import numpy as np
 from pipeline.actor import AsyncActor
 from pipeline.clock import now_ns
 from stages import spans
+from stages.beam_group import BeamRequest
 from stages.config import EngineConfig, resolve_max_model_len
 from stages.kv_size import planned_num_blocks
 from stages.rings import common, plan, prompts, results, tokens
 from stages.rings.common import FINISH_STOP, PromptLogprobs
 from stages.rings.prompts import RenderedPrompt
 from stages.scheduler import GAUGES, Scheduler, SchedulerConfig, Sequence, Status
+from stages.text.snapshot import tokenizer_of
+from stages.text.tokenizer import TokenizerBundle
 
 MAX_STEPS_IN_FLIGHT = 2  # one executing, one queued behind it: execute never waits for a plan
 
@@ -41,8 +44,10 @@ class ScheduleActor(AsyncActor):
                 enable_prefix_caching=config.enable_prefix_caching,
                 speculative=config.speculative,
                 max_loras=0 if config.lora is None else config.lora.max_loras,
-            )
+            ),
+            decode=self.decode,
         )
+        self.tokenizer: TokenizerBundle | None = None  # loaded for the first stop string of a beam
         self.wake = asyncio.Event()
         self.awaiting_matchers: dict[int, Sequence] = {}  # by handle, until execute has built them
         self.matchers_to_build: list[Sequence] = []  # of those, the ones not yet sent to execute
@@ -126,6 +131,8 @@ class ScheduleActor(AsyncActor):
                 result.num_tokens,
                 result.t_start_ns,
                 result.t_end_ns,
+                result.top_ids,
+                result.top_logprobs,
             )
             self.wake.set()  # a step slot is free: plan the next before talking to detokenize
             if self.scheduler.max_in_flight == 1:
@@ -139,6 +146,15 @@ class ScheduleActor(AsyncActor):
             self.ctx.trace.record(
                 spans.SPAN_RESULT, started, now_ns(), batch=len(result.handles), tokens=len(emitted)
             )
+
+    def decode(self, token_lists: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """Texts of token lists: the stop strings of beam searches are looked for here, before
+        a beam runs on (detokenize only ever sees the hypotheses)."""
+        if self.tokenizer is None:
+            self.tokenizer = tokenizer_of(self.ctx.config)
+        return self.tokenizer.tokenizer.decode_batch(
+            token_lists, skip_special_tokens=skip_special_tokens
+        )
 
     # -- outputs ---------------------------------------------------------------------------------
 
@@ -309,8 +325,11 @@ def _sequence(prompt: RenderedPrompt, proposes_in_execute: bool) -> Sequence:
         cacheable=request.cacheable,
         # No drafts with a thinking budget (execute forces the end tag one sampled token at a
         # time); a grammar's drafts are checked against it in execute, but a draft model would
-        # have to sample under the grammar too: such a request decodes plainly there.
-        can_draft=request.thinking is None and not (request.grammar and proposes_in_execute),
+        # have to sample under the grammar too: such a request decodes plainly there. A beam
+        # search's rows are its beams, one token each.
+        can_draft=request.thinking is None
+        and request.sampling.beam is None
+        and not (request.grammar and proposes_in_execute),
         cache_salt=request.cache_salt,
         lora_id=0 if request.lora is None else request.lora.lora_id,
         render_start_ns=prompt.render_start_ns,
@@ -318,4 +337,9 @@ def _sequence(prompt: RenderedPrompt, proposes_in_execute: bool) -> Sequence:
         output_ids=[] if resume is None else list(resume.output_ids),
         first_token_ns=0 if resume is None else resume.first_token_ns,
         num_recoveries=0 if resume is None else resume.num_recoveries,
+        beam_request=None
+        if request.sampling.beam is None
+        else BeamRequest(
+            request.sampling.beam, request.sampling.stop, request.sampling.skip_special_tokens
+        ),
     )

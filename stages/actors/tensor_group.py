@@ -143,6 +143,7 @@ def forward_sharer(forward: BroadcastWriter) -> Callable[[ForwardInputs], None]:
             inputs.block_tables,
             inputs.slot_mapping,
             inputs.logits_rows,
+            inputs.block_copies,
         )
         forward.send(FORWARD, pack_forward(step))
 

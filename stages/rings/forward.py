@@ -19,6 +19,7 @@ FORWARD = Record(
     ("block_tables", np.int32),  # [R * W], row-major
     ("slot_mapping", np.int64),  # [T]
     ("logits_rows", np.int64),  # [L]
+    ("block_copies", np.int32),  # [C * 2], (source, destination) pairs
 )
 FORWARD_VOCAB = Vocabulary("forward", [FORWARD])
 
@@ -34,6 +35,7 @@ class ForwardStep:
     block_tables: np.ndarray  # [R, W] int32
     slot_mapping: np.ndarray  # [T] int64
     logits_rows: np.ndarray  # [L] int64
+    block_copies: np.ndarray  # [C, 2] int32
 
 
 def pack_forward(step: ForwardStep) -> dict[str, np.ndarray]:
@@ -45,6 +47,7 @@ def pack_forward(step: ForwardStep) -> dict[str, np.ndarray]:
         "block_tables": step.block_tables.reshape(-1),
         "slot_mapping": step.slot_mapping,
         "logits_rows": step.logits_rows,
+        "block_copies": step.block_copies.reshape(-1),
     }
 
 
@@ -60,4 +63,5 @@ def unpack_forward(arrays: Views) -> ForwardStep:
         block_tables=tables.reshape(rows, len(tables) // rows if rows else 0),
         slot_mapping=arrays["slot_mapping"],
         logits_rows=arrays["logits_rows"],
+        block_copies=arrays["block_copies"].reshape(-1, 2),
     )

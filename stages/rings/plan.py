@@ -35,6 +35,7 @@ STEP = Record(
     ("new_offsets", np.int32),  # [N + 1] into new_requests
     ("new_requests", np.uint8),  # msgpack RenderedRequest of each, concatenated
     ("free_handles", np.int64),  # requests execute may forget
+    ("block_copies", np.int32),  # [C * 2] (source, destination) KV blocks to copy first (beams)
 )
 # Requests with a grammar, sent before any step plans them: execute builds their matchers in a
 # worker thread (that takes up to seconds) and says on `results` when each is ready to schedule.
@@ -58,6 +59,7 @@ class PlannedStep:
     block_tables: np.ndarray  # [B, W] int32
     new_requests: list[tuple[int, RenderedRequest]]
     free_handles: np.ndarray  # [F] int64
+    block_copies: np.ndarray  # [C, 2] int32, (source, destination) blocks to copy before the step
 
     @property
     def query_start_loc(self) -> np.ndarray:  # -> [B + 1] int32
@@ -103,6 +105,7 @@ def pack_step(step: Step, block_size: int, scheduled_ns: int) -> dict[str, np.nd
         "new_offsets": new_offsets,
         "new_requests": new_requests,
         "free_handles": np.array(step.free_handles, np.int64),
+        "block_copies": np.array(step.block_copies, np.int32).reshape(-1),
     }
 
 
@@ -147,6 +150,7 @@ def unpack_step(views: Views) -> PlannedStep:
             (h, rendered_decoder.decode(r)) for h, r in zip(handles, requests, strict=True)
         ],
         free_handles=views["free_handles"].copy(),
+        block_copies=views["block_copies"].reshape(-1, 2).copy(),
     )
 
 

@@ -286,3 +286,15 @@ def test_bfloat16_kv_cache(tiny_models, native_kernels):
 def test_unknown_quantization_is_rejected(tiny_models):
     with pytest.raises(ValueError, match="int3"):
         ModelRunner.from_path(str(tiny_models["llama"]), RunnerConfig(quantization="int3"))
+
+
+def test_copied_blocks_hold_the_same_keys_and_values_in_every_layer(llama_runner):
+    cache = llama_runner.kv_cache
+    for k_cache, v_cache in cache.layers:
+        k_cache[3].normal_()
+        v_cache[3].normal_()
+    llama_runner.copy_blocks(np.array([[3, 5], [3, 6]], np.int32))
+    for k_cache, v_cache in cache.layers:
+        for destination in (5, 6):
+            assert torch.equal(k_cache[destination], k_cache[3])
+            assert torch.equal(v_cache[destination], v_cache[3])

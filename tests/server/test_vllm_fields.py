@@ -30,8 +30,20 @@ TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
 REFUSED = [
     # (route, body, param, words the message must say)
-    (CHAT, chat(use_beam_search=True), "use_beam_search", "beam search is not supported"),
-    (COMPLETIONS, completion(use_beam_search=True), "use_beam_search", "not supported"),
+    # Beam search ranks beams on the model's own distribution: what reshapes it is refused.
+    (CHAT, chat(use_beam_search=True, temperature=0.7), "temperature", "beam search"),
+    (CHAT, chat(use_beam_search=True, top_p=0.9), "top_p", "beam search"),
+    (CHAT, chat(use_beam_search=True, repetition_penalty=1.2), "repetition_penalty", "beam"),
+    (CHAT, chat(use_beam_search=True, logprobs=True), "logprobs", "beam search"),
+    (COMPLETIONS, completion(use_beam_search=True, logprobs=2), "logprobs", "beam search"),
+    (COMPLETIONS, completion(use_beam_search=True, min_tokens=2), "min_tokens", "beam search"),
+    (
+        CHAT,
+        chat(use_beam_search=True, response_format={"type": "json_object"}),
+        "response_format",
+        "structured outputs cannot be used with beam search",
+    ),
+    (CHAT, chat(use_beam_search=True, early_stopping="always"), "early_stopping", ""),
     (CHAT, chat(thinking_token_budget=-2), "thinking_token_budget", "non-negative integer"),
     (COMPLETIONS, completion(thinking_token_budget=0), "thinking_token_budget", "not supported"),
     (CHAT, chat(vllm_xargs={"k": 1}), "vllm_xargs", "not supported"),
@@ -123,6 +135,20 @@ async def test_length_penalty_without_beam_search_changes_nothing(
     assert engine.requests[-1].sampling == engine.requests[-2].sampling
     plain_body, penalised_body = await plain.get_json(), await penalised.get_json()
     assert plain_body["choices"] == penalised_body["choices"]
+
+
+async def test_beam_search_is_one_search_over_n_choices(app: Quart, engine: FakeEngine) -> None:
+    body = chat(use_beam_search=True, n=3, length_penalty=0.5, early_stopping=True, temperature=0)
+    response = await app.test_client().post(CHAT, json=body)
+    assert response.status_code == 200, await response.get_json()
+    assert len((await response.get_json())["choices"]) == 3
+    beams = [r.sampling.beam for r in engine.requests[-3:]]
+    assert all(b is not None for b in beams)
+    assert [b.index for b in beams if b] == [0, 1, 2]
+    assert len({b.group for b in beams if b}) == 1
+    assert {(b.width, b.length_penalty, b.early_stopping) for b in beams if b} == {(3, 0.5, True)}
+    await app.test_client().post(CHAT, json=body)
+    assert engine.requests[-1].sampling.beam.group != beams[0].group  # type: ignore[union-attr]
 
 
 async def test_cache_salt_travels_with_the_request(app: Quart, engine: FakeEngine) -> None:

@@ -131,6 +131,7 @@ def test_a_step_unpacks_into_what_the_runner_needs():
         ],
         new_for_execute=[chunked, ahead],
         free_handles=[99],
+        block_copies=[(3, 8), (3, 9)],
     )
     back = plan.unpack_step(through(plan.STEP, plan.pack_step(step, block_size, 555)))
     assert (back.step_id, back.scheduled_ns) == (41, 555)
@@ -144,6 +145,7 @@ def test_a_step_unpacks_into_what_the_runner_needs():
     assert back.block_tables.tolist() == [[7, 2], [5, 0], [6, 0]]
     assert [(h, r.sampling.top_k) for h, r in back.new_requests] == [(1, 1), (3, 3)]
     assert back.free_handles.tolist() == [99]
+    assert back.block_copies.tolist() == [[3, 8], [3, 9]]
 
 
 def test_results_round_trip():

@@ -7,11 +7,13 @@ import os
 import signal
 import time
 
+import msgspec
 import psutil
 import pytest
 
 from pipeline.errors import ActorFailed
 from pipeline.names import names_in_shm
+from stages.api import BeamSearchParams, GenerateRequest
 from stages.engine import Engine
 from stages.speculation import SpeculativeConfig
 from tests.stages.conftest import LoopThread
@@ -113,3 +115,33 @@ def test_two_ranks_verify_drafts_as_one_does(engines):
     after = rank.cpu_times()
     idle = (after.user - before.user + after.system - before.system) / 2.0
     assert idle < 0.03, f"an idle rank used {idle:.1%} of a core"  # it sleeps on the ring
+
+
+def test_two_ranks_search_beams_as_one_does(engines):
+    """Beam search over two ranks: the blocks beams copy on write are copied on every rank (the
+    copies ride the forward inputs), so each hypothesis is the one rank's."""
+    start, _ = engines
+    width = 3
+
+    def search(group: int, prompt_index: int) -> list[GenerateRequest]:
+        base = request(prompt_index, max_tokens=12)
+        return [
+            msgspec.structs.replace(
+                base,
+                request_id=f"{base.request_id}-beam{index}",
+                sampling=msgspec.structs.replace(
+                    base.sampling,
+                    beam=BeamSearchParams(width, group=group, index=index),
+                ),
+            )
+            for index in range(width)
+        ]
+
+    reqs = search(1, 0) + search(2, 1)
+    engine, runner = start()
+    expected = runner.run(run_all(engine, reqs), timeout=120)
+    runner.run(engine.stop())
+    engine, runner = start(tensor_parallel_size=2)
+    got = runner.run(run_all(engine, reqs), timeout=120)
+    assert [g[:2] for g in got] == [e[:2] for e in expected]
+    assert len({tuple(e[0]) for e in expected[:width]}) == width  # the beams differ

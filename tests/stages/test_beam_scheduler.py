@@ -1,0 +1,224 @@
+"""Beam search in the scheduler: a request's beams are planned together, share their prompt's and
+common prefix's KV blocks (copy on write of a shared, partly filled block), and give every block
+back when they are dropped, when the search ends and when the request is aborted."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stages.api import BeamSearchParams
+from stages.beam_group import BeamRequest
+from stages.rings import common as m
+from stages.scheduler import Scheduler, SchedulerConfig, Sequence, Status
+
+EOS = 0
+BLOCK = 4
+
+
+def make(num_blocks: int = 64, budget: int = 32) -> Scheduler:
+    return Scheduler(SchedulerConfig(8, budget, 512, num_blocks, BLOCK))
+
+
+def choices(width: int, prompt_len: int = 6, max_tokens: int = 20, stop=()) -> list[Sequence]:
+    prompt = np.arange(1, prompt_len + 1, dtype=np.int32) + 100
+    return [
+        Sequence(
+            handle=10 + index,
+            priority=0,
+            arrival_ns=index,
+            prompt_ids=prompt,
+            max_tokens=max_tokens,
+            stop_ids=frozenset({EOS}),
+            rendered=b"",
+            detok=b"",
+            beam_request=BeamRequest(BeamSearchParams(width, group=7, index=index), stop),
+        )
+        for index in range(width)
+    ]
+
+
+def single(handle: int) -> Sequence:
+    """A request without beams."""
+    return Sequence(
+        handle=handle,
+        priority=0,
+        arrival_ns=100 + handle,
+        prompt_ids=np.arange(3, dtype=np.int32) + 50 * handle,
+        max_tokens=5,
+        stop_ids=frozenset(),
+        rendered=b"",
+        detok=b"",
+    )
+
+
+def step(s: Scheduler, candidates):
+    """Plan a step and complete it; `candidates(row)` gives a row's (ids, logprobs)."""
+    planned = s.schedule()
+    assert planned is not None
+    rows = [candidates(i, x) for i, x in enumerate(planned.seqs)]
+    k = max(len(ids) for ids, _ in rows)
+    top_ids = np.full((len(rows), k), -1, np.int64)
+    top_lps = np.full((len(rows), k), -np.inf, np.float32)
+    for i, (ids, lps) in enumerate(rows):
+        top_ids[i, : len(ids)], top_lps[i, : len(lps)] = ids, lps
+    handles = np.array([x.seq.handle for x in planned.seqs])
+    tokens = top_ids[:, 0].copy()
+    emitted, _ = s.complete(planned.step_id, handles, tokens, None, 0, 0, top_ids, top_lps)
+    return planned, emitted
+
+
+def spread(i, x):
+    """Each beam's best tokens: distinct per row, so the beams diverge."""
+    ids = np.arange(1, 9) + 10 * i
+    return ids, np.log(np.linspace(0.3, 0.01, 8)).astype(np.float32)
+
+
+def test_the_search_waits_for_every_choice_and_the_leader_prefills_alone():
+    s = make()
+    first, *rest = choices(3)
+    s.add(rest[0])
+    s.add(first)
+    assert s.schedule() is None  # one choice still to come
+    s.add(rest[1])
+    planned, emitted = step(s, spread)
+    assert [(x.seq.handle, x.num_tokens) for x in planned.seqs] == [(10, 6)]
+    assert emitted == []  # nothing until the search ends
+    assert all(c.status == Status.PARKED for c in rest)
+
+
+def test_beams_share_the_prompt_blocks_and_copy_the_partly_filled_one():
+    s = make()
+    for c in choices(3, prompt_len=6):  # blocks of 4: one full, one holding 2 tokens
+        s.add(c)
+    step(s, spread)  # the prompt's candidates: three beams from it
+    leader = s.by_handle[10]
+    beams = leader.beam.beams
+    assert len(beams) == 3
+    assert leader.blocks == []  # its prompt blocks now belong to the beams
+    full = beams[0].blocks[0]
+    assert all(b.blocks[0] == full for b in beams)  # the full prompt block: one copy
+    used = s.blocks.num_blocks - s.blocks.num_free
+    assert used == 2
+    planned = s.schedule()
+    assert planned is not None
+    assert [x.seq.beam_of for x in planned.seqs] == [leader] * 3  # planned together
+    # Each beam writes position 6, in the shared partial block: all but the last to write it get
+    # a copy of it first.
+    assert len(planned.block_copies) == 2
+    sources = {src for src, _ in planned.block_copies}
+    assert len(sources) == 1
+    lasts = [b.blocks[1] for b in beams]
+    assert len(set(lasts)) == 3
+    assert s.blocks.num_blocks - s.blocks.num_free == 4
+
+
+def test_a_search_is_not_planned_again_before_its_candidates_are_back():
+    s = make()
+    for c in choices(2):
+        s.add(c)
+    step(s, spread)
+    assert s.schedule() is not None
+    assert s.schedule() is None  # its beams' step is in flight
+
+
+def test_dropped_beams_give_their_blocks_back_and_the_end_frees_everything():
+    s = make()
+    for c in choices(2, prompt_len=4, max_tokens=6):
+        s.add(c)
+    free_before = s.blocks.num_free
+    emitted = []
+    while not emitted:
+        _, emitted = step(s, spread)
+        # at most the prompt's block and two per beam: dropped beams gave theirs back
+        assert s.blocks.num_blocks - s.blocks.num_free <= 1 + 2 * 2
+    assert {seq.handle for seq, _ in emitted} == {10, 11}
+    assert all(len([t for seq, t in emitted if seq.handle == h]) == 6 for h in (10, 11))
+    assert s.blocks.num_free == free_before
+    assert not s.running and not s.beam_groups
+    assert all(seq.finish == m.FINISH_LENGTH for seq, _ in emitted)
+
+
+def test_hypotheses_go_to_the_choices_best_first():
+    s = make()
+    for c in choices(2, max_tokens=8):
+        s.add(c)
+
+    def ending(i, x):
+        # the best candidate is EOS for every beam: hypotheses end at once
+        return np.array([EOS, 5, 6, 7]), np.log(np.array([0.7, 0.2, 0.05, 0.05])).astype(np.float32)
+
+    _, emitted = step(s, ending)
+    assert emitted == []  # one hypothesis found; the other is still to be found
+    _, emitted = step(s, ending)
+    by_handle: dict[int, list[int]] = {}
+    for seq, token in emitted:
+        by_handle.setdefault(seq.handle, []).append(token)
+    assert by_handle[10] == [EOS]  # log 0.7 / 1 is the best score
+    assert by_handle[11] == [5, EOS]
+    assert [seq.finish for seq, _ in emitted if seq.handle == 10] == [m.FINISH_STOP]
+    assert s.blocks.num_free == s.blocks.num_blocks
+
+
+def test_an_abort_frees_the_beams_even_with_their_step_in_flight():
+    s = make()
+    for c in choices(3):
+        s.add(c)
+    step(s, spread)
+    planned = s.schedule()
+    assert planned is not None
+    for handle in (10, 11, 12):
+        s.abort(handle)
+    assert s.blocks.num_free == s.blocks.num_blocks
+    ids = np.ones((3, 8), np.int64)
+    s.complete(planned.step_id, np.array([10] * 3), ids[:, 0], None, 0, 0, ids, ids * 0.0)
+    assert not s.by_handle and not s.beam_groups and s.schedule() is None
+
+
+def test_a_preempted_search_starts_over_from_its_prompt():
+    s = make(num_blocks=3)
+    for c in choices(2, prompt_len=6, max_tokens=40):
+        s.add(c)
+    step(s, spread)
+    step(s, spread)  # positions 6 and 7: the partly filled prompt block, copied for one beam
+    step(s, spread)
+    leader = s.by_handle[10]
+    # Both beams now descend from one: position 8 needs a block for each, and one is free. The
+    # search (alone) is preempted, and readmitted at once from its prompt.
+    planned, _ = step(s, spread)
+    # (its prompt's full block is still in the prefix cache: the rest is computed again)
+    assert [(x.seq.handle, x.start, x.seq.beam_of) for x in planned.seqs] == [(10, 4, None)]
+    assert s.num_preemptions == 1 and leader.num_preemptions == 1
+    assert [b.output_ids for b in leader.beam.beams] == [[1], [2]]  # the first step's again
+    assert s.blocks.num_free == 1
+
+
+def test_a_choice_resubmitted_after_a_failure_gets_only_what_its_client_lacks():
+    s = make()
+    members = choices(2, max_tokens=3)
+    members[1].output_ids = [11, 12]  # its client read these before the stage failed
+    for c in members:
+        s.add(c)
+    planned, _ = step(s, spread)
+    assert planned.seqs[0].num_tokens == 6  # the prompt alone: the search starts over
+    emitted: list = []
+    while not emitted:
+        _, emitted = step(s, spread)
+    full = [t for seq, t in emitted if seq.handle == 10]
+    rest = [t for seq, t in emitted if seq.handle == 11]
+    assert len(full) == 3 and len(rest) == 1
+    assert s.by_handle == {}
+
+
+def test_a_search_counts_its_beams_against_max_num_seqs():
+    s = Scheduler(SchedulerConfig(4, 64, 512, 64, BLOCK))
+    for c in choices(3):
+        s.add(c)
+    step(s, spread)
+    plain, late = single(1), single(2)
+    s.add(plain)
+    s.add(late)
+    planned = s.schedule()
+    assert planned is not None
+    # three beams and one request fill the four rows: the second request waits
+    assert sorted({x.seq.handle for x in planned.seqs}) == [1, 10]
+    assert late.status == Status.WAITING
