@@ -256,7 +256,9 @@ def _only_peer_died(exc: BaseException) -> bool:
 
 
 def _exit(ctx: ActorContext | None, control: ControlBlock, code: int) -> None:
-    if ctx is not None:
+    # Only a clean stop closes the rings: a closed end tells the peer to stop too, while a peer
+    # of a failed actor sees it die, and may wait for a restarted one (ActorContext.reattach).
+    if ctx is not None and code == 0:
         ctx.close_rings()
     control.close()
     sys.stderr.flush()

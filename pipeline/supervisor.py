@@ -161,7 +161,10 @@ class Supervisor:
 
     @property
     def _end_options(self) -> dict[str, float]:
-        return {"spin_s": self.config.spin_s, "liveness_interval_s": self.config.liveness_interval_s}
+        return {
+            "spin_s": self.config.spin_s,
+            "liveness_interval_s": self.config.liveness_interval_s,
+        }
 
     def _handshake(self) -> Iterator[None]:
         """Yields while waiting; returns once every actor is ready (names unlinked on the way)."""
@@ -236,6 +239,13 @@ class Supervisor:
             failure = self.check()
             if failure is not None:
                 raise failure
+            ended = [
+                s.name
+                for s, p in zip(self.actor_specs, self._procs, strict=True)
+                if p.exitcode is not None
+            ]
+            if ended:
+                raise ActorFailed(ended[0], "ended while a peer was restarted")
             if time.monotonic() > deadline:
                 raise ActorFailed(actor, "its peers did not attach to its fresh rings")
             await asyncio.sleep(0.005)
