@@ -165,6 +165,12 @@ class ModelRunner:
                 use_native=use_native,
             )
         model = model.to(device=config.device)
+        return cls.from_model(model, config)
+
+    @classmethod
+    def from_model(cls, model: CausalLM, config: RunnerConfig) -> ModelRunner:
+        """A runner on a model already prepared (from_path's, or gpu/prepared.py's)."""
+        model_config = model.config
         kv_cache = KVCache.from_budget(
             model_config,
             config.kv_cache_bytes,
@@ -176,7 +182,6 @@ class ModelRunner:
         )
         log.info(
             "model ready",
-            model=model_path,
             architecture=model_config.architecture,
             dtype=config.dtype,
             kv_cache_dtype=str(kv_cache.layers[0][0].dtype).removeprefix("torch."),

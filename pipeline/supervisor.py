@@ -69,7 +69,9 @@ class Supervisor:
         config: SupervisorConfig | None = None,
         owner_inboxes: Sequence[str] = (),
         owner_outboxes: Sequence[str] = (),
+        kept: dict[str, dict[str, KeptFile]] | None = None,
     ) -> None:
+        """`kept`: kept files a supervisor before this one handed over (`take_kept`)."""
         self.config = config or SupervisorConfig()
         self.ring_specs = {r.name: r for r in rings}
         self.actor_specs = list(actors)
@@ -82,7 +84,7 @@ class Supervisor:
         self._control: ControlBlock | None = None
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._traces: dict[str, TraceHandle] = {}
-        self._kept: dict[str, dict[str, KeptFile]] = {}  # by actor, then by the file's name
+        self._kept: dict[str, dict[str, KeptFile]] = kept or {}  # by actor, then file name
         self.traces: dict[str, TraceBuffer] = {}
         """Each actor's trace buffer, owner side: `read_new()` gives the spans since the last read."""
         self.consumers: dict[str, Consumer] = {}
@@ -149,8 +151,9 @@ class Supervisor:
         for actor in self.actor_specs:
             self._traces[actor.name] = TraceHandle.create(self.namespace, actor.name)
             self.traces[actor.name] = self._traces[actor.name].attach()
+            adopted = self._kept.get(actor.name, {})
             self._kept[actor.name] = {
-                name: KeptFile.create(f"{self.namespace}.{actor.name}.{name}")
+                name: adopted.get(name) or KeptFile.create(f"{self.namespace}.{actor.name}.{name}")
                 for name in actor.kept_files
             }
         self._spawn_all()
@@ -199,6 +202,11 @@ class Supervisor:
         )
         proc.start()
         return proc
+
+    def take_kept(self) -> dict[str, dict[str, KeptFile]]:
+        """Hand the kept files over (to the supervisor of a fresh pipeline): stop keeps them."""
+        kept, self._kept = self._kept, {}
+        return kept
 
     async def restart_async(self, actor: str) -> None:
         """Bring back one actor alone while the others run on; it is killed first if it is not

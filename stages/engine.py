@@ -32,6 +32,7 @@ import structlog
 from pipeline.actor import ActorSpec
 from pipeline.clock import now_ns, process_cpu_s
 from pipeline.errors import ActorFailed, RuntimeFault
+from pipeline.kept import KeptFile
 from pipeline.ring import Producer, RingSpec
 from pipeline.supervisor import Supervisor, SupervisorConfig
 from stages.api import (
@@ -114,7 +115,13 @@ def pipeline_layout(config: EngineConfig) -> tuple[list[RingSpec], list[ActorSpe
             spin_s=0.0,
         ),
         ActorSpec(
-            "execute", execute_entry, config, ("plan",), ("results",), heartbeat_interval_s=0.5
+            "execute",
+            execute_entry,
+            config,
+            ("plan",),
+            ("results",),
+            heartbeat_interval_s=0.5,
+            kept_files=("weights",),  # the prepared model, mapped again after a restart
         ),
         ActorSpec(
             "detokenize",
@@ -220,7 +227,7 @@ class Engine:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def _new_supervisor(self) -> Supervisor:
+    def _new_supervisor(self, kept: dict[str, dict[str, KeptFile]] | None = None) -> Supervisor:
         config = self.config
         rings, actors = pipeline_layout(config)
         return Supervisor(
@@ -237,6 +244,7 @@ class Engine:
             ),
             owner_inboxes=("errors", "deltas"),
             owner_outboxes=("requests",),
+            kept=kept,  # execute's prepared weights, kept across restarts
         )
 
     async def start(self) -> None:
@@ -376,8 +384,9 @@ class Engine:
                 reason=failure.reason,
                 in_flight=len(self._flights),
             )
+            kept = self.supervisor.take_kept()
             await self._stop_pipeline()
-            self.supervisor = self._new_supervisor()
+            self.supervisor = self._new_supervisor(kept)
             try:
                 await self._start_pipeline()
                 await self._resubmit()

@@ -4,6 +4,9 @@ It keeps, per request, the sampling parameters it was sent once, and the token i
 a plan made one step ahead names that token -1, and it is filled in here. A request with a grammar
 comes first on its own (plan.GRAMMARS): its matcher is built in a worker thread while steps go on,
 and schedule plans the request once `results` says the matcher is ready (results.MATCHERS).
+
+The first execute writes its prepared model to its kept file (pipeline/kept.py) and runs on the
+file's pages; one restarted after a failure maps the file instead of loading the checkpoint again.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 from pipeline.actor import SyncActor
 from pipeline.clock import now_ns
 from pipeline.errors import RingTimeout
+from pipeline.kept import KeptFile
 from pipeline.ring import Consumer, Message, Producer
 from stages import spans
 from stages.config import EngineConfig, num_kv_blocks
@@ -31,7 +35,7 @@ from stages.text.thinking import ThinkingTracker
 if TYPE_CHECKING:
     import llguidance
 
-    from gpu.runner import StepBatch, StepOutput
+    from gpu.runner import ModelRunner, RunnerConfig, StepBatch, StepOutput
     from gpu.sampler import RequestSampling
     from stages.text.structured import GrammarMatchers
 
@@ -43,12 +47,12 @@ class ExecuteActor(SyncActor):
     def warm_up(self) -> None:
         import torch  # only this stage imports torch
 
-        from gpu.runner import ModelRunner, RunnerConfig
+        from gpu.runner import RunnerConfig
 
         config: EngineConfig = self.ctx.config
         if config.threads > 0:
             torch.set_num_threads(config.threads)
-        self.runner = ModelRunner.from_path(
+        self.runner = self.prepared_runner(
             config.model_path,
             RunnerConfig(
                 dtype=config.dtype,
@@ -59,6 +63,7 @@ class ExecuteActor(SyncActor):
                 quantization=config.quantization,
                 kv_cache_dtype=config.kv_cache_dtype,
             ),
+            self.ctx.kept.get("weights"),
         )
         expected = num_kv_blocks(config)
         if self.runner.num_kv_blocks != expected:
@@ -77,6 +82,40 @@ class ExecuteActor(SyncActor):
         threading.stack_size(GRAMMAR_STACK_BYTES)
         self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.building: dict[int, Future[llguidance.LLMatcher]] = {}
+
+    def prepared_runner(
+        self, model_path: str, config: RunnerConfig, kept: KeptFile | None
+    ) -> ModelRunner:
+        """The runner, on the prepared model an execute before this one kept, if there is one;
+        else on the checkpoint's, which is then kept, and on CPU mapped back from the file so
+        that every execute shares its pages."""
+        from gpu.backends import kernels_for
+        from gpu.prepared import load_prepared, save_prepared
+        from gpu.runner import ModelRunner
+
+        kernels = kernels_for(config.device, config.native_kernels)
+        started = time.monotonic()
+        if kept is not None and kept.complete():
+            model = load_prepared(kept.path, kernels, config.device)
+            self.ctx.log.info(
+                "mapped the kept weights",
+                megabytes=round(kept.size_bytes / 1e6),
+                seconds=round(time.monotonic() - started, 3),
+            )
+            return ModelRunner.from_model(model, config)
+        runner = ModelRunner.from_path(model_path, config)
+        if kept is not None:
+            kept.clear()  # what an execute that died while writing it left
+            save_prepared(runner.model, kept.path)
+            kept.seal()
+            if config.device == "cpu":
+                runner.model = load_prepared(kept.path, kernels, config.device)
+            self.ctx.log.info(
+                "kept the prepared weights",
+                megabytes=round(kept.size_bytes / 1e6),
+                seconds=round(time.monotonic() - started, 3),
+            )
+        return runner
 
     def run(self) -> None:
         inbox, outbox, trace = self.ctx.inbox["plan"], self.ctx.outbox["results"], self.ctx.trace
