@@ -203,6 +203,12 @@ class Supervisor:
         proc.start()
         return proc
 
+    def kill(self, actor: str) -> None:
+        """SIGKILL the actor if it is alive (one that stopped heartbeating, before a restart)."""
+        index = next(i for i, spec in enumerate(self.actor_specs) if spec.name == actor)
+        if self._procs[index].exitcode is None:
+            self._procs[index].kill()
+
     def take_kept(self) -> dict[str, dict[str, KeptFile]]:
         """Hand the kept files over (to the supervisor of a fresh pipeline): stop keeps them."""
         kept, self._kept = self._kept, {}

@@ -343,6 +343,7 @@ class Engine:
             in_flight=len(self._flights),
         )
         try:
+            self.supervisor.kill(stage)  # a hung one: its rings end only once it is gone
             reader = self._tasks[0] if stage == "detokenize" else self._tasks[1]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(reader), DRAIN_TIMEOUT_S)
