@@ -297,7 +297,8 @@ class Engine:
         self._tasks = []
 
     def _on_failure(self, failure: ActorFailed) -> None:
-        """A stage died or hung: bring up a fresh pipeline and resume every request in flight.
+        """A stage died or hung: restart it alone (render, detokenize) or with a fresh pipeline
+        (schedule, execute), and resume every request in flight.
 
         The server stays up throughout (503 with Retry-After until the new stages are ready).
         More than config.max_stage_restarts failures within config.stage_restart_window_s, a
