@@ -238,6 +238,23 @@ class ModelRunner:
                 use_native=use_native,
             )
         model = model.to(device=device)
+        return cls.from_model(model, config, tensor_parallel, local_shape, start)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: CausalLM,
+        config: RunnerConfig,
+        tensor_parallel: TensorParallel | None = None,
+        local_shape: ModelConfig | None = None,
+        start: memory.Baseline | None = None,
+    ) -> ModelRunner:
+        """A runner on a model already prepared: from_path's (this rank's shard under tensor
+        parallelism, `local_shape` its KV heads; `start` the device before the weights, when the
+        KV cache is sized from device memory), or gpu/prepared.py's."""
+        device = torch.device(config.device)
+        model_config = model.config
+        local_shape = local_shape or model_config
         if config.lora is not None:
             if tensor_parallel is not None:
                 raise ValueError("LoRA adapters are not sharded: no tensor parallelism with them")
@@ -272,7 +289,6 @@ class ModelRunner:
             runner.capture_graphs()
         log.info(
             "model ready",
-            model=model_path,
             architecture=model_config.architecture,
             device=str(device),
             dtype=config.dtype,

@@ -6,14 +6,22 @@ while a killer SIGKILLs a random stage every so often. Each completed request's 
 its prompt's reference; the report counts requests, kills, lost requests (an error instead of a
 completion) and wrong texts, and the recovery time per stage that died, from the kill to the
 engine taking requests again.
+
+With a baseline (`run_chaos_ab`) the same run goes on the baseline tree's code and on this tree's,
+each pass in a process of its own (this file run as a script on the tree's import path), the sides
+in alternating order, and the recovery times per stage are reported side by side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +163,7 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
         "kills": len(kills),
         "in_flight_at_kill": [k["in_flight"] for k in kills],
         "recovery_ms": recovery,
+        "kill_log": kills,
         "kv_blocks_held_after": blocks_held,
         "scheduler_after": still,
         "shm_names_left": left,
@@ -177,3 +186,81 @@ def format_table(report: dict[str, Any]) -> str:
     for stage, row in report["recovery_ms"].items():
         lines.append(f"{stage:<12}{row['kills']:>6}{row['p50']:>17.0f}{row['p99']:>10.0f}")
     return "\n".join(lines)
+
+
+def run_chaos_ab(args: ChaosArgs, baseline_tree: str, rounds: int) -> dict[str, Any]:
+    """`rounds` passes on each side, alternating which goes first; kills pooled per side."""
+    this_tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sides = {"baseline": baseline_tree, "this": this_tree}
+    reports: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    for r in range(rounds):
+        order = ("baseline", "this") if r % 2 == 0 else ("this", "baseline")
+        for side in order:
+            pass_args = dataclasses.replace(args, seed=args.seed + r)
+            reports[side].append(_pass_in(sides[side], pass_args))
+    summary: dict[str, Any] = {"trees": sides, "rounds": rounds, "recovery_ms": {}}
+    for side, passes in reports.items():
+        kills = [k for p in passes for k in p["kill_log"]]
+        summary[side] = {
+            key: sum(p[key] for p in passes)
+            for key in ("requests", "completed", "lost", "wrong_text", "kills")
+        }
+        summary[side]["kv_blocks_held_after"] = max(p["kv_blocks_held_after"] for p in passes)
+        summary[side]["shm_names_left"] = sum(len(p["shm_names_left"]) for p in passes)
+        summary["recovery_ms"][side] = {
+            stage: percentiles_ms([k["recovery_s"] for k in kills if k["stage"] == stage])
+            | {"kills": sum(k["stage"] == stage for k in kills)}
+            for stage in args.stages
+        }
+    return summary
+
+
+def _pass_in(tree: str, args: ChaosArgs) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=tree)
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), json.dumps(dataclasses.asdict(args))],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"chaos pass in {tree} failed: {done.stderr[-2000:]}")
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
+
+
+def format_ab_table(summary: dict[str, Any]) -> str:
+    lines = []
+    for side in ("baseline", "this"):
+        row = summary[side]
+        lines.append(
+            f"{side} ({summary['trees'][side]}): {row['requests']} requests, {row['kills']} kills, "
+            f"lost {row['lost']}, wrong text {row['wrong_text']}, "
+            f"KV blocks held after {row['kv_blocks_held_after']}, "
+            f"names left {row['shm_names_left']}"
+        )
+    lines += [
+        "",
+        f"{'stage':<12}{'kills':>10}{'baseline p50':>14}{'p99':>8}{'this p50':>10}{'p99':>8}"
+        f"{'p50 ratio':>11}",
+    ]
+    base, this = summary["recovery_ms"]["baseline"], summary["recovery_ms"]["this"]
+    for stage in base:
+        b, t = base[stage], this[stage]
+        ratio = t["p50"] / b["p50"] if b["p50"] else float("nan")
+        lines.append(
+            f"{stage:<12}{b['kills']:>5}/{t['kills']:<4}{b['p50']:>14.0f}{b['p99']:>8.0f}"
+            f"{t['p50']:>10.0f}{t['p99']:>8.0f}{ratio:>10.2f}x"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # one pass of run_chaos_ab, on the engine of the tree on sys.path
+    from pipeline.logs import configure_logging
+
+    configure_logging("console", "error")
+    values = json.loads(sys.argv[1])
+    values["stages"] = tuple(values["stages"])
+    print(json.dumps(asyncio.run(run_chaos(ChaosArgs(**values)))))

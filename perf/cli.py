@@ -147,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--seed", type=int, default=0)
     chaos.add_argument("--threads", type=int, default=0)
     chaos.add_argument("--json", dest="json_path")
+    chaos.add_argument(
+        "--baseline",
+        help="a tree of this project (e.g. `git archive main`) to run the same passes on, "
+        "alternating with this one: recovery times side by side",
+    )
+    chaos.add_argument("--rounds", type=int, default=2, help="passes per side with --baseline")
 
     spec = sub.add_parser(
         "spec", help="speculative decoding on against off, two servers side by side, one table"
@@ -440,6 +446,14 @@ def run_chaos_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         threads=args.threads,
     )
     print(f"chaos: {args.kills} kills under {args.streams} streams ...", file=sys.stderr)
+    if args.baseline:
+        summary = chaos.run_chaos_ab(bench_args, args.baseline, args.rounds)
+        print(chaos.format_ab_table(summary))
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump(summary, f, indent=2)
+        sides = (summary["baseline"], summary["this"])
+        return 0 if all(s["lost"] == s["wrong_text"] == 0 for s in sides) else 1
     report = asyncio.run(chaos.run_chaos(bench_args))
     print(chaos.format_table(report))
     if args.json_path:

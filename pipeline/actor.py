@@ -6,6 +6,10 @@ gave a title), arms parent-death signalling, sets up logging bound with the stag
 the rings, reports attached, warms up, freezes the GC generations that warm-up created, reports
 ready, and runs the actor until it returns or is told to stop (SIGTERM). An exception becomes the
 actor's error text in the control block and exit code 1.
+
+An async actor can outlive the death of a ring's peer when the supervisor restarts that peer alone:
+it reads what the dead peer published, gets PeerDied, and `ActorContext.reattach` puts it on the
+ring's next generation.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import importlib
 import os
 import signal
 import sys
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import setproctitle
@@ -29,12 +34,17 @@ import uvloop
 from pipeline.broadcast import BroadcastHandle, BroadcastReader, BroadcastWriter
 from pipeline.control import ActorState, ControlBlock, ControlHandle
 from pipeline.errors import PeerDied, RingClosed
+from pipeline.kept import KeptFile
 from pipeline.logs import configure_logging
 from pipeline.names import process_start_ticks
 from pipeline.ring import Consumer, Producer, RingHandle
 from pipeline.trace import TraceBuffer, TraceHandle
 
 PR_SET_PDEATHSIG = 1
+# How long a surviving actor waits for the successor of a ring whose peer died, and how often it
+# looks: the supervisor creates it before it spawns the peer again.
+REATTACH_TIMEOUT_S = 300.0
+REATTACH_POLL_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +59,8 @@ class ActorSpec:
     spin_s: float = 50e-6
     liveness_interval_s: float = 0.1
     heartbeat_interval_s: float = 0.5
+    # Kept files (pipeline/kept.py) the actor finds again, as it left them, when it is restarted.
+    kept_files: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +77,7 @@ class ActorLaunch:
     log_level: str
     process_title: str | None = None  # what ps shows for the process (None: leave it)
     log_fields: tuple[tuple[str, str], ...] = ()  # bound to every line, beside stage=
+    kept: dict[str, KeptFile] = field(default_factory=dict)  # by the names in spec.kept_files
 
 
 class StopRequested(BaseException):
@@ -84,11 +97,13 @@ class ActorContext:
         self._control = control
         self._index = launch.index
         self.stopping = False
+        self.kept = launch.kept
         options: dict[str, Any] = {
             "spin_s": spec.spin_s,
             "liveness_interval_s": spec.liveness_interval_s,
             "heartbeat": self.heartbeat,
         }
+        self._options = options
         broadcast_options = {k: v for k, v in options.items() if k != "spin_s"}
         self.inbox: dict[str, Consumer] = {}
         self.outbox: dict[str, Producer] = {}
@@ -124,6 +139,25 @@ class ActorContext:
         for broadcast in (*self.broadcast_out.values(), *self.broadcast_in.values()):
             broadcast.close()
         self.trace.close()
+
+    async def reattach(self, ring: str, timeout_s: float = REATTACH_TIMEOUT_S) -> None:
+        """Replace this actor's end of `ring`, whose peer died, by an end of the ring's next
+        generation, which the supervisor creates when it restarts that peer alone. Read what the
+        dead peer published first: the old end is closed here. PeerDied if no successor comes
+        within timeout_s (the supervisor restarts more than the peer, or stops)."""
+        ends: dict[str, Consumer] | dict[str, Producer] = (
+            self.inbox if ring in self.inbox else self.outbox
+        )
+        old = ends[ring]
+        handle = old.handle.successor()
+        deadline = time.monotonic() + timeout_s
+        while not handle.exists():
+            if time.monotonic() > deadline:
+                raise PeerDied(f"ring {ring!r}: no successor to the dead peer's ring")
+            await asyncio.sleep(REATTACH_POLL_S)
+        old.close()
+        ends[ring] = type(old)(handle, **self._options)  # type: ignore[assignment]
+        self.log.info("reattached", ring=ring, generation=handle.generation)
 
 
 class AsyncActor(abc.ABC):
@@ -239,7 +273,9 @@ def _only_peer_died(exc: BaseException) -> bool:
 
 
 def _exit(ctx: ActorContext | None, control: ControlBlock, code: int) -> None:
-    if ctx is not None:
+    # Only a clean stop closes the rings: a closed end tells the peer to stop too, while a peer
+    # of a failed actor sees it die, and may wait for a restarted one (ActorContext.reattach).
+    if ctx is not None and code == 0:
         ctx.close_rings()
     control.close()
     sys.stderr.flush()

@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import enum
 import mmap
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 
 from pipeline.clock import now_ns
+from pipeline.kept import inherit_fd, inherited_fd
 
 ROW_BYTES = 1024
 NUM_GAUGES = 32
@@ -39,19 +41,31 @@ class ActorState(enum.IntEnum):
 class ControlHandle:
     name: str  # shared-memory name, "/pserve.<pid>.<nonce>.control"
     n_rows: int
+    # The creator's open descriptor of the segment. A child spawned with the handle inherits it
+    # (see __reduce__), so an actor restarted after the name was unlinked still attaches.
+    fd: int = -1
 
     @classmethod
     def create(cls, namespace: str, n_rows: int) -> ControlHandle:
-        handle = cls(f"/{namespace}.control", n_rows)
+        name = f"/{namespace}.control"
         shm = posix_ipc.SharedMemory(
-            handle.name, posix_ipc.O_CREX, mode=0o600, size=max(1, n_rows) * ROW_BYTES
+            name, posix_ipc.O_CREX, mode=0o600, size=max(1, n_rows) * ROW_BYTES
         )
-        shm.close_fd()
-        return handle
+        return cls(name, n_rows, shm.fd)
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        if self.fd < 0:
+            return ControlHandle, (self.name, self.n_rows)
+        return _inherited, (self.name, self.n_rows, inherit_fd(self.fd))
 
     def unlink(self) -> None:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(self.name)
+
+    def close_fd(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
 
     def attach(self) -> ControlBlock:
         return ControlBlock(self)
@@ -61,11 +75,14 @@ class ControlBlock:
     """A mapping of the control block; `row(i)` is actor i's view."""
 
     def __init__(self, handle: ControlHandle) -> None:
-        shm = posix_ipc.SharedMemory(handle.name)
-        try:
-            self._map = mmap.mmap(shm.fd, shm.size)
-        finally:
-            shm.close_fd()
+        if handle.fd >= 0:
+            self._map = mmap.mmap(handle.fd, max(1, handle.n_rows) * ROW_BYTES)
+        else:
+            shm = posix_ipc.SharedMemory(handle.name)
+            try:
+                self._map = mmap.mmap(shm.fd, shm.size)
+            finally:
+                shm.close_fd()
         # rows: [n_rows, ROW_BYTES] uint8
         self._rows = np.frombuffer(self._map, np.uint8).reshape(-1, ROW_BYTES)
         self._ints = np.frombuffer(self._map, np.int64).reshape(-1, ROW_BYTES // 8)
@@ -98,6 +115,10 @@ class ControlBlock:
         first = GAUGES_AT // 8
         return self._floats[i, first : first + NUM_GAUGES].tolist()
 
+    def reset(self, i: int) -> None:
+        """Clear row i for a new process of the same actor."""
+        self._rows[i, :] = 0
+
     def set_error(self, i: int, text: str) -> None:
         data = text.encode("utf-8", "replace")[:ERROR_BYTES]
         self._rows[i, ERROR_AT : ERROR_AT + len(data)] = np.frombuffer(data, np.uint8)
@@ -111,3 +132,7 @@ class ControlBlock:
         self._rows = self._ints = self._floats = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+def _inherited(name: str, n_rows: int, fd: object) -> ControlHandle:
+    return ControlHandle(name, n_rows, inherited_fd(fd))

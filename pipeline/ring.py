@@ -73,35 +73,67 @@ class RingSpec:
 
 @dataclass(frozen=True, slots=True)
 class RingHandle:
-    """The names of one ring's objects. Picklable: this is what a process gets to attach."""
+    """The names of one ring's objects. Picklable: this is what a process gets to attach.
+
+    A ring whose peer died and was restarted alone is replaced by its next generation: the same
+    spec under the next name (`successor`), which a surviving end can find by itself.
+    """
 
     spec: RingSpec
     base: str  # e.g. "pserve.1234.ab12cd34.render_in"
+    generation: int = 0  # 0: the ring the pipeline started with
+
+    @property
+    def stem(self) -> str:
+        return self.base if self.generation == 0 else f"{self.base}.g{self.generation}"
 
     @property
     def shm_name(self) -> str:
-        return f"/{self.base}"
+        return f"/{self.stem}"
 
     @property
     def items_name(self) -> str:
-        return f"/{self.base}.items"
+        return f"/{self.stem}.items"
 
     @property
     def spaces_name(self) -> str:
-        return f"/{self.base}.spaces"
+        return f"/{self.stem}.spaces"
 
     @property
     def consumer_fifo(self) -> str:
-        return os.path.join(SHM_DIR, f"{self.base}.cwake")
+        return os.path.join(SHM_DIR, f"{self.stem}.cwake")
 
     @property
     def producer_fifo(self) -> str:
-        return os.path.join(SHM_DIR, f"{self.base}.pwake")
+        return os.path.join(SHM_DIR, f"{self.stem}.pwake")
+
+    def successor(self) -> RingHandle:
+        """The handle of the ring that replaces this one (not created by this call)."""
+        return RingHandle(self.spec, self.base, self.generation + 1)
+
+    def exists(self) -> bool:
+        """Whether the segment's name is there to attach to (created and not yet unlinked)."""
+        return os.path.exists(os.path.join(SHM_DIR, self.stem))
+
+    def ends_attached(self) -> bool:
+        """Whether a producer and a consumer have both attached (their pids are in the header)."""
+        try:
+            shm = posix_ipc.SharedMemory(self.shm_name)
+        except posix_ipc.ExistentialError:
+            return False
+        try:
+            with contextlib.closing(mmap.mmap(shm.fd, SEGMENT_HEADER_BYTES)) as header_map:
+                header = memoryview(header_map).cast("q")
+                attached = bool(header[P_PID] and header[C_PID])
+                header.release()
+        finally:
+            shm.close_fd()
+        return attached
 
     @classmethod
-    def create(cls, namespace: str, spec: RingSpec) -> RingHandle:
+    def create(cls, namespace: str, spec: RingSpec, generation: int = 0) -> RingHandle:
         """Create the segment, both semaphores and both wake FIFOs, and write the header."""
-        handle = cls(spec, f"{namespace}.{spec.name}")
+        handle = cls(spec, f"{namespace}.{spec.name}", generation)
         try:
             shm = posix_ipc.SharedMemory(
                 handle.shm_name, posix_ipc.O_CREX, mode=0o600, size=spec.segment_bytes

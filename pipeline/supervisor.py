@@ -9,6 +9,10 @@ ready. A child that dies or fails during start-up fails `start()` with its reaso
 Watching: a dead child is seen at once through its process sentinel, a hung one by its heartbeat
 going stale; either becomes an `ActorFailed(actor, reason)` for the owner.
 
+Restarting one actor alone (`restart_async`): fresh rings for its edges, a new process on them; the
+owner's ends and the surviving peers' move to the fresh rings, which are unlinked once all have
+attached, as at start. A kept file (pipeline/kept.py) outlives the actor's restarts.
+
 Shutdown (`stop`): SIGTERM to the actors in the order given (upstream first), each given
 `stop_timeout_s` to exit before SIGKILL; then the owner's ring ends and the control block are closed.
 """
@@ -32,6 +36,7 @@ from pipeline.broadcast import BroadcastHandle, BroadcastSpec
 from pipeline.clock import now_ns
 from pipeline.control import ActorState, ControlBlock, ControlHandle
 from pipeline.errors import ActorFailed
+from pipeline.kept import KeptFile
 from pipeline.names import new_namespace, sweep_stale
 from pipeline.ring import Consumer, Producer, RingHandle, RingSpec
 from pipeline.trace import TraceBuffer, TraceHandle
@@ -67,7 +72,9 @@ class Supervisor:
         config: SupervisorConfig | None = None,
         owner_inboxes: Sequence[str] = (),
         owner_outboxes: Sequence[str] = (),
+        kept: dict[str, dict[str, KeptFile]] | None = None,
     ) -> None:
+        """`kept`: kept files a supervisor before this one handed over (`take_kept`)."""
         self.config = config or SupervisorConfig()
         self.ring_specs = {r.name: r for r in rings}
         self.actor_specs = list(actors)
@@ -81,6 +88,7 @@ class Supervisor:
         self._control: ControlBlock | None = None
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._traces: dict[str, TraceHandle] = {}
+        self._kept: dict[str, dict[str, KeptFile]] = kept or {}  # by actor, then file name
         self.traces: dict[str, TraceBuffer] = {}
         """Each actor's trace buffer, owner side: `read_new()` gives the spans since the last read."""
         self.consumers: dict[str, Consumer] = {}
@@ -156,15 +164,23 @@ class Supervisor:
         for actor in self.actor_specs:
             self._traces[actor.name] = TraceHandle.create(self.namespace, actor.name)
             self.traces[actor.name] = self._traces[actor.name].attach()
+            adopted = self._kept.get(actor.name, {})
+            self._kept[actor.name] = {
+                name: adopted.get(name) or KeptFile.create(f"{self.namespace}.{actor.name}.{name}")
+                for name in actor.kept_files
+            }
         self._spawn_all()
-        options = {
+        for ring in self._owner_inboxes:
+            self.consumers[ring] = Consumer(self._handles[ring], **self._end_options)
+        for ring in self._owner_outboxes:
+            self.producers[ring] = Producer(self._handles[ring], **self._end_options)
+
+    @property
+    def _end_options(self) -> dict[str, float]:
+        return {
             "spin_s": self.config.spin_s,
             "liveness_interval_s": self.config.liveness_interval_s,
         }
-        for ring in self._owner_inboxes:
-            self.consumers[ring] = Consumer(self._handles[ring], **options)
-        for ring in self._owner_outboxes:
-            self.producers[ring] = Producer(self._handles[ring], **options)
 
     def _handshake(self) -> Iterator[None]:
         """Yields while waiting; returns once every actor is ready (names unlinked on the way)."""
@@ -176,9 +192,6 @@ class Supervisor:
         )
 
     def _spawn_all(self) -> None:
-        assert self._control_handle is not None
-        ctx = multiprocessing.get_context("spawn")
-        prefix = self.config.process_title_prefix
         readers_so_far = dict.fromkeys(self._broadcasts, 0)
         for index, spec in enumerate(self.actor_specs):
             rings: dict[str, RingHandle | BroadcastHandle] = {}
@@ -190,21 +203,100 @@ class Supervisor:
                     readers_so_far[ring] += 1
                 else:
                     rings[ring] = self._broadcasts[ring]
-            launch = ActorLaunch(
-                spec=spec,
-                index=index,
-                control=self._control_handle,
-                rings=rings,
-                trace=self._traces[spec.name],
-                parent_pid=os.getpid(),
-                log_format=self.config.log_format,
-                log_level=self.config.log_level,
-                process_title=None if prefix is None else f"{prefix}: {spec.name}",
-                log_fields=self.config.log_fields,
-            )
-            proc = ctx.Process(target=run_actor, args=(launch,), name=f"pserve-{spec.name}")
-            proc.start()
-            self._procs.append(proc)
+            self._procs.append(self._spawn(index, spec, rings))
+
+    def _spawn(
+        self, index: int, spec: ActorSpec, rings: dict[str, RingHandle | BroadcastHandle]
+    ) -> multiprocessing.process.BaseProcess:
+        assert self._control_handle is not None
+        prefix = self.config.process_title_prefix
+        launch = ActorLaunch(
+            spec=spec,
+            index=index,
+            control=self._control_handle,
+            rings=rings,
+            trace=self._traces[spec.name],
+            parent_pid=os.getpid(),
+            log_format=self.config.log_format,
+            log_level=self.config.log_level,
+            process_title=None if prefix is None else f"{prefix}: {spec.name}",
+            log_fields=self.config.log_fields,
+            kept=self._kept[spec.name],
+        )
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_actor, args=(launch,), name=f"pserve-{spec.name}"
+        )
+        proc.start()
+        return proc
+
+    def kill(self, actor: str) -> None:
+        """SIGKILL the actor if it is alive (one that stopped heartbeating, before a restart)."""
+        index = next(i for i, spec in enumerate(self.actor_specs) if spec.name == actor)
+        if self._procs[index].exitcode is None:
+            self._procs[index].kill()
+
+    def take_kept(self) -> dict[str, dict[str, KeptFile]]:
+        """Hand the kept files over (to the supervisor of a fresh pipeline): stop keeps them."""
+        kept, self._kept = self._kept, {}
+        return kept
+
+    async def restart_async(self, actor: str) -> None:
+        """Bring back one actor alone while the others run on; it is killed first if it is not
+        dead (a stale heartbeat). Each of its rings is replaced by the ring's next generation,
+        and the owner's ends of them here: the owner reads what the dead actor published before
+        it calls this. Surviving peers find their ring's peer dead and reattach
+        (ActorContext.reattach). Raises ActorFailed, as start does, when the new process or a
+        peer fails meanwhile; what was made for it is freed by stop then.
+        """
+        index = next(i for i, spec in enumerate(self.actor_specs) if spec.name == actor)
+        spec = self.actor_specs[index]
+        dead = self._procs[index]
+        if dead.exitcode is None:
+            dead.kill()
+        await asyncio.to_thread(dead.join)
+        assert self._control is not None
+        fresh = [*spec.inboxes, *spec.outboxes]
+        if any(ring in self._broadcasts for ring in fresh):
+            raise ValueError(f"{actor} has a broadcast ring: it restarts with its whole group")
+        for ring in fresh:
+            old = self._handles[ring]
+            self._handles[ring] = RingHandle.create(self.namespace, old.spec, old.generation + 1)
+        self.traces.pop(actor).close()
+        self._traces[actor] = TraceHandle.create(self.namespace, actor)
+        self.traces[actor] = self._traces[actor].attach()
+        self._control.reset(index)
+        self._failure = None
+        self._procs[index] = self._spawn(index, spec, {r: self._handles[r] for r in fresh})
+        for ring in fresh:
+            if ring in self._owner_inboxes:
+                self.consumers[ring].close()
+                self.consumers[ring] = Consumer(self._handles[ring], **self._end_options)
+            if ring in self._owner_outboxes:
+                self.producers[ring].close()
+                self.producers[ring] = Producer(self._handles[ring], **self._end_options)
+        for _ in self._wait_for(ActorState.ATTACHED):
+            await asyncio.sleep(0.005)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not all(self._handles[ring].ends_attached() for ring in fresh):
+            failure = self.check()
+            if failure is not None:
+                raise failure
+            ended = [
+                s.name
+                for s, p in zip(self.actor_specs, self._procs, strict=True)
+                if p.exitcode is not None
+            ]
+            if ended:
+                raise ActorFailed(ended[0], "ended while a peer was restarted")
+            if time.monotonic() > deadline:
+                raise ActorFailed(actor, "its peers did not attach to its fresh rings")
+            await asyncio.sleep(0.005)
+        for ring in fresh:
+            self._handles[ring].unlink()
+        self._traces[actor].unlink()
+        for _ in self._wait_for(ActorState.READY):
+            await asyncio.sleep(0.005)
+        log.info("actor restarted", actor=actor, pid=self._procs[index].pid)
 
     def _wait_for(self, state: ActorState) -> Iterator[None]:
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -369,6 +461,12 @@ class Supervisor:
         if self._control is not None:
             self._control.close()
             self._control = None
+        if self._control_handle is not None:
+            self._control_handle.close_fd()
+        for kept in self._kept.values():
+            for file in kept.values():
+                file.close()
+        self._kept.clear()
         log.info("actors stopped", namespace=self.namespace)
 
     def __enter__(self) -> Supervisor:

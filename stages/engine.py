@@ -3,10 +3,13 @@ rings. It implements `stages.api.EngineClient`.
 
 The server process owns three ring ends: it writes requests and aborts to render, and reads render's
 errors and detokenize's deltas. One reader task per ring fans what arrives out to per-request
-queues. A watcher turns a dead or hung stage into a recovery: a fresh pipeline, and every request
-in flight submitted again with the tokens its client already has (`common.Resume`), so streams
-go on with nothing lost or repeated. Past the restart budget the engine gives up: in-flight
-requests fail with the reason and `down` is set, so that the server exits non-zero.
+queues. A watcher turns a dead or hung stage into a recovery. Render and detokenize hold no KV and
+are restarted alone (`_recover_alone`): what render may have lost is submitted again, and
+detokenize's rows are written again by schedule, of which the engine drops those it has read.
+Schedule and execute restart with a fresh pipeline (`_recover`), and every request in flight is
+submitted again with the tokens its client already has (`common.Resume`), so streams go on with
+nothing lost or repeated. Past the restart budget the engine gives up: in-flight requests fail with
+the reason and `down` is set, so that the server exits non-zero.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +34,7 @@ from pipeline.actor import ActorSpec
 from pipeline.broadcast import BroadcastSpec
 from pipeline.clock import now_ns, process_cpu_s
 from pipeline.errors import ActorFailed, RuntimeFault
+from pipeline.kept import KeptFile
 from pipeline.ring import Producer, RingSpec
 from pipeline.supervisor import Supervisor, SupervisorConfig
 from stages.api import (
@@ -71,6 +76,12 @@ SUSPECT_AFTER_FAILURES = 2
 BLAMED_AFTER_FAILURES = 3
 PROBE_BLAME_WINDOW_S = 2.0
 OVERLOAD_RETRY_AFTER_S = 1.0
+# Stages with no KV state, restarted alone; the others restart with the whole pipeline.
+RESTART_ALONE = ("render", "detokenize")
+# How long the reader of a dead stage's ring may take to read what the stage published.
+DRAIN_TIMEOUT_S = 5.0
+# Aborts sent lately, sent again after a restart of render (which may have died holding them).
+RECENT_ABORTS = 4096
 
 
 def pipeline_layout(
@@ -118,7 +129,13 @@ def pipeline_layout(
             spin_s=0.0,
         ),
         ActorSpec(
-            "execute", execute_entry, config, ("plan",), execute_out, heartbeat_interval_s=0.5
+            "execute",
+            execute_entry,
+            config,
+            ("plan",),
+            execute_out,
+            heartbeat_interval_s=0.5,
+            kept_files=("weights",),  # the prepared model, mapped again after a restart
         ),
         ActorSpec(
             "detokenize",
@@ -254,10 +271,16 @@ class Engine:
         self.num_rejected = 0  # requests refused with 429 because too many were waiting
         self.down = asyncio.Event()  # set when the engine gave up: the server should exit
         self.down_reason = ""
+        self._num_tokens_read = 0  # output tokens read from deltas, ever (progress, for recovery)
+        # The last stage restarted alone, and _num_tokens_read when it was back: the same stage
+        # failing again with no token since restarts the whole pipeline, whose resubmissions
+        # find a request that kills the stage (SUSPECT_AFTER_FAILURES).
+        self._alone: tuple[str, int] | None = None
+        self._recent_aborts: deque[int] = deque(maxlen=RECENT_ABORTS)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def _new_supervisor(self) -> Supervisor:
+    def _new_supervisor(self, kept: dict[str, dict[str, KeptFile]] | None = None) -> Supervisor:
         config = self.config
         rings, actors = pipeline_layout(config)
         return Supervisor(
@@ -276,6 +299,7 @@ class Engine:
             ),
             owner_inboxes=("errors", "deltas"),
             owner_outboxes=("requests",),
+            kept=kept,  # execute's prepared weights, kept across restarts
         )
 
     async def start(self) -> None:
@@ -301,6 +325,9 @@ class Engine:
 
     async def _start_pipeline(self) -> None:
         await self.supervisor.start_async()
+        self._start_tasks()
+
+    def _start_tasks(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._read_deltas()),
@@ -320,6 +347,10 @@ class Engine:
         shutil.rmtree(self._snapshot_dir, ignore_errors=True)
 
     async def _stop_pipeline(self) -> None:
+        await self._stop_tasks()
+        await asyncio.to_thread(self.supervisor.stop, STOP_ORDER)
+
+    async def _stop_tasks(self) -> None:
         current = asyncio.current_task()
         for task in self._tasks:
             if task is not current:
@@ -329,10 +360,10 @@ class Engine:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         self._tasks = []
-        await asyncio.to_thread(self.supervisor.stop, STOP_ORDER)
 
     def _on_failure(self, failure: ActorFailed) -> None:
-        """A stage died or hung: bring up a fresh pipeline and resume every request in flight.
+        """A stage died or hung: restart it alone (render, detokenize) or with a fresh pipeline
+        (schedule, execute), and resume every request in flight.
 
         The server stays up throughout (503 with Retry-After until the new stages are ready).
         More than config.max_stage_restarts failures within config.stage_restart_window_s, a
@@ -349,13 +380,67 @@ class Engine:
         if self._over_budget():
             self._give_up(failure)
             return
-        self._restarting = asyncio.get_running_loop().create_task(self._recover(failure))
+        alone = failure.actor in RESTART_ALONE and self._alone != (
+            failure.actor,
+            self._num_tokens_read,
+        )
+        recovery = self._recover_alone(failure) if alone else self._recover(failure)
+        self._restarting = asyncio.get_running_loop().create_task(recovery)
 
     def _over_budget(self) -> bool:
         now = time.monotonic()
         window = self.config.stage_restart_window_s
         self._failures = [t for t in self._failures if now - t < window] + [now]
         return len(self._failures) > self.config.max_stage_restarts
+
+    async def _recover_alone(self, failure: ActorFailed) -> None:
+        """Restart only the stage that failed, render or detokenize, while schedule and execute
+        keep their KV. First read what it published (its reader ends once the ring is empty).
+        After render, every request with no output yet is submitted again (schedule drops those
+        it has), and the recent aborts and prefix-cache reset too; after detokenize, schedule
+        replays, and `_read_deltas` drops the rows already read. Should that fail, the whole
+        pipeline restarts."""
+        started = time.monotonic()
+        stage = failure.actor
+        log.warning(
+            "restarting a stage alone",
+            failed=stage,
+            reason=failure.reason,
+            in_flight=len(self._flights),
+        )
+        try:
+            self.supervisor.kill(stage)  # a hung one: its rings end only once it is gone
+            reader = self._tasks[0] if stage == "detokenize" else self._tasks[1]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(reader), DRAIN_TIMEOUT_S)
+            await self._stop_tasks()
+            await self.supervisor.restart_async(stage)
+            self._start_tasks()
+            if stage == "render":
+                await self._resubmit(unanswered_only=True)
+                await self._send_again_what_render_held()
+        except Exception as exc:
+            log.error("the stage did not come back alone", failed=stage, error=str(exc))
+            failure = exc if isinstance(exc, ActorFailed) else ActorFailed(stage, str(exc))
+            self._failure, self._failed_at_s = failure, time.monotonic()
+            if self._over_budget():
+                await self._stop_pipeline()
+                self._give_up(failure)
+                return
+            await self._recover(failure)
+            return
+        self._alone = (stage, self._num_tokens_read)
+        self._recovered(failure, time.monotonic() - started)
+
+    async def _send_again_what_render_held(self) -> None:
+        producer = self.supervisor.producers["requests"]
+        async with self._send_lock:
+            if self._recent_aborts:
+                aborts = common.pack_abort(list(self._recent_aborts))
+                await producer.send_async(common.ABORT, aborts)
+            if self._num_resets:
+                reset = common.pack_reset_prefix_cache(self._num_resets)
+                await producer.send_async(common.RESET_PREFIX_CACHE, reset)
 
     async def _recover(self, failure: ActorFailed) -> None:
         started = time.monotonic()
@@ -366,8 +451,9 @@ class Engine:
                 reason=failure.reason,
                 in_flight=len(self._flights),
             )
+            kept = self.supervisor.take_kept()
             await self._stop_pipeline()
-            self.supervisor = self._new_supervisor()
+            self.supervisor = self._new_supervisor(kept)
             try:
                 await self._start_pipeline()
                 await self._resubmit()
@@ -380,7 +466,10 @@ class Engine:
                     await self._stop_pipeline()
                     self._give_up(failure)
                     return
-        elapsed = time.monotonic() - started
+        self._alone = None
+        self._recovered(failure, time.monotonic() - started)
+
+    def _recovered(self, failure: ActorFailed, elapsed: float) -> None:
         self._restart_s = elapsed
         self.num_recoveries += 1
         self._failure = None
@@ -392,13 +481,16 @@ class Engine:
             resumed=len(self._flights),
         )
 
-    async def _resubmit(self) -> None:
-        """Every request in flight, to the fresh pipeline, in the order they arrived; suspects
-        (see SUSPECT_AFTER_FAILURES) are left to _probe_suspects."""
+    async def _resubmit(self, unanswered_only: bool = False) -> None:
+        """Every request in flight (`unanswered_only`: those with no output yet, which render
+        may have held), to the fresh stages, in the order they arrived; suspects (see
+        SUSPECT_AFTER_FAILURES) are left to _probe_suspects."""
         producer = self.supervisor.producers["requests"]
         async with self._send_lock:
             stage = self._failure.actor if self._failure is not None else ""
             for handle, flight in sorted(self._flights.items()):
+                if unanswered_only and flight.output_ids:
+                    continue
                 if flight.submitted:  # held-back suspects were in flight at none of the failures
                     same = flight.failed_stage in ("", stage)
                     flight.failures_without_progress = (
@@ -672,6 +764,7 @@ class Engine:
             handles = [await self._aborts.get()]
             while not self._aborts.empty():
                 handles.append(self._aborts.get_nowait())
+            self._recent_aborts.extend(handles)
             async with self._send_lock:
                 await producer.send_async(common.ABORT, common.pack_abort(handles))
 
@@ -711,6 +804,9 @@ class Engine:
                         continue
                     token = batch.token_ids[row]
                     if token >= 0:  # what a resubmission after a failure starts from
+                        if batch.num_output_tokens[row] <= len(flight.output_ids):
+                            continue  # read before detokenize was restarted, written again
+                        self._num_tokens_read += 1
                         if flight.failures_without_progress:
                             flight.failures_without_progress, flight.failed_stage = 0, ""
                             self._probe_wake.set()

@@ -4,6 +4,9 @@ It keeps, per request, the sampling parameters it was sent once, and the token i
 a plan made one step ahead names that token -1, and it is filled in here. A request with a grammar
 comes first on its own (plan.GRAMMARS): its matcher is built in a worker thread while steps go on,
 and schedule plans the request once `results` says the matcher is ready (results.MATCHERS).
+
+The first execute writes its prepared model to its kept file (pipeline/kept.py) and runs on the
+file's pages; one restarted after a failure maps the file instead of loading the checkpoint again.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 from pipeline.actor import SyncActor
 from pipeline.clock import now_ns
 from pipeline.errors import RingTimeout
+from pipeline.kept import KeptFile
 from pipeline.ring import Consumer, Message, Producer
 from stages import spans
 from stages.actors.tensor_group import (
@@ -42,8 +46,9 @@ from stages.text.thinking import ThinkingTracker
 if TYPE_CHECKING:
     import llguidance
 
-    from gpu.runner import StepBatch, StepOutput
+    from gpu.runner import ModelRunner, RunnerConfig, StepBatch, StepOutput
     from gpu.sampler import RequestSampling
+    from gpu.tensor_parallel import TensorParallel
     from stages.text.structured import GrammarMatchers
 
 # How often an otherwise idle execute looks whether a matcher it is building is done.
@@ -53,8 +58,6 @@ MATCHER_POLL_S = 0.002
 class ExecuteActor(SyncActor):
     def warm_up(self) -> None:
         import torch  # only this stage imports torch
-
-        from gpu.runner import ModelRunner
 
         config: EngineConfig = self.ctx.config
         tp = None
@@ -71,9 +74,15 @@ class ExecuteActor(SyncActor):
         # Rank 0 sends each step's network inputs to the other ranks before its forward.
         forward = self.ctx.broadcast_out.get("forward")
         self.share = None if forward is None else forward_sharer(forward)
+        # A restarted execute maps the prepared weights the first one kept (one process on the
+        # CPU: a shard, an adapter's wrapped layers or a device's copy are made again).
+        keep = tp is None and device == "cpu" and config.lora is None
         with lost_rank_is_peer_death():
-            self.runner = ModelRunner.from_path(
-                config.model_path, runner_config(config, device, sized, published), tp
+            self.runner = self.prepared_runner(
+                config.model_path,
+                runner_config(config, device, sized, published),
+                self.ctx.kept.get("weights") if keep else None,
+                tp,
             )
         if sized:
             if published is None:
@@ -98,6 +107,44 @@ class ExecuteActor(SyncActor):
         threading.stack_size(GRAMMAR_STACK_BYTES)
         self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.building: dict[int, Future[llguidance.LLMatcher]] = {}
+
+    def prepared_runner(
+        self,
+        model_path: str,
+        config: RunnerConfig,
+        kept: KeptFile | None,
+        tensor_parallel: TensorParallel | None = None,
+    ) -> ModelRunner:
+        """The runner, on the prepared model an execute before this one kept, if there is one;
+        else on the checkpoint's, which is then kept, and on CPU mapped back from the file so
+        that every execute shares its pages."""
+        from gpu.backends import kernels_for
+        from gpu.prepared import load_prepared, save_prepared
+        from gpu.runner import ModelRunner
+
+        kernels = kernels_for(config.device, config.native_kernels)
+        started = time.monotonic()
+        if kept is not None and kept.complete():
+            model = load_prepared(kept.path, kernels, config.device)
+            self.ctx.log.info(
+                "mapped the kept weights",
+                megabytes=round(kept.size_bytes / 1e6),
+                seconds=round(time.monotonic() - started, 3),
+            )
+            return ModelRunner.from_model(model, config)
+        runner = ModelRunner.from_path(model_path, config, tensor_parallel)
+        if kept is not None:
+            kept.clear()  # what an execute that died while writing it left
+            save_prepared(runner.model, kept.path)
+            kept.seal()
+            if config.device == "cpu":
+                runner.model = load_prepared(kept.path, kernels, config.device)
+            self.ctx.log.info(
+                "kept the prepared weights",
+                megabytes=round(kept.size_bytes / 1e6),
+                seconds=round(time.monotonic() - started, 3),
+            )
+        return runner
 
     def run(self) -> None:
         inbox, outbox, trace = self.ctx.inbox["plan"], self.ctx.outbox["results"], self.ctx.trace

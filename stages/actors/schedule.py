@@ -5,17 +5,26 @@ reset, in order on `prompts`, drops the prefix of every block no request holds.
 A prompt with a grammar waits outside the scheduler until execute has built its matcher (in a
 worker thread, up to seconds): it goes to execute at once (plan.GRAMMARS), and into the scheduler
 when execute says it is ready (results.MATCHERS). The steps of everyone else go on meanwhile.
+
+Schedule outlives a restart of render or detokenize alone: it reads what the dead stage published,
+then moves to the ring's successor. After render, the engine submits again every request it has
+no output of; schedule drops those it has already heard of. After detokenize, `DetokLink` replays
+the requests' text states and the last tokens messages.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Iterator
 
 import numpy as np
 
 from pipeline.actor import AsyncActor
 from pipeline.clock import now_ns
+from pipeline.errors import PeerDied
 from stages import spans
+from stages.actors.detok_link import DetokLink
 from stages.beam_group import BeamRequest
 from stages.config import EngineConfig, resolve_max_model_len
 from stages.kv_size import planned_num_blocks
@@ -27,6 +36,9 @@ from stages.text.snapshot import tokenizer_of
 from stages.text.tokenizer import TokenizerBundle
 
 MAX_STEPS_IN_FLIGHT = 2  # one executing, one queued behind it: execute never waits for a plan
+# Handles of the last requests admitted: a request the engine submits again after a restart of
+# render is one of those in flight, which are far fewer.
+ADMITTED_MEMORY = 16384
 
 
 class ScheduleActor(AsyncActor):
@@ -51,6 +63,23 @@ class ScheduleActor(AsyncActor):
         self.wake = asyncio.Event()
         self.awaiting_matchers: dict[int, Sequence] = {}  # by handle, until execute has built them
         self.matchers_to_build: list[Sequence] = []  # of those, the ones not yet sent to execute
+        self.admitted: deque[int] = deque(maxlen=ADMITTED_MEMORY)
+        self.admitted_set: set[int] = set()
+        self.detok_link = DetokLink(self.ctx, self.live_sequences)
+
+    def live_sequences(self) -> Iterator[Sequence]:
+        return (s for s in self.scheduler.by_handle.values() if s.status != Status.FINISHED)
+
+    def admit(self, handle: int) -> bool:
+        """False for a request schedule has already heard of (submitted again after a restart
+        of render, which may have passed it on before it died)."""
+        if handle in self.admitted_set:
+            return False
+        if len(self.admitted) == self.admitted.maxlen:
+            self.admitted_set.discard(self.admitted[0])
+        self.admitted.append(handle)
+        self.admitted_set.add(handle)
+        return True
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tasks:
@@ -62,9 +91,13 @@ class ScheduleActor(AsyncActor):
     # -- inputs ----------------------------------------------------------------------------------
 
     async def read_prompts(self) -> None:
-        inbox = self.ctx.inbox["prompts"]
         while True:
-            with await inbox.recv_async() as message:
+            try:
+                message = await self.ctx.inbox["prompts"].recv_async()
+            except PeerDied:  # render died: on to the ring of the one restarted in its place
+                await self.ctx.reattach("prompts")
+                continue
+            with message:
                 if message.name == common.RESET_PREFIX_CACHE.name:
                     reset_id = common.unpack_reset_prefix_cache(message)
                     dropped = self.scheduler.blocks.reset_prefix_cache()
@@ -74,7 +107,7 @@ class ScheduleActor(AsyncActor):
                     handles, prompt = common.unpack_abort(message), None
                 else:
                     handles, prompt = [], prompts.unpack_prompt(message)
-            if prompt is not None:
+            if prompt is not None and self.admit(prompt.handle):
                 spec = self.scheduler.config.speculative
                 seq = _sequence(prompt, spec is not None and spec.proposes_in_execute)
                 if prompt.request().grammar:
@@ -95,10 +128,8 @@ class ScheduleActor(AsyncActor):
             self.wake.set()
 
     async def read_stop_hits(self) -> None:
-        inbox = self.ctx.inbox["stop_hits"]
         while True:
-            with await inbox.recv_async() as message:
-                handles = tokens.unpack_finished(message)
+            handles = await self.detok_link.stop_hits()
             for handle in handles:
                 seq = self.scheduler.by_handle.get(handle)
                 if seq is not None and seq.status != Status.FINISHED:
@@ -304,7 +335,7 @@ class ScheduleActor(AsyncActor):
             metrics,
             PromptLogprobs.empty() if prompt is None else prompt,
         )
-        await self.ctx.outbox["tokens"].send_async(tokens.TOKENS, arrays)
+        await self.detok_link.send(arrays, seqs, new)
 
 
 def _sequence(prompt: RenderedPrompt, proposes_in_execute: bool) -> Sequence:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import time
 import zlib
@@ -12,7 +13,7 @@ import numpy as np
 
 from pipeline.actor import AsyncActor, SyncActor
 from pipeline.clock import now_ns
-from pipeline.errors import RuntimeFault
+from pipeline.errors import PeerDied, RuntimeFault
 from pipeline.records import Record, Vocabulary
 from pipeline.ring import RingHandle
 
@@ -123,6 +124,42 @@ class FanReader(SyncActor):
             _, arrays = fan.recv()
             data = (arrays["data"].astype(np.uint16) + fan.index) % 256
             outbox.send(BLOB, {"meta": arrays["meta"], "data": data.astype(np.uint8)})
+
+
+class RemembersFirstPid(Doubler):
+    """A Doubler that writes the pid of its first process to its kept file, and publishes what
+    the file holds as gauge 0: a restarted one publishes its first process's pid."""
+
+    def warm_up(self) -> None:
+        kept = self.ctx.kept["first_pid"]
+        if not kept.complete():
+            kept.clear()
+            with open(kept.path, "w") as f:
+                f.write(str(os.getpid()))
+            kept.seal()
+        with open(kept.path) as f:
+            self.first_pid = int(f.read())
+
+    async def run(self) -> None:
+        self.ctx.set_gauges([float(self.first_pid)])
+        await super().run()
+
+
+class ReattachingIncrementer(AsyncActor):
+    """An Incrementer on asyncio that outlives its upstream peer: when the ring's producer dies it
+    attaches the ring's successor (the supervisor restarting that peer alone)."""
+
+    async def run(self) -> None:
+        while True:
+            try:
+                with await self.ctx.inbox["mid"].recv_async() as msg:
+                    meta, data = msg["meta"].copy(), (msg["data"].astype(np.uint16) + 1) % 256
+            except PeerDied:
+                await self.ctx.reattach("mid")
+                continue
+            await self.ctx.outbox["out"].send_async(
+                BLOB, {"meta": meta, "data": data.astype(np.uint8)}
+            )
 
 
 class FailsWarmUp(AsyncActor):

@@ -125,6 +125,69 @@ def test_the_killed_actor_is_the_failure_not_the_peer_that_ended_because_of_it()
     assert failure is not None and failure.actor == "doubler" and "SIGKILL" in failure.reason
 
 
+def roundtrip(sup: Supervisor, seq: int) -> None:
+    data = np.arange(seq % 50, dtype=np.uint8)
+    sup.producers["in"].send(BLOB, {"meta": np.array([seq, 0, 0], np.int64), "data": data})
+    with sup.consumers["out"].recv(timeout_s=30) as msg:
+        assert msg["meta"][0] == seq
+        np.testing.assert_array_equal(msg["data"], (data.astype(int) * 2 + 1) % 256)
+
+
+def test_one_actor_restarts_alone_its_peer_reattaches_and_its_kept_file_survives():
+    """The doubler is killed and restarted alone: the incrementer keeps its process and moves to
+    the fresh ring, the owner's end too, messages flow again, the restarted doubler finds what
+    its first process kept, and no name is left."""
+    rings = [RingSpec(n, VOCAB, 8, 4096) for n in ("in", "mid", "out")]
+    actors = [
+        ActorSpec(
+            "doubler",
+            "tests.pipeline.peers:RemembersFirstPid",
+            inboxes=("in",),
+            outboxes=("mid",),
+            kept_files=("first_pid",),
+        ),
+        ActorSpec(
+            "incrementer",
+            "tests.pipeline.peers:ReattachingIncrementer",
+            inboxes=("mid",),
+            outboxes=("out",),
+        ),
+    ]
+    config = SupervisorConfig(log_format="json")
+    with Supervisor(rings, actors, config, owner_inboxes=("out",), owner_outboxes=("in",)) as sup:
+        roundtrip(sup, 0)
+        before = sup.pids()
+        failures: list[ActorFailed] = []
+
+        async def kill_and_restart() -> None:
+            watch = asyncio.create_task(sup.watch(failures.append))
+            os.kill(before["doubler"], signal.SIGKILL)
+            await asyncio.wait_for(watch, 10)
+            await sup.restart_async("doubler")
+
+        asyncio.run(kill_and_restart())
+        after = sup.pids()
+        assert [f.actor for f in failures] == ["doubler"]
+        assert after["incrementer"] == before["incrementer"]
+        assert after["doubler"] != before["doubler"] and pid_alive(after["doubler"])
+        for seq in range(1, 20):
+            roundtrip(sup, seq)
+        assert sup.gauges("doubler")[0] == before["doubler"]
+        assert sup.check() is None
+        assert names_in_shm(sup.namespace) == []
+        kept = sup._kept["doubler"]["first_pid"]
+        assert holds(kept.fd, kept.name)  # anonymous memory: never a name in /dev/shm
+    assert wait_gone(list(after.values()))
+    assert not holds(kept.fd, kept.name)  # it went with the supervisor's stop
+
+
+def holds(fd: int, name: str) -> bool:
+    try:
+        return name in os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+
+
 def test_hung_actor_is_reported_by_its_heartbeat():
     rings = [RingSpec("x", VOCAB, 2, 256)]
     actors = [ActorSpec("stuck", "tests.pipeline.peers:StopsHeartbeating", inboxes=("x",))]
