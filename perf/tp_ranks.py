@@ -18,7 +18,7 @@ from gpu.tensor_parallel import TensorParallel
 from pipeline.broadcast import BroadcastHandle, BroadcastSpec
 from pipeline.errors import RingClosed
 from pipeline.names import new_namespace
-from stages.actors.tensor_group import forward_sharer
+from stages.actors.tensor_group import forward_inputs, forward_sharer
 from stages.rings.forward import FORWARD_VOCAB, unpack_forward
 
 TIMEOUT = datetime.timedelta(seconds=600)
@@ -101,16 +101,5 @@ def _follow(
     with reader, contextlib.suppress(RingClosed):
         while True:
             step = unpack_forward(reader.recv()[1])
-            runner.forward(
-                ForwardInputs(
-                    step.input_ids,
-                    step.positions,
-                    step.query_start_loc,
-                    step.context_lens,
-                    step.block_tables,
-                    step.slot_mapping,
-                    step.logits_rows,
-                    step.block_copies,
-                )
-            )
+            runner.forward(forward_inputs(step))
     dist.destroy_process_group()

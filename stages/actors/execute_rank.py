@@ -10,6 +10,7 @@ from pipeline.actor import SyncActor
 from pipeline.clock import now_ns
 from stages import spans
 from stages.actors.tensor_group import (
+    forward_inputs,
     hold_device,
     join_group,
     lost_rank_is_peer_death,
@@ -36,8 +37,6 @@ class ExecuteRankActor(SyncActor):
             )
 
     def run(self) -> None:
-        from gpu.runner import ForwardInputs
-
         inbox, trace = self.ctx.broadcast_in["forward"], self.ctx.trace
         while True:
             waited = now_ns()
@@ -45,18 +44,7 @@ class ExecuteRankActor(SyncActor):
             step = unpack_forward(arrays)
             started, cpu = now_ns(), time.process_time_ns()
             with lost_rank_is_peer_death():
-                self.runner.forward(
-                    ForwardInputs(
-                        step.input_ids,
-                        step.positions,
-                        step.query_start_loc,
-                        step.context_lens,
-                        step.block_tables,
-                        step.slot_mapping,
-                        step.logits_rows,
-                        step.block_copies,
-                    )
-                )
+                self.runner.forward(forward_inputs(step))
             finished = now_ns()
             trace.record(
                 spans.SPAN_FORWARD,

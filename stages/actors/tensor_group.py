@@ -131,6 +131,14 @@ def lost_rank_is_peer_death() -> Iterator[None]:
         raise
 
 
+def forward_inputs(step: ForwardStep) -> ForwardInputs:
+    """What a rank that does not sample hands its runner: the step as rank 0 made it (the two
+    classes hold the same fields; gpu/ cannot import the ring's)."""
+    from gpu.runner import ForwardInputs
+
+    return ForwardInputs(**{name: getattr(step, name) for name in ForwardStep.__slots__})
+
+
 def forward_sharer(forward: BroadcastWriter) -> Callable[[ForwardInputs], None]:
     """What rank 0 hands the runner: it sends a step's network inputs to the other ranks."""
 
