@@ -222,3 +222,27 @@ def test_the_server_is_down_only_once_every_replica_gave_up(replicas):
     error = engine.not_ready_error
     assert error.status == 503 and "gave up" in error.message
     assert "engine 0" in engine.down_reason and "engine 1" in engine.down_reason
+
+
+def test_replicas_of_two_tensor_parallel_ranks_each_write_the_text_of_one_process(replicas):
+    """DP=2 x TP=2 (the README's 4-GPU layout, on gloo): each replica's group has a rendezvous
+    of its own, and every request writes the greedy tokens of one process."""
+    prompts = [f"Question {i}: what is the weather on day {i}?" for i in range(4)]
+    engine, runner = replicas(data_parallel_size=1)
+    expected = runner.run(run_all(engine, [request(f"r{i}", p) for i, p in enumerate(prompts)]))
+    engine, runner = replicas(tensor_parallel_size=2, master_port=_free_port())
+    got = runner.run(
+        run_all(engine, [request(f"r{i}", p) for i, p in enumerate(prompts)]), timeout=240
+    )
+    assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+    assert [r.num_in_flight for r in engine.replicas] == [0, 0]
+    ports = {replica.config.master_port for replica in engine.replicas}
+    assert len(ports) == 2  # --master-port P: replica r's group meets at P + r
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
