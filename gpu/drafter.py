@@ -162,7 +162,7 @@ class Drafter:
             inputs,
             torch.from_numpy(logits_rows.astype(np.int64)).to(device),
         )
-        return logits.float().cpu()
+        return logits.float()  # on the device: q is sampled with the target's generator there
 
     def _sample(
         self,

@@ -364,18 +364,11 @@ class ModelRunner:
                 f"draft model {model_path!r} has {draft_config.vocab_size} logits, the target "
                 f"{self.model_config.vocab_size}"
             )
-        kv_dtype = _DTYPES[
-            resolve_kv_cache_dtype(
-                self.config.kv_cache_dtype, self.config.dtype, self.config.quantization
-            )
-        ]
-        block_bytes = kv_block_bytes(draft_config, self.kv_cache.block_size, kv_dtype)
         draft = ModelRunner.from_path(
             model_path,
             # Exactly the target's block count; no graphs (the drafter calls the network itself).
             replace(
                 self.config,
-                kv_cache_bytes=self.num_kv_blocks * block_bytes,
                 gpu_memory_utilization=None,
                 num_kv_blocks=self.num_kv_blocks,
                 enforce_eager=True,
@@ -577,16 +570,16 @@ class ModelRunner:
                 history.append(TokenHistory(seen - prompt_len, _NO_IDS, _NO_IDS))
         first_row = np.array([last_row[int(b)] for b in sampled]) - num_draft[sampled]
         rows = torch.from_numpy(np.repeat(first_row, per_row) + offset)
+        picked = logits[rows.to(logits.device)]  # [S', V] on the device
         by_model = draft_probs is not None
-        on_device = sample(
-            logits[rows.to(logits.device)], params, history, self.generator, keep_probs=by_model
-        )
+        on_device = sample(picked, params, history, self.generator, keep_probs=by_model)
         # One copy back of the [S'] rows (and their top-k), not of [S', V] logits; a draft
-        # model's rejection sampling (rare: one row per draft) takes its distributions too.
+        # model's distributions stay on the device for its rejection sampling.
         result = SampleOutput(
             *(
-                None if (value := getattr(on_device, f)) is None else value.cpu()
+                value if f == "probs" or value is None else value.cpu()
                 for f in SampleOutput.__slots__
+                for value in (getattr(on_device, f),)
             )
         )
 
@@ -602,7 +595,7 @@ class ModelRunner:
             result, accepted = self._rejection_sample(
                 result,
                 result.probs,
-                logits[rows.to(logits.device)].cpu(),
+                picked,
                 drafted,
                 draft_probs,
                 sampled,
@@ -646,8 +639,8 @@ class ModelRunner:
     def _rejection_sample(
         self,
         result: SampleOutput,  # the target's plain samples at the S' verified positions
-        target_probs: torch.Tensor,  # [S', V] float32: p at each of them
-        logits: torch.Tensor,  # [S', V] float32, the target's raw logits there
+        target_probs: torch.Tensor,  # [S', V] float32 on the device: p at each of them
+        logits: torch.Tensor,  # [S', V] float32 on the device, the target's raw logits there
         drafted: np.ndarray,  # [S'] int64, the draft after each position
         draft_probs: dict[int, torch.Tensor],  # batch row -> [D, V] q of its drafts
         sampled: np.ndarray,  # [S] batch rows that sample, in order
@@ -680,7 +673,7 @@ class ModelRunner:
         if len(changed):
             index = torch.from_numpy(changed)
             chosen[index], ranks[index], top_ids[index], top_logprobs[index] = token_logprobs(
-                logits[index],
+                logits[index.to(logits.device)].cpu(),
                 torch.from_numpy(token_ids[changed]),
                 params.select(changed),
                 top_ids.shape[1],

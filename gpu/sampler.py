@@ -493,7 +493,9 @@ def rejection_sample(
                 accepted[row] = at - start
                 break
             p, q = target_probs[at], draft_probs[at]
-            if float(torch.rand((), generator=generator)) * float(q[draft]) < float(p[draft]):
+            if float(torch.rand((), generator=generator, device=p.device)) * float(
+                q[draft]
+            ) < float(p[draft]):
                 sampled[at] = draft  # emitted as drafted (the target's own sample is not)
                 continue
             residual = (p - q).clamp_(min=0.0)
