@@ -206,7 +206,11 @@ class _End:
             and other != os.getpid()
             and same_process_alive(other, self._field(self._line, START))
         ):
-            self.close()
+            # The line is the live owner's: let go of this end without marking it closed.
+            self._closed = True
+            for sem in (*self._items, *self._spaces):
+                sem.close()
+            self._unmap()
             raise ProtocolError(f"broadcast {self.spec.name!r}: {self._role} taken by pid {other}")
         base = self._line * LINE
         self._hdr[base + START] = process_start_ticks(os.getpid())
