@@ -163,7 +163,10 @@ class DataParallelEngine:
         raises the 503 when none is ready."""
         pin = (request.request_id, id(request.prompt))
         pinned = self._pins.get(pin)
-        if pinned is not None and self.replicas[pinned[0]].ready:
+        # A beam search's choices meet in one scheduler (stages/beam_group.py): they never move;
+        # a replica restarting then answers them its 503.
+        beam = request.sampling.beam is not None
+        if pinned is not None and (beam or self.replicas[pinned[0]].ready):
             replica = pinned[0]
             self._pins[pin] = (replica, pinned[1] + 1)
             log.debug(

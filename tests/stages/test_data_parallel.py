@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -15,9 +16,10 @@ import pytest
 from pipeline.clock import now_ns
 from pipeline.names import names_in_shm
 from server.metrics import ServerMetrics
-from stages.api import GenerateRequest, SamplingParams, TextPrompt
+from stages.api import BeamSearchParams, GenerateRequest, SamplingParams, TextPrompt
 from stages.config import EngineConfig
 from stages.data_parallel import DataParallelEngine
+from stages.router import Route
 from tests.stages.conftest import LoopThread
 
 # 700 bytes in common, about 44 blocks of 16 tokens: worth routing to where it is cached
@@ -246,3 +248,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_beam_searchs_choices_stay_on_their_replica_while_it_restarts():
+    """Sampled choices of a request move off a replica that is restarting; a beam search's
+    cannot (its leader gathers them in one scheduler), so they stay and get its 503."""
+    engine = object.__new__(DataParallelEngine)
+    engine.replicas = [SimpleNamespace(ready=True), SimpleNamespace(ready=False)]
+    engine._route = lambda req: Route(0, "only_ready", 0, 0)  # type: ignore[method-assign]
+    sampled = request("n2", "Hi", max_tokens=4)
+    beam = msgspec.structs.replace(
+        sampled,
+        sampling=msgspec.structs.replace(
+            sampled.sampling, beam=BeamSearchParams(2, group=1, index=1)
+        ),
+    )
+    for req, expected in ((sampled, 0), (beam, 1)):
+        engine._pins = {(req.request_id, id(req.prompt)): (1, 1)}
+        assert engine._choose(req) == expected
