@@ -72,8 +72,13 @@ class ScheduleActor(AsyncActor):
 
     def admit(self, handle: int) -> bool:
         """False for a request schedule has already heard of (submitted again after a restart
-        of render, which may have passed it on before it died)."""
-        if handle in self.admitted_set:
+        of render, which may have passed it on before it died): one it holds now, however long
+        ago it came, or one of the last ADMITTED_MEMORY it admitted."""
+        if (
+            handle in self.admitted_set
+            or handle in self.scheduler.by_handle
+            or handle in self.awaiting_matchers
+        ):
             return False
         if len(self.admitted) == self.admitted.maxlen:
             self.admitted_set.discard(self.admitted[0])
