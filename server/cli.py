@@ -258,14 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-loras",
         type=_positive_int,
-        default=LoraConfig().max_loras,
         help="adapters one step may mix (weight slots in execute; default 1, as in vLLM)",
     )
     parser.add_argument(
         "--max-lora-rank",
         type=int,
         choices=SUPPORTED_RANKS,
-        default=LoraConfig().max_lora_rank,
         help="the largest adapter rank served (default 16)",
     )
     parser.add_argument(
@@ -574,6 +572,13 @@ def parse_args(
     taken = [m.name for m in args.lora_modules or () if m.name in served_model_names]
     if taken:
         parser.error(f"--lora-modules {taken[0]}: that is a --served-model-name")
+    for module in args.lora_modules or ():
+        base = module.base_model_name
+        if base is not None and base not in served_model_names:
+            parser.error(
+                f"--lora-modules {module.name}: base_model_name {base!r} is not a served model "
+                f"name ({', '.join(served_model_names)})"
+            )
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -626,6 +631,15 @@ def parse_args(
     utilization = None
     if device == "cuda" and args.kv_cache_memory is None and not dummy:
         utilization = args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        spec = args.speculative_config
+        if spec is not None and spec.model is not None:  # its weights and cache come after
+            parser.error("a draft model on CUDA needs --kv-cache-memory (the sizing omits it)")
+    if (args.data_parallel_size or 1) == 1 and args.data_parallel_routing is not None:
+        parser.error("--data-parallel-routing needs --data-parallel-size above 1")
+    if (args.tensor_parallel_size or 1) == 1 and (
+        args.master_addr is not None or args.master_port is not None
+    ):
+        parser.error("--master-addr and --master-port need --tensor-parallel-size above 1")
     if (args.tensor_parallel_size or 1) > 1:
         if dummy:
             parser.error("--tensor-parallel-size needs a model; the dummy execute has none")
@@ -702,13 +716,25 @@ def _lora_config(
     """--enable-lora's limits, with every --lora-modules adapter read and checked against the
     model now, so that one the server cannot apply stops the start with the reason."""
     if not args.enable_lora:
-        if args.lora_modules:
-            parser.error("--lora-modules needs --enable-lora")
+        given = {
+            "--lora-modules": args.lora_modules,
+            "--max-loras": args.max_loras,
+            "--max-lora-rank": args.max_lora_rank,
+            "--max-cpu-loras": args.max_cpu_loras,
+        }
+        for flag, value in given.items():
+            if value is not None:
+                parser.error(f"{flag} needs --enable-lora")
         return None
     if dummy:
         parser.error("--enable-lora needs a model (the dummy one computes nothing to adapt)")
+    defaults = LoraConfig()
     try:
-        config = LoraConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+        config = LoraConfig(
+            defaults.max_loras if args.max_loras is None else args.max_loras,
+            defaults.max_lora_rank if args.max_lora_rank is None else args.max_lora_rank,
+            args.max_cpu_loras,
+        )
     except ValueError as error:
         parser.error(str(error))
     names = [module.name for module in args.lora_modules or ()]

@@ -48,8 +48,9 @@ class LoraAdapters:
         self.check_new(name, path)
         self._last_id += 1
         request = LoraRequest(name=name, lora_id=self._last_id, path=path)
+        # (server/cli.py refuses a base_model_name that names no served model)
         parent = base_model_name if base_model_name in self.base_names else self.base_names[0]
-        self.by_name[name] = ServedAdapter(request, parent or self.base_names[0])
+        self.by_name[name] = ServedAdapter(request, parent)
         return request
 
     def name_of(self, lora_id: int | None) -> str:

@@ -276,6 +276,12 @@ def test_tensor_parallel_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         parse_args(["dummy", "--tensor-parallel-size", "2"])
     assert "needs a model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a rendezvous without a group would do nothing
+        parse_args([model, "--master-port", "29500"])
+    assert "need --tensor-parallel-size above 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # nor would routing with one replica
+        parse_args([model, "--data-parallel-routing", "round_robin"])
+    assert "needs --data-parallel-size above 1" in capsys.readouterr().err
 
 
 def test_a_draft_model_speculative_config(tmp_path: Path, capsys) -> None:

@@ -131,3 +131,18 @@ async def test_load_needs_a_name_and_a_path(make_app) -> None:
     assert response.status_code == 400
     error = (await response.get_json())["error"]
     assert error["message"] == "Both 'lora_name' and 'lora_path' must be provided."
+
+
+def test_lora_knobs_without_enable_lora_and_an_unknown_parent_stop_the_start(tiny, capsys):
+    base, adapter = tiny
+    for flags in (["--max-loras", "2"], ["--max-lora-rank", "8"], ["--max-cpu-loras", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args([str(base), *flags], environ={})
+        assert f"{flags[0]} needs --enable-lora" in capsys.readouterr().err
+    module = json.dumps({"name": "b", "path": str(adapter), "base_model_name": "other"})
+    with pytest.raises(SystemExit):
+        parse_args(
+            [str(base), "--served-model-name", "tiny", "--enable-lora", "--lora-modules", module],
+            environ={},
+        )
+    assert "base_model_name 'other' is not a served model name (tiny)" in capsys.readouterr().err
