@@ -18,6 +18,7 @@ from gpu.quant import (
 )
 
 if TYPE_CHECKING:
+    from gpu.lora import LoraSlots, LoraStep
     from gpu.model import CausalLM
 
 
@@ -38,6 +39,9 @@ class FusedLayers:
     torch) and the part after it. At batch 1 calling ~12 kernels per layer from Python cost more
     than their arithmetic; thicker steps take the per-op path with dense bf16 linears.
 
+    With adapters (`attach_lora`), each projection adds its rows' low-rank updates in the same
+    call, so a step mixing adapters and the base stays on this path.
+
     The structs hold raw pointers into the model's buffers: build it after the model is in
     place (quantize_linears does) and do not move the model afterwards.
     """
@@ -54,6 +58,30 @@ class FusedLayers:
         self.max_rows = max_rows
         self.attention = attention
         self.step = native.DecodeStep()
+        self.lora: LoraSlots | None = None
+
+    def attach_lora(self, slots: LoraSlots) -> bool:
+        """Point every layer at its projections' adapter slots (float32, filled in place by
+        LoraSlots, so the pointers stay valid); False where the C layers cannot take them."""
+        from gpu.lora import PROJECTIONS
+
+        a_any = next(iter(slots.a.values()))
+        width = max(a.shape[1] for a in slots.a.values())
+        if a_any.dtype != torch.float32 or a_any.device.type != "cpu":
+            return False
+        if width > native.LORA_MAX_WIDTH:
+            return False
+        for index, layer in enumerate(self.layers):
+            for fused, name in zip(PROJECTIONS, ("qkv", "o", "gate_up", "down"), strict=True):
+                a, b = slots.a[(index, fused)], slots.b[(index, fused)]
+                if not (a.is_contiguous() and b.is_contiguous()):
+                    return False
+                setattr(layer, f"{name}_la", a.data_ptr())
+                setattr(layer, f"{name}_lb", b.data_ptr())
+                setattr(layer, f"{name}_lw", a.shape[1])
+                self._keep.extend((a, b))
+        self.lora = slots
+        return True
 
     @classmethod
     def of(cls, model: CausalLM, max_rows: int) -> FusedLayers | None:
@@ -112,6 +140,7 @@ class FusedLayers:
         rope: Rope,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         layout: StepLayout,
+        lora: LoraStep | None = None,  # the step's adapter rows; attach_lora must have run
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (last layer's output, residual stream)
         tokens = x.shape[0]
         x = x.contiguous()
@@ -133,6 +162,16 @@ class FusedLayers:
         step.context_lens = lens.data_ptr()
         step.block_size = kv_caches[0][0].shape[1]
         step.cache_bf16 = int(kv_caches[0][0].dtype == torch.bfloat16)
+        if lora is None:
+            step.lora_count = 0
+        else:
+            if self.lora is None:
+                raise RuntimeError("a step with adapter rows on fused layers without adapters")
+            step.lora_count = len(lora.adapter_rows)
+            step.lora_rows = lora.adapter_rows.data_ptr()
+            step.lora_slots = lora.adapter_slots.data_ptr()
+            step.lora_n_tiles = len(lora.adapter_tiles) - 1
+            step.lora_tiles = lora.adapter_tiles.data_ptr()
         decodes_only = not layout.prefills and len(rows) == tokens
         for index, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if decodes_only:
@@ -141,5 +180,5 @@ class FusedLayers:
             native.q4_layer_attn_in(layer, step, *kv, x, residual, index == 0, qkv)
             q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
             out = self.attention(q, kv, layout, scale, window)
-            native.q4_layer_attn_out(layer, out.view(tokens, -1), x, residual)
+            native.q4_layer_attn_out(layer, step, out.view(tokens, -1), x, residual)
         return x, residual

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gpu.model import CausalLM
+from gpu.native import LORA_TILE
 from stages.lora import ADAPTER_WEIGHTS, LoraConfig, module_shape, read_adapter
 from stages.text.checkpoint import ModelConfig
 
@@ -99,6 +100,12 @@ class LoraStep:
     per_slot: int  # the most tokens any slot has in this step
     rows: torch.Tensor  # [span * per_slot] int64, token rows
     valid: torch.Tensor  # [span, per_slot, 1] in the model's dtype: 1 for a token, 0 for padding
+    # The same rows for the fused C layers (gpu/fused.py), without padding: each adapter row and
+    # its slot, grouped by slot, and tiles of up to LORA_TILE rows of one slot (each tile's first
+    # index into them, then their count).
+    adapter_rows: torch.Tensor  # [A] int64
+    adapter_slots: torch.Tensor  # [A] int64
+    adapter_tiles: torch.Tensor  # [tiles + 1] int64
 
     @classmethod
     def of(
@@ -122,12 +129,16 @@ class LoraStep:
             per_slot,
             torch.from_numpy(rows.ravel()).to(device),
             torch.from_numpy(valid).to(device=device, dtype=dtype).unsqueeze(2),
+            torch.from_numpy(adapted[order]),
+            torch.from_numpy(slots[order]),
+            torch.from_numpy(np.append(np.nonzero(place % LORA_TILE == 0)[0], len(order))),
         )
 
 
 class LoraSlots:
     """The adapters the model can apply in a step: per (layer, fused projection) every slot's A
-    and B, `a` [L, in, P * R] and `b` [L, P * R, out], L = --max-loras. An adapter a step needs and
+    transposed and B, `a` [L, P * R, in] and `b` [L, P * R, out], L = --max-loras (A's rows are
+    contiguous for the fused C layers' dot products). An adapter a step needs and
     no slot holds is copied into the least recently used slot the step does not need, from the
     host-memory LRU (--max-cpu-loras) or, the first time, from its directory."""
 
@@ -145,7 +156,7 @@ class LoraSlots:
             for fused in PROJECTIONS:
                 a, b = _zeros(model, fused, self.rank, dtype)
                 key = (layer, fused)
-                self.a[key] = a.to(device).unsqueeze(0).repeat(slots, 1, 1)
+                self.a[key] = a.t().to(device).unsqueeze(0).repeat(slots, 1, 1)
                 self.b[key] = b.to(device).unsqueeze(0).repeat(slots, 1, 1)
         self.device = device
         self.slot_of: dict[int, int] = {}  # adapter id -> slot
@@ -200,7 +211,7 @@ class LoraSlots:
                 a[slot].zero_()
                 self.b[key][slot].zero_()
             else:
-                a[slot].copy_(pair[0])
+                a[slot].copy_(pair[0].t())
                 self.b[key][slot].copy_(pair[1])
         self.slot_of[lora_id] = slot
         log.info("lora adapter placed", lora_id=lora_id, slot=slot)
@@ -235,7 +246,7 @@ class LoraLinear(nn.Module):
         step = self.slots.step
         if step is None:
             return out
-        a = self.slots.a[self.key][: step.span]  # [S, in, W]
+        a = self.slots.a[self.key][: step.span].transpose(1, 2)  # [S, in, W]
         b = self.slots.b[self.key][: step.span]  # [S, W, out]
         # Matmuls this small run on one thread: split over two, MKL's took 7 ms instead of 50 us
         # on a loaded 2-core machine (a thread waiting for the other's core at each barrier).
@@ -251,7 +262,8 @@ class LoraLinear(nn.Module):
 
 
 def install_lora(model: CausalLM, config: LoraConfig, device: torch.device) -> LoraSlots:
-    """Wrap every decoder projection of `model` (after any quantization) in a LoraLinear."""
+    """Wrap every decoder projection of `model` (after any quantization) in a LoraLinear, and
+    give the slots to its fused C layers, if it has them."""
     dtype = model.model.embed_tokens.weight.dtype
     slots = LoraSlots(model.config, config, dtype, device)
     for layer_index, layer in enumerate(model.model.layers):
@@ -259,4 +271,6 @@ def install_lora(model: CausalLM, config: LoraConfig, device: torch.device) -> L
             parent = getattr(layer, parent_name)
             setattr(parent, fused, LoraLinear(getattr(parent, fused), slots, (layer_index, fused)))
     model.lora = slots
+    if model.fused_layers is not None and not model.fused_layers.attach_lora(slots):
+        log.info("adapter slots the fused C layers cannot take: adapter steps run per op")
     return slots

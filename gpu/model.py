@@ -154,10 +154,11 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         fused = self.fused_layers
-        # The fused C layers know no adapters: a step with adapter rows takes the per-op path.
-        with_adapters = self.lora is not None and self.lora.step is not None
-        if fused is not None and not with_adapters and fused.applies(x, layout, kv_caches):
-            x, residual = fused.run(x, rope, kv_caches, layout)
+        lora = self.lora.step if self.lora is not None else None
+        # A step with adapter rows stays on the fused C layers when they hold the adapters.
+        takes_lora = lora is None or (fused is not None and fused.lora is not None)
+        if fused is not None and takes_lora and fused.applies(x, layout, kv_caches):
+            x, residual = fused.run(x, rope, kv_caches, layout, lora)
         else:
             for layer, kv in zip(self.model.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, rope, kv, layout)

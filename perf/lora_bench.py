@@ -42,8 +42,8 @@ class LoraBenchArgs:
     num_adapters: int = 4
     rank: int = 8
     concurrency: int = 32
-    num_requests: int = 64
-    max_tokens: int = 64
+    num_requests: int = 128
+    max_tokens: int = 128
     repeats: int = 3
     port: int = 8620
     threads: int = 2

@@ -44,7 +44,7 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
     "q8_0_matmul": (_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr),
     "q4_decode_layer": (_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr, _ptr),
     "q4_layer_attn_in": (_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr),
-    "q4_layer_attn_out": (_ptr, _i64, _ptr, _ptr, _ptr),
+    "q4_layer_attn_out": (_ptr, _ptr, _ptr, _ptr, _ptr),
     "q4_1_gemm_pack": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr),
     "q4_1_gemm": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
     "q4_1_gemm_available": (),
@@ -326,13 +326,24 @@ class Q4Layer(ctypes.Structure):
                 *("norm_attn", "norm_mlp", "qkv_q", "qkv_d", "qkv_m", "qkv_bias"),
                 *("o_q", "o_d", "o_m", "gate_up_q", "gate_up_d", "gate_up_m"),
                 *("down_q", "down_d", "down_m"),
+                *("qkv_la", "qkv_lb", "o_la", "o_lb", "gate_up_la", "gate_up_lb"),
+                *("down_la", "down_lb"),
             )
         ],
+        *[(name, ctypes.c_int64) for name in ("qkv_lw", "o_lw", "gate_up_lw", "down_lw")],
     ]
 
 
+# cpu_ops.c's LORA_MAX_WIDTH, the widest adapter slot (parts times --max-lora-rank) the layer
+# calls take (the shrunk rows stay on the stack), and LORA_TILE, the most rows of one slot a
+# pass over its weights serves.
+LORA_MAX_WIDTH = 2048
+LORA_TILE = 4
+
+
 class DecodeStep(ctypes.Structure):
-    """cpu_ops.c's decode_step: one step of decodes (one new token per sequence)."""
+    """cpu_ops.c's decode_step: a step's rows, their RoPE angles and KV slots, its decode rows'
+    block tables, and its adapter rows."""
 
     _fields_ = [
         ("tokens", ctypes.c_int64),
@@ -344,6 +355,11 @@ class DecodeStep(ctypes.Structure):
         ("context_lens", ctypes.c_void_p),
         ("block_size", ctypes.c_int64),
         ("cache_bf16", ctypes.c_int),
+        ("lora_count", ctypes.c_int64),
+        ("lora_rows", ctypes.c_void_p),
+        ("lora_slots", ctypes.c_void_p),
+        ("lora_n_tiles", ctypes.c_int64),
+        ("lora_tiles", ctypes.c_void_p),
     ]
 
 
@@ -400,11 +416,19 @@ def q4_layer_attn_in(
 
 
 def q4_layer_attn_out(
-    layer: Q4Layer, attn: torch.Tensor, x: torch.Tensor, residual: torch.Tensor
+    layer: Q4Layer,
+    step: DecodeStep,
+    attn: torch.Tensor,  # [T, H * D] float32, T = step.tokens
+    x: torch.Tensor,
+    residual: torch.Tensor,
 ) -> None:
     """The layer after attention (o, norm, gate_up, SwiGLU, down); x receives its output."""
     status = _lib().q4_layer_attn_out(
-        ctypes.byref(layer), attn.shape[0], attn.data_ptr(), x.data_ptr(), residual.data_ptr()
+        ctypes.byref(layer),
+        ctypes.byref(step),
+        attn.data_ptr(),
+        x.data_ptr(),
+        residual.data_ptr(),
     )
     if status:
         raise MemoryError("q4_layer_attn_out: no memory for the layer's scratch")

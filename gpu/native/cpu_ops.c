@@ -910,6 +910,10 @@ typedef struct {
     const uint16_t *gate_up_d, *gate_up_m;
     const uint8_t *down_q;
     const uint16_t *down_d, *down_m;
+    /* LoRA adapter slots (gpu/lora.py's LoraSlots), per projection: A transposed
+     * [slots, width, in] and B [slots, width, out] float32; NULL: the model has no adapters. */
+    const float *qkv_la, *qkv_lb, *o_la, *o_lb, *gate_up_la, *gate_up_lb, *down_la, *down_lb;
+    int64_t qkv_lw, o_lw, gate_up_lw, down_lw;
 } q4_layer;
 
 typedef struct {
@@ -922,7 +926,132 @@ typedef struct {
     const int32_t *context_lens; /* [tokens] */
     int64_t block_size;
     int cache_bf16;
+    int64_t lora_count; /* the step's rows with an adapter; 0: none */
+    const int64_t *lora_rows, *lora_slots; /* [lora_count]: each such row and its slot, by slot */
+    int64_t lora_n_tiles;
+    const int64_t *lora_tiles; /* [lora_n_tiles + 1]: tiles of <= LORA_TILE rows of one slot */
 } decode_step;
+
+#define LORA_MAX_WIDTH 2048 /* parts times rank: the shrunk rows of a tile stay on the stack */
+#define LORA_TILE 4          /* rows of one slot per pass over its A and B (lora_add's cases) */
+
+/* The LoRA update's vectors: 16 floats with AVX-512, 8 with AVX2, and how many of A's rows
+ * (LORA_WB) one pass over x's tile reads, so that each x load feeds several FMAs. */
+#if defined(__AVX512F__)
+typedef __m512 lora_vec;
+#define LORA_LANES 16
+#define LORA_WB 4
+#define lora_load _mm512_loadu_ps
+#define lora_store _mm512_storeu_ps
+#define lora_fma _mm512_fmadd_ps
+#define lora_set1 _mm512_set1_ps
+#define lora_zero _mm512_setzero_ps
+#define lora_sum _mm512_reduce_add_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 lora_vec;
+#define LORA_LANES 8
+#define LORA_WB 2
+#define lora_load _mm256_loadu_ps
+#define lora_store _mm256_storeu_ps
+#define lora_fma _mm256_fmadd_ps
+#define lora_set1 _mm256_set1_ps
+#define lora_zero _mm256_setzero_ps
+#define lora_sum hsum8
+#endif
+
+/* One tile of `count` rows of the same adapter slot: t[j][w] = x[row j] . at[w] (the shrink,
+ * `at` the slot's A transposed, [width, in]), then out[row j] += t[j] @ b (the expand, b
+ * [width, n_out]). A row of `at` that is zero (past the adapter's rank) gives t = 0, and its
+ * row of b is not read. Inlined with a constant `count`, its accumulators stay in registers. */
+static inline __attribute__((always_inline)) void lora_tile(
+    const int count, const float *at, const float *b, int64_t width, const int64_t *rows,
+    const float *x, int64_t in, float *out, int64_t n_out) {
+    float t[LORA_TILE][LORA_MAX_WIDTH];
+    const float *xr[LORA_TILE];
+    for (int j = 0; j < count; j++) xr[j] = x + rows[j] * in;
+    int64_t w = 0;
+#if defined(LORA_LANES)
+    for (; w + LORA_WB <= width; w += LORA_WB) { /* in: a multiple of 32 (the Q4_1 block) */
+        lora_vec acc[LORA_TILE][LORA_WB];
+        for (int j = 0; j < count; j++)
+            for (int q = 0; q < LORA_WB; q++) acc[j][q] = lora_zero();
+        for (int64_t i = 0; i < in; i += LORA_LANES) {
+            lora_vec a[LORA_WB];
+            for (int q = 0; q < LORA_WB; q++) a[q] = lora_load(at + (w + q) * in + i);
+            for (int j = 0; j < count; j++) {
+                const lora_vec xv = lora_load(xr[j] + i);
+                for (int q = 0; q < LORA_WB; q++) acc[j][q] = lora_fma(xv, a[q], acc[j][q]);
+            }
+        }
+        for (int j = 0; j < count; j++)
+            for (int q = 0; q < LORA_WB; q++) t[j][w + q] = lora_sum(acc[j][q]);
+    }
+#endif
+    for (; w < width; w++)
+        for (int j = 0; j < count; j++) {
+            float sum = 0.0f;
+            for (int64_t i = 0; i < in; i++) sum += xr[j][i] * at[w * in + i];
+            t[j][w] = sum;
+        }
+    int live[LORA_MAX_WIDTH], n_live = 0; /* the rows of b some row of the tile needs */
+    for (int64_t v = 0; v < width; v++) {
+        int any = 0;
+        for (int j = 0; j < count; j++) any |= t[j][v] != 0.0f;
+        if (any) live[n_live++] = (int)v;
+    }
+    int64_t c = 0;
+#if defined(LORA_LANES)
+    for (; c + 2 * LORA_LANES <= n_out; c += 2 * LORA_LANES) { /* b's slice stays in L1 */
+        lora_vec lo[LORA_TILE], hi[LORA_TILE];
+        for (int j = 0; j < count; j++) {
+            lo[j] = lora_load(out + rows[j] * n_out + c);
+            hi[j] = lora_load(out + rows[j] * n_out + c + LORA_LANES);
+        }
+        for (int k = 0; k < n_live; k++) {
+            const float *bw = b + live[k] * n_out + c;
+            const lora_vec b_lo = lora_load(bw), b_hi = lora_load(bw + LORA_LANES);
+            for (int j = 0; j < count; j++) {
+                const lora_vec tw = lora_set1(t[j][live[k]]);
+                lo[j] = lora_fma(tw, b_lo, lo[j]);
+                hi[j] = lora_fma(tw, b_hi, hi[j]);
+            }
+        }
+        for (int j = 0; j < count; j++) {
+            lora_store(out + rows[j] * n_out + c, lo[j]);
+            lora_store(out + rows[j] * n_out + c + LORA_LANES, hi[j]);
+        }
+    }
+#endif
+    for (; c < n_out; c++)
+        for (int j = 0; j < count; j++) {
+            float sum = out[rows[j] * n_out + c];
+            for (int k = 0; k < n_live; k++) sum += t[j][live[k]] * b[live[k] * n_out + c];
+            out[rows[j] * n_out + c] = sum;
+        }
+}
+
+/* out[r] += (x[r] @ A[slot]) @ B[slot] for each of the step's adapter rows r (Punica's shrink
+ * and expand), x [tokens, in] and out [tokens, n_out], at [slots, width, in] (A transposed)
+ * and b [slots, width, n_out]. The rows come grouped by slot, in tiles of up to LORA_TILE rows
+ * of one slot (`lora_tiles`: each tile's first row, then the end), so each pass over a slot's
+ * weights serves several rows. Base rows cost nothing. */
+static void lora_add(const float *at, const float *b, int64_t width, const decode_step *s,
+                     const float *x, int64_t in, float *out, int64_t n_out) {
+    if (!at || s->lora_count == 0) return;
+#pragma omp parallel for schedule(static) if (s->lora_n_tiles > 1)
+    for (int64_t k = 0; k < s->lora_n_tiles; k++) {
+        const int64_t first = s->lora_tiles[k], count = s->lora_tiles[k + 1] - first;
+        const int64_t slot = s->lora_slots[first];
+        const float *as = at + slot * width * in, *bs = b + slot * width * n_out;
+        const int64_t *rows = s->lora_rows + first;
+        switch (count) { /* a constant count per case: the tile's accumulators in registers */
+        case 4: lora_tile(4, as, bs, width, rows, x, in, out, n_out); break;
+        case 3: lora_tile(3, as, bs, width, rows, x, in, out, n_out); break;
+        case 2: lora_tile(2, as, bs, width, rows, x, in, out, n_out); break;
+        default: lora_tile(1, as, bs, width, rows, x, in, out, n_out); break;
+        }
+    }
+}
 
 int q4_1_gemm(const float *x, int64_t rows, const uint8_t *codes, const uint16_t *d,
               const uint16_t *m, int64_t n_out, int64_t k, float *out);
@@ -971,6 +1100,7 @@ int q4_layer_attn_in(const q4_layer *w, const decode_step *s, void *k_cache, voi
     if (w->qkv_bias)
         for (int64_t r = 0; r < t; r++)
             for (int64_t i = 0; i < qkv_width; i++) qkv[r * qkv_width + i] += w->qkv_bias[i];
+    lora_add(w->qkv_la, w->qkv_lb, w->qkv_lw, s, h, hidden, qkv, qkv_width);
     rope_write_kv(qkv, t, s->cos, s->sin, w->heads, w->kv_heads, w->head_dim, s->slot_mapping,
                   k_cache, v_cache, s->cache_bf16);
     return 0;
@@ -978,19 +1108,23 @@ int q4_layer_attn_in(const q4_layer *w, const decode_step *s, void *k_cache, voi
 
 /* The layer after attention: o, norm (with the residual add), gate_up, SwiGLU, down.
  * attn: [tokens, heads * head_dim]; x receives the layer's output. */
-int q4_layer_attn_out(const q4_layer *w, int64_t t, const float *attn, float *x,
+int q4_layer_attn_out(const q4_layer *w, const decode_step *s, const float *attn, float *x,
                       float *residual) {
-    const int64_t hidden = w->hidden, q_size = w->heads * w->head_dim;
-    float *h = grow_scratch(t * (hidden + 3 * w->inter));
+    const int64_t t = s->tokens, hidden = w->hidden, q_size = w->heads * w->head_dim;
+    const int64_t inter = w->inter;
+    float *h = grow_scratch(t * (hidden + 3 * inter));
     if (!h) return -1;
-    float *gate_up = h + t * hidden, *act = gate_up + t * 2 * w->inter;
+    float *gate_up = h + t * hidden, *act = gate_up + t * 2 * inter;
     if (q4_linear(attn, t, w->o_q, w->o_d, w->o_m, hidden, q_size, x)) return -1;
+    lora_add(w->o_la, w->o_lb, w->o_lw, s, attn, q_size, x, hidden);
     add_rms_norm_f32(residual, x, w->norm_mlp, h, t, hidden, w->eps_mlp);
-    if (q4_linear(h, t, w->gate_up_q, w->gate_up_d, w->gate_up_m, 2 * w->inter, hidden,
-                  gate_up))
+    if (q4_linear(h, t, w->gate_up_q, w->gate_up_d, w->gate_up_m, 2 * inter, hidden, gate_up))
         return -1;
-    silu_mul_f32(gate_up, act, t, w->inter);
-    return q4_linear(act, t, w->down_q, w->down_d, w->down_m, hidden, w->inter, x);
+    lora_add(w->gate_up_la, w->gate_up_lb, w->gate_up_lw, s, h, hidden, gate_up, 2 * inter);
+    silu_mul_f32(gate_up, act, t, inter);
+    if (q4_linear(act, t, w->down_q, w->down_d, w->down_m, hidden, inter, x)) return -1;
+    lora_add(w->down_la, w->down_lb, w->down_lw, s, act, inter, x, hidden);
+    return 0;
 }
 
 /* A whole layer for a step of decodes only (row s of the step is sequence s's one token).
@@ -1004,7 +1138,7 @@ int q4_decode_layer(const q4_layer *w, const decode_step *s, void *k_cache, void
                            s->table_stride, s->context_lens, k_cache, v_cache, s->cache_bf16,
                            s->block_size, w->heads, w->kv_heads, w->head_dim, w->scale,
                            w->sliding_window, attn, q_size);
-    return q4_layer_attn_out(w, s->tokens, attn, x, residual);
+    return q4_layer_attn_out(w, s, attn, x, residual);
 }
 
 /* ---------------------------------------------------------------- Q4_1 for many rows */

@@ -164,12 +164,13 @@ def test_an_adapter_gone_from_disk_since_it_was_checked_is_refused_at_load(
 
 
 @needs_gcc
-def test_adapter_rows_leave_the_fused_native_layers_and_base_steps_keep_them(
-    tiny_models, adapters, monkeypatch
+@pytest.mark.parametrize("decode_steps", [0, 2])
+def test_adapter_rows_stay_on_the_fused_native_layers_with_the_per_op_paths_logits(
+    tiny_models, adapters, monkeypatch, decode_steps
 ):
-    """On GGUF-style int4 weights a step of base rows runs the fused C layers; a step with an
-    adapter row takes the per-op path (the fused layers know no adapters), where its base rows
-    get the fused path's logits and its adapter rows their adapter's."""
+    """On GGUF-style int4 weights a step mixing three adapters and the base runs the fused C
+    layers, which add each row's update in the same call: every row gets the logits of the
+    per-op path (LoraLinear around each projection), prefill chunks and decode-only steps."""
     from gpu import native
     from gpu.backends import NATIVE_KERNELS
     from gpu.loader import iter_weights
@@ -178,35 +179,59 @@ def test_adapter_rows_leave_the_fused_native_layers_and_base_steps_keep_them(
 
     assert native.available(), "with a C compiler the native kernels must build"
     calls = {"fused": 0}
-    fused_attn_in = native.q4_layer_attn_in
+    for name in ("q4_layer_attn_in", "q4_decode_layer"):
+        original = getattr(native, name)
 
-    def counted(*args):
-        calls["fused"] += 1
-        return fused_attn_in(*args)
+        def counted(*args, original=original):
+            calls["fused"] += 1
+            return original(*args)
 
-    monkeypatch.setattr(native, "q4_layer_attn_in", counted)
+        monkeypatch.setattr(native, name, counted)
     path = str(tiny_models["llama"])
     config = load_model_config(path)
     model = CausalLM(config, NATIVE_KERNELS).eval()
     model.load_weights(iter_weights(path, config, torch.float32))
     quantize_linears(model, "int4", max_thin_rows=48)
-    assert model.fused_layers is not None
-    slots = install_lora(model, LoraConfig(max_loras=1, max_lora_rank=8), torch.device("cpu"))
-    tokens = list(range(3, 15))
+    fused = model.fused_layers
+    assert fused is not None
+    slots = install_lora(model, LoraConfig(max_loras=3, max_lora_rank=8), torch.device("cpu"))
+    assert fused.lora is slots
+    paths = _paths(adapters["llama"])
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 128, size=n).tolist() for n in (7, 5, 9, 6, 4)]
+    lora_of_row = np.array([3, 0, 1, 2, 1])
+    extra = rng.integers(0, 128, size=(decode_steps, len(prompts))).tolist()
 
-    def prefill(lora_ids: list[int]) -> torch.Tensor:  # rows of the same tokens, one per id
+    def run(on_fused: bool, lora_ids: np.ndarray = lora_of_row) -> list[torch.Tensor]:
+        """The logits of every step."""
+        model.fused_layers = fused if on_fused else None
         cache = KVCache.from_budget(config, 1 << 20, 4, torch.float32, "cpu")
         pool = BlockPool(cache.num_blocks, 4)
-        seqs = [PagedSequence(list(tokens)) for _ in lora_ids]
-        step = build_step(pool, [(s, len(tokens)) for s in seqs])
-        slots.begin(np.repeat(lora_ids, len(tokens)), _paths(adapters["llama"]))
-        logits = run_step(model, cache, step)
-        slots.end()
-        return logits.view(len(lora_ids), len(tokens), -1)
+        seqs = [PagedSequence(list(p)) for p in prompts]
+        out = []
+        for step_index in range(decode_steps + 1):
+            if step_index:
+                for seq, tokens in zip(seqs, extra[step_index - 1], strict=True):
+                    seq.token_ids.append(tokens)
+            chunks = [(s, len(s.token_ids) - s.num_cached) for s in seqs]
+            step = build_step(pool, chunks)
+            slots.begin(np.repeat(lora_ids, [n for _, n in chunks]), paths)
+            out.append(run_step(model, cache, step))
+            slots.end()
+        return out
 
-    base_only = prefill([0])
-    assert calls["fused"] == config.num_layers
-    mixed = prefill([1, 0])
-    assert calls["fused"] == config.num_layers  # no fused call in the mixed step
-    torch.testing.assert_close(mixed[1], base_only[0], rtol=1e-5, atol=1e-5)
-    assert (mixed[0] - mixed[1]).abs().max() > 1e-2
+    per_op = run(on_fused=False)
+    assert calls["fused"] == 0
+    on_fused = run(on_fused=True)
+    assert calls["fused"] == config.num_layers * (decode_steps + 1)
+    for ours, expected in zip(on_fused, per_op, strict=True):
+        torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    # The adapters matter: the base model's logits are far from the adapter rows' and equal to
+    # the base row's.
+    base = run(on_fused=True, lora_ids=np.zeros_like(lora_of_row))
+    last = torch.from_numpy(np.cumsum([len(p) for p in prompts]) - 1)  # each prompt's end
+    final = on_fused[-1] if decode_steps else on_fused[-1][last]
+    final_base = base[-1] if decode_steps else base[-1][last]
+    torch.testing.assert_close(final[1], final_base[1], rtol=1e-5, atol=1e-5)
+    for row in (0, 2, 3, 4):
+        assert (final[row] - final_base[row]).abs().max() > 1e-2
