@@ -75,6 +75,7 @@ def _get(port: int, path: str) -> int:
 @contextlib.contextmanager
 def _server(args: list[str], port: int, log_path: str) -> Iterator[str]:
     argv = [sys.executable, "-m", "server.cli", *args, "--port", str(port), "--log-format", "json"]
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)  # --log-dir may be new
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -3,6 +3,8 @@ and the on/off goal table."""
 
 from __future__ import annotations
 
+import pytest
+
 from perf import serve_bench, spec_bench
 
 METRICS = """# HELP vllm:spec_decode_num_drafts engine counter
@@ -73,3 +75,15 @@ def test_the_table_compares_each_case_with_its_goal():
     table = spec_bench.format_table({"rows": [met, missed, itl]})
     assert "| grounded | 1 | output_tok_per_s | 3.00 | >= 2.5 |" in table
     assert "0.90 (missed)" in table and "1.10 (missed) | <= 1" in table
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_log_in_a_new_log_dir(tmp_path):
+    """`--log-dir` may name a folder that does not exist yet; a server that exits at start is an
+    error naming its log, which holds the reason."""
+    log_path = tmp_path / "new" / "logs" / "spec-on.log"
+    with (
+        pytest.raises(RuntimeError, match="pipeline-serve exited"),
+        spec_bench._server(["--no-such-flag"], 8699, str(log_path)),
+    ):
+        pass
+    assert "--no-such-flag" in log_path.read_text()
