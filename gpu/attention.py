@@ -41,25 +41,17 @@ class AttentionInputs:
     slot_mapping: torch.Tensor  # [T] int64
 
 
-# A chunk of at most this many tokens (a decode carrying up to 16 drafts, a prompt's tail after a
-# prefix-cache hit) is attended as that many decode rows, each seeing the keys up to its own
-# position: one call for the whole step instead of one per chunk (per layer), and the fused
-# C layers' one-call path when no longer chunk is in the step.
-SHORT_CHUNK = 17
-
-
 @dataclass(slots=True, frozen=True)
 class StepLayout:
     """What the CPU attention paths need to know of one step, worked out once, not per layer.
 
-    Decodes (one new token) and the rows of short chunks (SHORT_CHUNK) are attended all at
-    once, as rows of one token each; longer prefill chunks one by one.
+    Decodes (one new token) are attended all at once; prefill chunks one by one.
     """
 
     inputs: AttentionInputs
-    decode_rows: torch.Tensor  # [S] int64: the token row of each decode row
-    decode_block_tables: torch.Tensor  # [S, max_blocks] int32, contiguous: its sequence's
-    decode_context_lens: torch.Tensor  # [S] int32: the keys it sees (its position + 1)
+    decode_rows: torch.Tensor  # [S] int64: the token row of each decoding sequence
+    decode_block_tables: torch.Tensor  # [S, max_blocks] int32, contiguous
+    decode_context_lens: torch.Tensor  # [S] int32
     prefills: tuple[tuple[int, int, int, int], ...]  # (sequence, first row, end row, context)
     all_slots_valid: bool  # no token of the step skips the KV write (slot < 0)
 
@@ -68,24 +60,17 @@ class StepLayout:
         starts = inputs.query_start_loc.cpu().numpy().astype(np.int64)
         lens = inputs.context_lens.cpu().numpy()
         q_lens = np.diff(starts)
-        short = np.flatnonzero(q_lens <= SHORT_CHUNK)
-        counts = q_lens[short]
-        sequence = np.repeat(short, counts)  # of each decode row
-        ends = starts[short] + counts
-        # A row's place from its chunk's end: 0 for the last, whose keys are the whole context.
-        from_end = np.repeat(np.cumsum(counts), counts) - 1 - np.arange(counts.sum())
-        rows = np.repeat(ends, counts) - 1 - from_end
-        row_lens = (np.repeat(lens[short], counts) - from_end).astype(np.int32)
+        decodes = np.flatnonzero(q_lens == 1)
+        index = torch.from_numpy(decodes)
         prefills = tuple(
             (int(b), int(starts[b]), int(starts[b + 1]), int(lens[b]))
-            for b in np.flatnonzero(q_lens > SHORT_CHUNK)
+            for b in np.flatnonzero(q_lens > 1)
         )
-        device = inputs.query_start_loc.device
         return cls(
             inputs=inputs,
-            decode_rows=torch.from_numpy(rows).to(device),
-            decode_block_tables=inputs.block_tables[torch.from_numpy(sequence)].contiguous(),
-            decode_context_lens=torch.from_numpy(row_lens).to(device),
+            decode_rows=torch.from_numpy(starts[decodes]).to(inputs.query_start_loc.device),
+            decode_block_tables=inputs.block_tables[index].contiguous(),
+            decode_context_lens=inputs.context_lens[index].contiguous(),
             prefills=prefills,
             all_slots_valid=bool((inputs.slot_mapping >= 0).all()),
         )

@@ -53,8 +53,6 @@ def run_step(model: CausalLM, cache: KVCache, step: StepBatch) -> torch.Tensor: 
 
 
 # Each step lists (sequence index, new tokens): whole prefills, chunked prefills, and decodes.
-# On the CPU paths chunks of up to 17 tokens are attended as decode rows (gpu/attention.py's
-# SHORT_CHUNK), longer ones as prefills: both kinds are here.
 SCHEDULE = [
     [(0, 21), (1, 16)],
     [(0, 1), (1, 9), (2, 11)],
