@@ -65,21 +65,22 @@ class FusedLayers:
         LoraSlots, so the pointers stay valid); False where the C layers cannot take them."""
         from gpu.lora import PROJECTIONS
 
-        a_any = next(iter(slots.a.values()))
-        width = max(a.shape[1] for a in slots.a.values())
-        if a_any.dtype != torch.float32 or a_any.device.type != "cpu":
-            return False
-        if width > native.LORA_MAX_WIDTH:
+        tensors = [*slots.a.values(), *slots.b.values()]
+        if (
+            any(
+                t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                for t in tensors
+            )
+            or max(a.shape[1] for a in slots.a.values()) > native.LORA_MAX_WIDTH
+        ):
             return False
         for index, layer in enumerate(self.layers):
             for fused, name in zip(PROJECTIONS, ("qkv", "o", "gate_up", "down"), strict=True):
                 a, b = slots.a[(index, fused)], slots.b[(index, fused)]
-                if not (a.is_contiguous() and b.is_contiguous()):
-                    return False
                 setattr(layer, f"{name}_la", a.data_ptr())
                 setattr(layer, f"{name}_lb", b.data_ptr())
                 setattr(layer, f"{name}_lw", a.shape[1])
-                self._keep.extend((a, b))
+        self._keep.extend(tensors)
         self.lora = slots
         return True
 
@@ -163,11 +164,10 @@ class FusedLayers:
         step.block_size = kv_caches[0][0].shape[1]
         step.cache_bf16 = int(kv_caches[0][0].dtype == torch.bfloat16)
         if lora is None:
-            step.lora_count = 0
+            step.lora_n_tiles = 0
         else:
             if self.lora is None:
                 raise RuntimeError("a step with adapter rows on fused layers without adapters")
-            step.lora_count = len(lora.adapter_rows)
             step.lora_rows = lora.adapter_rows.data_ptr()
             step.lora_slots = lora.adapter_slots.data_ptr()
             step.lora_n_tiles = len(lora.adapter_tiles) - 1

@@ -355,11 +355,10 @@ class DecodeStep(ctypes.Structure):
         ("context_lens", ctypes.c_void_p),
         ("block_size", ctypes.c_int64),
         ("cache_bf16", ctypes.c_int),
-        ("lora_count", ctypes.c_int64),
-        ("lora_rows", ctypes.c_void_p),
-        ("lora_slots", ctypes.c_void_p),
         ("lora_n_tiles", ctypes.c_int64),
         ("lora_tiles", ctypes.c_void_p),
+        ("lora_rows", ctypes.c_void_p),
+        ("lora_slots", ctypes.c_void_p),
     ]
 
 

@@ -926,10 +926,9 @@ typedef struct {
     const int32_t *context_lens; /* [tokens] */
     int64_t block_size;
     int cache_bf16;
-    int64_t lora_count; /* the step's rows with an adapter; 0: none */
-    const int64_t *lora_rows, *lora_slots; /* [lora_count]: each such row and its slot, by slot */
-    int64_t lora_n_tiles;
+    int64_t lora_n_tiles; /* 0: no row of the step has an adapter */
     const int64_t *lora_tiles; /* [lora_n_tiles + 1]: tiles of <= LORA_TILE rows of one slot */
+    const int64_t *lora_rows, *lora_slots; /* [lora_tiles[n]]: each adapter row and its slot */
 } decode_step;
 
 #define LORA_MAX_WIDTH 2048 /* parts times rank: the shrunk rows of a tile stay on the stack */
@@ -1037,7 +1036,7 @@ static inline __attribute__((always_inline)) void lora_tile(
  * weights serves several rows. Base rows cost nothing. */
 static void lora_add(const float *at, const float *b, int64_t width, const decode_step *s,
                      const float *x, int64_t in, float *out, int64_t n_out) {
-    if (!at || s->lora_count == 0) return;
+    if (!at || s->lora_n_tiles == 0) return;
 #pragma omp parallel for schedule(static) if (s->lora_n_tiles > 1)
     for (int64_t k = 0; k < s->lora_n_tiles; k++) {
         const int64_t first = s->lora_tiles[k], count = s->lora_tiles[k + 1] - first;
