@@ -208,8 +208,6 @@ class ModelRunner:
         dtype = _DTYPES[config.dtype]
         model_config = load_model_config(model_path)
         sized = config.gpu_memory_utilization is not None and config.num_kv_blocks is None
-        if sized and tensor_parallel is not None:
-            raise ValueError("under tensor parallelism the KV cache is sized by kv_cache_bytes")
         start = memory.baseline(device) if sized and device.type == "cuda" else None
         model = _load_model(model_path, model_config, config, dtype)
         local_shape = model_config
@@ -268,7 +266,7 @@ class ModelRunner:
             )
         elif config.gpu_memory_utilization is not None and start is not None:
             kv_cache = cls._sized_kv_cache(
-                model, config, kv_dtype, config.gpu_memory_utilization, start
+                model, config, local_shape, kv_dtype, start, tensor_parallel
             )
         else:
             # Every rank has the blocks of the rank with the most KV heads (the scheduler hands
@@ -307,39 +305,56 @@ class ModelRunner:
         cls,
         model: CausalLM,
         config: RunnerConfig,
+        local_shape: ModelConfig,  # this rank's KV heads
         dtype: torch.dtype,
-        utilization: float,
         start: memory.Baseline,  # the device before the model was loaded
+        tensor_parallel: TensorParallel | None,
     ) -> KVCache:
         """The KV cache --gpu-memory-utilization leaves room for: the weights are measured, then
         the largest step the scheduler may plan (max_num_batched_tokens over max_num_seqs rows,
-        every row sampled) runs on a cache just big enough for it, and its peak is measured."""
+        every row sampled) runs on a cache just big enough for it, and its peak is measured.
+        Under tensor parallelism every rank measures its own device, running the probe step
+        together, and all take the fewest blocks any of them has room for (vLLM's rule: the
+        scheduler hands out one set of block ids)."""
         device = torch.device(config.device)
-        c = model.config
         torch.cuda.empty_cache()
         weights_bytes = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         batch = profile_batch(config.max_num_batched_tokens, config.max_num_seqs, config.block_size)
         probe_blocks = int(batch.block_tables.max()) + 1
-        probe = cls(model, KVCache(c, probe_blocks, config.block_size, dtype, device), config)
-        probe.step(batch)
+        probe = cls(
+            model, KVCache(local_shape, probe_blocks, config.block_size, dtype, device), config
+        )
+        if tensor_parallel is None or tensor_parallel.samples:
+            probe.step(batch)
+        else:  # rank 0's forward of that step, in lockstep with it through the collectives
+            rows = len(batch.request_ids)
+            inputs, _ = network_inputs(
+                batch, batch.sample, np.zeros(rows, np.int64), np.zeros(rows, bool)
+            )
+            probe.forward(inputs)
         measured = memory.measure(device, start, weights_bytes)
-        probe_bytes = probe_blocks * kv_block_bytes(c, config.block_size, dtype)
+        block_bytes = kv_block_bytes(local_shape, config.block_size, dtype)
+        probe_bytes = probe_blocks * block_bytes
         measured = replace(measured, peak_step_bytes=max(0, measured.peak_step_bytes - probe_bytes))
         del probe
         torch.cuda.empty_cache()
-        budget = memory.kv_cache_budget(measured, utilization)
+        num_blocks, own = agreed_kv_blocks(
+            measured, config.gpu_memory_utilization or 0.0, block_bytes, tensor_parallel, device
+        )
         log.info(
             "kv cache sized from device memory",
             device=str(device),
             total_gib=round(measured.total_bytes / (1 << 30), 2),
-            utilization=utilization,
+            utilization=config.gpu_memory_utilization,
             weights_gib=round(measured.weights_bytes / (1 << 30), 2),
             peak_step_gib=round(measured.peak_step_bytes / (1 << 30), 2),
             non_torch_gib=round(measured.non_torch_bytes / (1 << 30), 2),
-            kv_cache_gib=round(budget / (1 << 30), 2),
+            kv_blocks=num_blocks,  # under tensor parallelism, the fewest any rank has room for
+            kv_blocks_here=own,
+            kv_cache_gib=round(num_blocks * block_bytes / (1 << 30), 2),
         )
-        return KVCache.from_budget(c, budget, config.block_size, dtype, device)
+        return KVCache(local_shape, num_blocks, config.block_size, dtype, device)
 
     def capture_graphs(self) -> None:
         """CUDA graphs of decode steps of every size up to max_num_seqs (gpu/cuda_graphs.py)."""
@@ -435,24 +450,7 @@ class ModelRunner:
         wants_prompt = (batch.prompt_logprobs >= 0) & (
             batch.positions[starts[:-1]] < batch.prompt_lens
         )
-        rows: list[np.ndarray] = []
-        for b in range(len(states)):
-            if wants_prompt[b]:
-                rows.append(np.arange(starts[b], starts[b + 1]))
-            elif samples[b]:  # the input token's position, and each draft's
-                rows.append(np.arange(starts[b + 1] - 1 - num_draft[b], starts[b + 1]))
-        logits_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-        query_start_loc, context_lens, block_tables = _attention_rows(batch)
-        inputs = ForwardInputs(
-            input_ids=batch.input_ids.astype(np.int64, copy=False),
-            positions=batch.positions.astype(np.int64, copy=False),
-            query_start_loc=query_start_loc.astype(np.int32, copy=False),
-            context_lens=context_lens.astype(np.int32, copy=False),
-            block_tables=block_tables.astype(np.int32, copy=False),
-            slot_mapping=batch.slot_mapping.astype(np.int64, copy=False),
-            logits_rows=logits_rows.astype(np.int64, copy=False),
-            block_copies=_NO_COPIES if batch.block_copies is None else batch.block_copies,
-        )
+        inputs, rows = network_inputs(batch, samples, num_draft, wants_prompt)
         if share is not None:
             share(inputs)
         adapters = None
@@ -788,6 +786,39 @@ def _load_model(
     return model
 
 
+def agreed_kv_blocks(
+    measured: memory.DeviceMemory,
+    utilization: float,
+    block_bytes: int,  # of this rank's KV heads
+    tensor_parallel: TensorParallel | None,
+    device: torch.device | str,
+) -> tuple[int, int]:  # -> (blocks every rank allocates, blocks this device has room for)
+    """The KV blocks of a cache sized from device memory. Under tensor parallelism each rank
+    calls this with its own device's figures and all get the fewest blocks any has room for; a
+    rank whose device has no room raises its own error, and the others say that one failed
+    (they must still hear of it, or they would wait in the collective)."""
+    try:
+        own = memory.kv_cache_budget(measured, utilization) // block_bytes
+        error = (
+            None
+            if own >= 1
+            else ValueError(
+                f"what --gpu-memory-utilization {utilization:g} leaves for the KV cache holds no "
+                f"block of {block_bytes} bytes: raise it or set --kv-cache-memory"
+            )
+        )
+    except ValueError as raised:
+        own, error = 0, raised
+    agreed = own if tensor_parallel is None else tensor_parallel.min_over_ranks(own, device)
+    if error is not None:
+        raise error
+    if agreed < 1:
+        raise ValueError(
+            "another tensor-parallel rank has no room for the KV cache (its log says why)"
+        )
+    return agreed, own
+
+
 def profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> StepBatch:
     """The largest step a scheduler of these limits plans: `num_tokens` prompt tokens split over
     min(num_seqs, num_tokens) sequences, each on blocks of its own and each sampled."""
@@ -817,6 +848,37 @@ def profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> StepBatch:
         sampling=SamplingArrays.defaults(rows),
         prompt_logprobs=np.full(rows, -1, np.int32),
     )
+
+
+def network_inputs(
+    batch: StepBatch,
+    samples: np.ndarray,  # [B] bool, the rows that sample
+    num_draft: np.ndarray,  # [B] int64, drafts each sampling row verifies
+    wants_prompt: np.ndarray,  # [B] bool, the rows whose prompt logprobs are scored
+) -> tuple[ForwardInputs, list[np.ndarray]]:  # -> (the forward's inputs, each row's logits rows)
+    """What the network runs of a step: every token, and logits at the rows that need them (each
+    token of a prompt chunk that scores prompt logprobs; a sampling row's input token and each
+    of its drafts)."""
+    starts = batch.query_start_loc.astype(np.int64)
+    rows: list[np.ndarray] = []
+    for b in range(len(batch.request_ids)):
+        if wants_prompt[b]:
+            rows.append(np.arange(starts[b], starts[b + 1]))
+        elif samples[b]:  # the input token's position, and each draft's
+            rows.append(np.arange(starts[b + 1] - 1 - num_draft[b], starts[b + 1]))
+    logits_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    query_start_loc, context_lens, block_tables = _attention_rows(batch)
+    inputs = ForwardInputs(
+        input_ids=batch.input_ids.astype(np.int64, copy=False),
+        positions=batch.positions.astype(np.int64, copy=False),
+        query_start_loc=query_start_loc.astype(np.int32, copy=False),
+        context_lens=context_lens.astype(np.int32, copy=False),
+        block_tables=block_tables.astype(np.int32, copy=False),
+        slot_mapping=batch.slot_mapping.astype(np.int64, copy=False),
+        logits_rows=logits_rows.astype(np.int64, copy=False),
+        block_copies=_NO_COPIES if batch.block_copies is None else batch.block_copies,
+    )
+    return inputs, rows
 
 
 def _attention_rows(batch: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -29,6 +29,19 @@ class TensorParallel:
         """Rank 0 gets the whole logits and samples; the others only compute."""
         return self.rank == 0
 
+    def min_over_ranks(self, value: int, device: torch.device | str) -> int:
+        """The least of every rank's `value` (each rank calls this; `device`: where the group's
+        backend takes tensors, the rank's CUDA device under NCCL)."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+    def from_first_rank(self, value: int, device: torch.device | str) -> int:
+        """Rank 0's `value`, on every rank (each calls this)."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.broadcast(tensor, group=self.group, group_src=0)
+        return int(tensor.item())
+
 
 class RowParallel(nn.Module):
     """A linear over this rank's slice of its input features: the partial sums of all ranks

@@ -160,13 +160,9 @@ def resolve_max_model_len(config: EngineConfig) -> int:
 
 
 def sized_from_device_memory(config: EngineConfig) -> bool:
-    """True when execute sizes the KV cache from device memory (and publishes the block count).
-    Tensor-parallel ranks size theirs by --kv-cache-memory: each rank would measure its own."""
-    return (
-        config.gpu_memory_utilization is not None
-        and not config.dummy
-        and config.tensor_parallel_size == 1
-    )
+    """True when execute sizes the KV cache from device memory (and publishes the block count;
+    tensor-parallel ranks take the fewest blocks any of them has room for)."""
+    return config.gpu_memory_utilization is not None and not config.dummy
 
 
 def num_kv_blocks(config: EngineConfig) -> int:

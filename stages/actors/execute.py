@@ -29,13 +29,14 @@ from stages.actors.tensor_group import (
     hold_device,
     join_group,
     lost_rank_is_peer_death,
+    published_blocks,
     rank_threads,
     runner_config,
 )
 from stages.api import LoraRequest
 from stages.beam_group import scoring_sampling
 from stages.config import EngineConfig, num_kv_blocks, sized_from_device_memory
-from stages.kv_size import publish_num_blocks, published_num_blocks
+from stages.kv_size import publish_num_blocks
 from stages.rings import plan, results
 from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
 from stages.rings.plan import PlannedStep
@@ -69,8 +70,6 @@ class ExecuteActor(SyncActor):
         if config.tensor_parallel_size > 1:
             tp = join_group(config, device)
         sized = sized_from_device_memory(config)
-        # A pipeline restarted after a failure keeps the count the first execute published.
-        published = published_num_blocks(config) if sized else None
         # Rank 0 sends each step's network inputs to the other ranks before its forward.
         forward = self.ctx.broadcast_out.get("forward")
         self.share = None if forward is None else forward_sharer(forward)
@@ -78,6 +77,8 @@ class ExecuteActor(SyncActor):
         # CPU: a shard, an adapter's wrapped layers or a device's copy are made again).
         keep = tp is None and device == "cpu" and config.lora is None
         with lost_rank_is_peer_death():
+            # A pipeline restarted after a failure keeps the count the first execute published.
+            published = published_blocks(config, tp, device)
             self.runner = self.prepared_runner(
                 config.model_path,
                 runner_config(config, device, sized, published),

@@ -14,10 +14,11 @@ from stages.actors.tensor_group import (
     hold_device,
     join_group,
     lost_rank_is_peer_death,
+    published_blocks,
     rank_threads,
     runner_config,
 )
-from stages.config import EngineConfig
+from stages.config import EngineConfig, sized_from_device_memory
 from stages.rings.forward import unpack_forward
 
 
@@ -32,8 +33,10 @@ class ExecuteRankActor(SyncActor):
         device = hold_device(config, self.ctx.log)
         tp = join_group(config, device)
         with lost_rank_is_peer_death():
+            published = published_blocks(config, tp, device)
+            sized = sized_from_device_memory(config)
             self.runner = ModelRunner.from_path(
-                config.model_path, runner_config(config, device), tp
+                config.model_path, runner_config(config, device, sized, published), tp
             )
 
     def run(self) -> None:

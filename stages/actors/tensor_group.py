@@ -1,7 +1,8 @@
 """How execute ranks form a tensor-parallel group: torch.distributed's own TCP rendezvous with
 torchrun's MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (passed, not read from the environment),
-gloo on CPU and NCCL on CUDA; the runner configuration they share; rank 0 sharing each step's forward inputs on the broadcast ring; and
-a lost rank told apart from a bug."""
+gloo on CPU and NCCL on CUDA; the runner configuration they share and the KV block count they
+agree on; rank 0 sharing each step's forward inputs on the broadcast ring; and a lost rank told
+apart from a bug."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import structlog
 
 from pipeline.broadcast import BroadcastWriter
 from pipeline.errors import PeerDied
-from stages.config import EngineConfig, resolve_max_model_len
+from stages.config import EngineConfig, resolve_max_model_len, sized_from_device_memory
 from stages.device import cuda_placement
+from stages.kv_size import published_num_blocks
 from stages.rings.forward import FORWARD, ForwardStep, pack_forward
 
 if TYPE_CHECKING:
@@ -114,6 +116,20 @@ def join_group(config: EngineConfig, device: str = "cpu") -> TensorParallel:
         master=f"{config.master_addr}:{config.master_port}",
     )
     return TensorParallel(config.tensor_parallel_rank, config.tensor_parallel_size)
+
+
+def published_blocks(config: EngineConfig, tp: TensorParallel | None, device: str) -> int | None:
+    """The KV block count a restarted pipeline allocates again (stages/kv_size.py); None at the
+    first start, or when --kv-cache-memory sizes the cache. Under tensor parallelism rank 0 reads
+    it and every rank takes its answer: a group in which some ranks sized their caches (a probe
+    step run together) and others did not would wait for ever."""
+    if not sized_from_device_memory(config):
+        return None
+    count = published_num_blocks(config) if tp is None or tp.samples else None
+    if tp is not None:
+        count = tp.from_first_rank(-1 if count is None else count, device)
+        count = None if count < 0 else count
+    return count
 
 
 @contextlib.contextmanager

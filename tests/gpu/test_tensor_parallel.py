@@ -8,9 +8,10 @@ import socket
 import numpy as np
 import pytest
 
+from gpu.memory import DeviceMemory
 from gpu.runner import ModelRunner
 from tests.gpu.conftest import build_tiny_model
-from tests.gpu.tp_ranks import RUNNER, run_rank, script
+from tests.gpu.tp_ranks import RUNNER, agree_on_blocks, run_rank, script
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -58,3 +59,47 @@ def test_two_ranks_give_the_logits_of_one(tmp_path, arch, kv_heads_per_rank):
     for ours, theirs in zip(logits, expected, strict=True):
         assert ours.shape == theirs.shape == (ours.shape[0], vocab)
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_ranks_size_their_kv_caches_to_the_fewest_blocks_any_device_has_room_for(tmp_path):
+    """--gpu-memory-utilization under tensor parallelism: each rank measures its own device (here
+    the test supplies the figures) and every rank allocates the blocks of the tightest one; a
+    rank without room names its own cause, and the others fail instead of waiting for it. A
+    restarted group takes the count rank 0 published, on every rank."""
+    mib, gib = 1 << 20, 1 << 30
+
+    def device(free_gib: float, weights_mib: int) -> DeviceMemory:
+        return DeviceMemory(
+            total_bytes=gib,
+            free_at_start_bytes=int(free_gib * gib),
+            weights_bytes=weights_mib * mib,
+            peak_step_bytes=100 * mib,
+            non_torch_bytes=50 * mib,
+        )
+
+    allowed = int(0.9 * gib) // mib  # 921 blocks of 1 MiB before the weights and the rest
+    figures = [
+        [device(1.0, 200), device(1.0, 300)],  # rank 1 holds the larger shard
+        [device(1.0, 200), device(0.5, 300)],  # rank 1's device is half taken by others
+    ]
+    results = SPAWN.Queue()
+    port = free_port()
+    ranks = [
+        SPAWN.Process(
+            target=agree_on_blocks,
+            args=(rank, 2, port, figures, str(tmp_path), results),
+        )
+        for rank in range(2)
+    ]
+    for proc in ranks:
+        proc.start()
+    got = dict(results.get(timeout=120) for _ in ranks)
+    for proc in ranks:
+        proc.join(30)
+        assert proc.exitcode == 0
+    fewest = allowed - 300 - 150
+    assert got[0][0] == (fewest, allowed - 200 - 150)
+    assert got[1][0] == (fewest, fewest)
+    assert "were free at start" in got[1][1] and "lower it" in got[1][1]
+    assert "another tensor-parallel rank has no room" in got[0][1]
+    assert got[0][2:] == got[1][2:] == [None, 1234]

@@ -58,3 +58,39 @@ def run_rank(
         results.put((rank, runner.kv_cache.layers[0][0].shape[2], logits if rank == 0 else None))
     finally:
         dist.destroy_process_group()
+
+
+def agree_on_blocks(
+    rank: int, world: int, port: int, figures: list, snapshot_dir: str, results
+) -> None:  # type: ignore[no-untyped-def]
+    """Each rank sizes a KV cache from its own device's figures (`figures[case][rank]`: a
+    DeviceMemory), and reads the block count a restarted group allocates; puts what it got."""
+    from gpu.runner import agreed_kv_blocks
+    from stages.actors.tensor_group import published_blocks
+    from stages.config import EngineConfig
+    from stages.kv_size import publish_num_blocks
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    tp = TensorParallel(rank, world)
+    try:
+        got: list = []
+        for case in figures:
+            try:
+                got.append(agreed_kv_blocks(case[rank], 0.9, 1 << 20, tp, "cpu"))
+            except ValueError as error:
+                got.append(str(error))
+        config = EngineConfig(
+            model_path="model", gpu_memory_utilization=0.9, snapshot_dir=snapshot_dir
+        )
+        got.append(published_blocks(config, tp, "cpu"))  # the first start: none
+        dist.barrier()
+        if rank == 0:
+            publish_num_blocks(config, 1234)
+        dist.barrier()
+        got.append(published_blocks(config, tp, "cpu"))
+        results.put((rank, got))
+    finally:
+        dist.destroy_process_group()

@@ -14,7 +14,9 @@ import pytest
 from pipeline.errors import ActorFailed
 from pipeline.names import names_in_shm
 from stages.api import BeamSearchParams, GenerateRequest
+from stages.config import num_kv_blocks
 from stages.engine import Engine
+from stages.kv_size import published_num_blocks
 from stages.speculation import SpeculativeConfig
 from tests.stages.conftest import LoopThread
 from tests.stages.test_recovery import config, request, run_all, wait_ready
@@ -53,9 +55,13 @@ def test_two_ranks_write_the_text_of_one_and_a_killed_rank_restarts_the_group(en
     expected = runner.run(run_all(engine, reqs), timeout=120)
     runner.run(engine.stop())
 
-    engine, runner = start(tensor_parallel_size=2)
+    # A cache sized as from device memory (on CPU: by kv_cache_bytes), so that the group
+    # publishes its block count at the first start and every rank allocates it again after.
+    engine, runner = start(tensor_parallel_size=2, gpu_memory_utilization=0.9)
     pids = engine.supervisor.pids()
     assert set(pids) == {"render", "schedule", "execute", "execute.rank1", "detokenize"}
+    blocks = num_kv_blocks(engine.config)
+    assert engine.num_blocks == published_num_blocks(engine.config) == blocks
     got = runner.run(run_all(engine, reqs), timeout=120)
     assert [g[:2] for g in got] == [e[:2] for e in expected]
 
@@ -81,6 +87,7 @@ def test_two_ranks_write_the_text_of_one_and_a_killed_rank_restarts_the_group(en
         assert not set(new_pids.values()) & set(old_pids.values())  # every rank restarted
         assert all(not _alive(pid) for pid in old_pids.values())
         assert [n for n in names_in_shm() if namespace in n] == []
+        assert engine.num_blocks == published_num_blocks(engine.config) == blocks
     assert len(failures) == 2
 
 
