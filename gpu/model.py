@@ -169,9 +169,13 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model.norm(x)).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters; every one must be filled."""
-        c = self.config
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], shape: ModelConfig | None = None
+    ) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every one must be filled.
+        `shape`: the heads and MLP columns the fused parameters hold, when not the config's (a
+        tensor-parallel rank's, its tensors cut by gpu/tensor_parallel.py:shard_weights)."""
+        c = shape or self.config
         params = dict(self.named_parameters(remove_duplicate=False))
         fused = {
             "q_proj": ("qkv_proj", 0, c.q_size),

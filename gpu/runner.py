@@ -36,7 +36,7 @@ from gpu.sampler import (
     token_logprobs,
     verify,
 )
-from gpu.tensor_parallel import TensorParallel, shard_model
+from gpu.tensor_parallel import TensorParallel, shard_model, shard_weights
 from stages.lora import LoraConfig
 from stages.text.checkpoint import (
     ModelConfig,
@@ -209,10 +209,7 @@ class ModelRunner:
         model_config = load_model_config(model_path)
         sized = config.gpu_memory_utilization is not None and config.num_kv_blocks is None
         start = memory.baseline(device) if sized and device.type == "cuda" else None
-        model = _load_model(model_path, model_config, config, dtype)
-        local_shape = model_config
-        if tensor_parallel is not None:
-            local_shape = shard_model(model, tensor_parallel)
+        model, local_shape = _load_model(model_path, model_config, config, dtype, tensor_parallel)
         if config.quantization is not None:
             is_gguf = model_path.endswith(".gguf")
             raw = {}
@@ -759,30 +756,54 @@ class ModelRunner:
 
 
 def _load_model(
-    model_path: str, model_config: ModelConfig, config: RunnerConfig, dtype: torch.dtype
-) -> CausalLM:
+    model_path: str,
+    model_config: ModelConfig,
+    config: RunnerConfig,
+    dtype: torch.dtype,
+    tensor_parallel: TensorParallel | None,
+) -> tuple[CausalLM, ModelConfig]:  # -> (the model, the heads and columns this rank holds)
     """The model with its weights, in `dtype` (rope frequencies in float32). A CPU checkpoint
     loads in float32 first (quantization reads float weights); otherwise the model is laid out
     without memory and allocated in `dtype` on the device, so that an 8B model never exists in
     float32 or on the host: a checkpoint's tensors are copied in one by one (GGUF's dequantized
-    on the host, then cast), random weights are made in place."""
+    on the host, then cast), random weights are made in place. A tensor-parallel rank lays out
+    its shard and copies in only its slice of each tensor (random weights are made whole, then
+    cut, so that a seed gives the same model at every tensor-parallel size)."""
     kernels = kernels_for(config.device, config.native_kernels)
+    if tensor_parallel is not None and not config.random_weights:
+        with torch.device("meta"):
+            model = CausalLM(model_config, kernels)
+            local = shard_model(model, tensor_parallel)  # the shard's layout, nothing allocated
+        model = _allocated(model, model_config, config.device, dtype)
+        weights = iter_weights(model_path, model_config, dtype)
+        model.load_weights(shard_weights(weights, model_config, tensor_parallel), local)
+        return model, local
     if config.device == "cpu" and not config.random_weights:
         model = CausalLM(model_config, kernels)
         model.load_weights(iter_weights(model_path, model_config, dtype))
         model = model.to(dtype=dtype).eval()
         model.inv_freq = model.inv_freq.float()
-        return model
+        return model, model_config
     with torch.device("meta"):
         model = CausalLM(model_config, kernels)
-    model = model.to(dtype=dtype).to_empty(device=config.device).eval()
-    if model_config.tie_word_embeddings:  # to_empty made each its own tensor
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(model_config).to(config.device)
+    model = _allocated(model, model_config, config.device, dtype)
     if config.random_weights:
         fill_random(model, config.seed)
     else:
         model.load_weights(iter_weights(model_path, model_config, dtype))
+    if tensor_parallel is not None:
+        return model, shard_model(model, tensor_parallel)
+    return model, model_config
+
+
+def _allocated(
+    model: CausalLM, model_config: ModelConfig, device: str, dtype: torch.dtype
+) -> CausalLM:
+    """A model laid out on the meta device, given uninitialised memory in `dtype` on `device`."""
+    model = model.to(dtype=dtype).to_empty(device=device).eval()
+    if model_config.tie_word_embeddings:  # to_empty made each its own tensor
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(model_config).to(device)
     return model
 
 

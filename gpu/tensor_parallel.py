@@ -4,6 +4,7 @@ and of the vocabulary (embedding and LM head); rank 0 gathers the logits."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +135,42 @@ def shard_model(model: CausalLM, tp: TensorParallel) -> ModelConfig:
     model.model.embed_tokens = embedding  # type: ignore[assignment]
     model.lm_head = VocabParallelLMHead(head_weight, vocab, tp)  # type: ignore[assignment]
     return local
+
+
+def shard_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], full: ModelConfig, tp: TensorParallel
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's Hugging Face-named tensors cut to this rank's share as they stream by,
+    under the names of a model shard_model has cut (row-parallel weights sit in `.linear`): the
+    slices shard_model keeps, so that a rank loads its shard holding at most one whole tensor
+    besides it, never the whole model."""
+    shard = shard_shape(full, tp.world_size, tp.rank)
+    local, d = shard.config, full.head_dim
+    heads = slice(shard.first_head * d, shard.first_head * d + local.q_size)
+    kv_heads = slice(shard.first_kv_head * d, shard.first_kv_head * d + local.kv_size)
+    columns = slice(shard.first_column, shard.first_column + local.intermediate_size)
+    per_rank = -(-full.vocab_size // tp.world_size)
+    start = tp.rank * per_rank
+    count = max(0, min(per_rank, full.vocab_size - start))
+    for name, tensor in weights:
+        parts = name.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        if module == "q_proj":
+            yield name, tensor[heads]
+        elif module in ("k_proj", "v_proj"):
+            yield name, tensor[kv_heads]
+        elif module in ("gate_proj", "up_proj"):
+            yield name, tensor[columns]
+        elif module == "o_proj" and name.endswith(".weight"):
+            yield name.replace(".o_proj.", ".o_proj.linear."), tensor[:, heads]
+        elif module == "down_proj" and name.endswith(".weight"):
+            yield name.replace(".down_proj.", ".down_proj.linear."), tensor[:, columns]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            padded = tensor.new_zeros(per_rank, tensor.shape[1])  # the vocabulary's last slice
+            padded[:count] = tensor[start : start + count]
+            yield name, padded
+        else:  # norms: every rank's whole
+            yield name, tensor
 
 
 def _qkv_rows(full: ModelConfig, shard: ShardShape) -> list[range]:

@@ -11,7 +11,7 @@ import pytest
 from gpu.memory import DeviceMemory
 from gpu.runner import ModelRunner
 from tests.gpu.conftest import build_tiny_model
-from tests.gpu.tp_ranks import RUNNER, agree_on_blocks, run_rank, script
+from tests.gpu.tp_ranks import RUNNER, agree_on_blocks, load_peak, run_rank, script
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -103,3 +103,45 @@ def test_ranks_size_their_kv_caches_to_the_fewest_blocks_any_device_has_room_for
     assert "were free at start" in got[1][1] and "lower it" in got[1][1]
     assert "another tensor-parallel rank has no room" in got[0][1]
     assert got[0][2:] == got[1][2:] == [None, 1234]
+
+
+def test_a_rank_loads_its_shard_without_ever_holding_the_whole_model(tmp_path):
+    """Each rank cuts every checkpoint tensor to its slice as it is read: its memory grows by
+    about its shard (half the model) and one tensor, not by the whole model first."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        shapes = transformers.LlamaForCausalLM(config)
+    model_bytes = sum(p.numel() * 4 for p in shapes.parameters())  # ~108 MB in float32
+    checkpoint = tmp_path / "model"
+    transformers.LlamaForCausalLM(config).save_pretrained(checkpoint, safe_serialization=True)
+
+    results = SPAWN.Queue()
+    port = free_port()
+    ranks = [
+        SPAWN.Process(target=load_peak, args=(str(checkpoint), rank, 2, port, results))
+        for rank in range(2)
+    ]
+    for proc in ranks:
+        proc.start()
+    got = [results.get(timeout=120) for _ in ranks]
+    for proc in ranks:
+        proc.join(30)
+        assert proc.exitcode == 0
+    for _, grew, kept in got:
+        norms = 2 * 512 * 4 * 6 + 512 * 4  # every rank holds the norms whole
+        assert kept == pytest.approx((model_bytes - norms) / 2 + norms, rel=0.01)
+        # the shard, one tensor being cut (~4 MB) and the allocator's slack; the whole model
+        # first would be twice the shard
+        assert grew < 0.75 * model_bytes, (grew, model_bytes)
