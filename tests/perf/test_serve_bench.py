@@ -91,18 +91,26 @@ def test_measures_the_fake_servers_known_timings(fake_url, tmp_path):
     assert code == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["concurrency"] for r in runs] == [1, 4]
+    # The fake server sleeps for known times: a figure is never below its sleep (less 2 ms of
+    # clock granularity), and on a loaded machine it may run over, within bounds that still tell
+    # a wrong interval (ITL with the TTFT in it, seconds for milliseconds) from a late wake-up.
+    e2e = (TTFT_S + (TOKENS - 1) * ITL_S) * 1e3
+
+    def near(figure: float, slept_ms: float) -> bool:
+        return slept_ms - 2 <= figure <= 1.75 * slept_ms + 5
+
     for run in runs:
         assert run["completed"] == 8 and run["errors"] == 0
-        assert run["ttft_ms"]["p50"] == pytest.approx(TTFT_S * 1e3, abs=25)
-        assert run["itl_ms"]["p50"] == pytest.approx(ITL_S * 1e3, abs=10)
-        assert run["tpot_ms"]["p50"] == pytest.approx(ITL_S * 1e3, abs=10)
-        e2e = (TTFT_S + (TOKENS - 1) * ITL_S) * 1e3
-        assert run["e2e_ms"]["p50"] == pytest.approx(e2e, abs=40)
+        assert near(run["ttft_ms"]["p50"], TTFT_S * 1e3), run["ttft_ms"]
+        assert near(run["itl_ms"]["p50"], ITL_S * 1e3), run["itl_ms"]
+        assert near(run["tpot_ms"]["p50"], ITL_S * 1e3), run["tpot_ms"]
+        assert near(run["e2e_ms"]["p50"], e2e), run["e2e_ms"]
         assert run["mean_output_tokens"] == TOKENS and run["slo_attainment"] == 1.0
         assert run["request_stage_ms"]["render"]["mean"] == pytest.approx(1.5)
         assert run["request_stage_ms"]["decode"]["p50"] == pytest.approx(100.0)
-    # Four streams at a time finish about four times as many requests per second as one.
-    assert runs[1]["request_per_s"] / runs[0]["request_per_s"] == pytest.approx(4, rel=0.35)
+    # Four streams at a time finish about four times as many requests per second as one (the
+    # server only sleeps; never more than four times, and well over one time, on a loaded CPU).
+    assert 2.5 <= runs[1]["request_per_s"] / runs[0]["request_per_s"] <= 4.4
     assert {p.name for p in (tmp_path / "charts").iterdir()} == {
         "ttft_cdf.png",
         "itl_cdf.png",
