@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 # Texts of token lists (the outputs of beams, each with a candidate), for stop strings; the flag
 # is skip_special_tokens.
 Decode = Callable[[list[list[int]], bool], list[str]]
+# Bytes of text a beam's decoded tail holds beyond its longest stop string: a tail decoded alone
+# may begin differently from the same tokens within the whole text (the last 3 bytes of a UTF-8
+# character, each shown as a 3-byte U+FFFD, or a word's dropped leading space), so that beginning
+# must lie before any stop string a candidate can complete.
+_TAIL_MARGIN_BYTES = 12
 
 
 def scoring_sampling(
@@ -114,16 +119,32 @@ class BeamGroup:
         self, parents: list[Sequence], ids: np.ndarray, decode: Decode
     ) -> np.ndarray:  # -> [B, K] bool
         """Which candidates complete a stop string: the text of the beam's outputs with the
-        candidate shows one (a running beam's own text shows none, or it would have ended)."""
+        candidate shows one (a running beam's own text shows none, or it would have ended).
+        A completed stop string ends in the candidate's text, so only a tail of each beam's
+        outputs is decoded, long enough that its text holds the longest stop string (the work
+        of a step does not grow with the outputs)."""
+        skip = self.request.skip_special_tokens
+        tails = [self._tail(parent.output_ids, decode) for parent in parents]
         where = np.argwhere(ids >= 0)
-        texts = decode(
-            [[*parents[b].output_ids, int(ids[b, j])] for b, j in where.tolist()],
-            self.request.skip_special_tokens,
-        )
+        texts = decode([[*tails[b], int(ids[b, j])] for b, j in where.tolist()], skip)
         hits = np.zeros(ids.shape, bool)
         for (b, j), text in zip(where.tolist(), texts, strict=True):
             hits[b, j] = any(stop in text for stop in self.request.stop)
         return hits
+
+    def _tail(self, outputs: list[int], decode: Decode) -> list[int]:
+        """The last outputs whose text is longer (in bytes) than the longest stop string by a
+        margin, so that where the tail's decoding starts (inside a character, a word's leading
+        space) lies before any stop string the next token can complete; all of them if shorter.
+        Tokens that show no text (skipped special tokens) lengthen it."""
+        longest = max(len(stop.encode()) for stop in self.request.stop) + _TAIL_MARGIN_BYTES
+        count = min(len(outputs), longest)
+        while count < len(outputs):
+            text = decode([outputs[len(outputs) - count :]], self.request.skip_special_tokens)[0]
+            if len(text.encode()) >= longest:
+                break
+            count = min(len(outputs), 2 * count)
+        return outputs[len(outputs) - count :]
 
     def results(self) -> list[Hypothesis]:
         return [] if self.search is None else self.search.results()

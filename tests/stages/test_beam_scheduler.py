@@ -222,3 +222,38 @@ def test_a_search_counts_its_beams_against_max_num_seqs():
     # three beams and one request fill the four rows: the second request waits
     assert sorted({x.seq.handle for x in planned.seqs}) == [1, 10]
     assert late.status == Status.WAITING
+
+
+def test_a_stop_string_ends_a_beam_however_long_its_outputs_and_only_their_tail_is_decoded():
+    """A candidate that completes a stop string ends its beam as a hypothesis after 150 outputs
+    as after one, and the texts looked at stay as short as the stop string needs: the work of a
+    step does not grow with the outputs (token 26 + n is letter n)."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz"
+    lengths: list[int] = []
+
+    def decode(token_lists: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        lengths.extend(len(tokens) for tokens in token_lists)
+        return ["".join(alphabet[t % 26] for t in tokens) for tokens in token_lists]
+
+    s = Scheduler(SchedulerConfig(8, 32, 512, 256, BLOCK), decode=decode)
+    for seq in choices(2, max_tokens=200, stop=("xyz",)):
+        s.add(seq)
+
+    def alphabet_walk(i, x):
+        # the best candidate is the next letter, but no "y" before 150 outputs
+        out = x.seq.output_ids
+        letter = (out[-1] % 26 + 1) % 26 if out else 0
+        if letter == 24 and len(out) < 150:
+            letter = 25
+        return np.array([26 + letter, 26 + 16]), np.log([0.9, 0.05]).astype(np.float32)
+
+    emitted: list = []
+    for _ in range(300):
+        _, emitted = step(s, alphabet_walk)
+        if emitted:
+            break
+    best = [token for seq, token in emitted if seq.handle == 10]
+    text = decode([best], True)[0]
+    # ended by the stop string, not by max_tokens (detokenize makes its finish "stop")
+    assert 150 < len(best) < 200 and text.endswith("xyz") and "xyz" not in text[:-1]
+    assert max(lengths[:-1]) <= len("xyz") + 12 + 1
