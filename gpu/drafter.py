@@ -132,7 +132,7 @@ class Drafter:
                     for b, i in zip(order, at, strict=True)
                 ]
                 logits = self._forward(feeds, batch.block_tables, [True] * len(order))
-            drafts, q = self._sample(batch, logits, order, histories)
+            drafts, q = self._sample(batch, logits, order, histories, step)
             for i, b in enumerate(order):
                 histories[b].append(drafts[i])
                 probs[b].append(q[i])
@@ -170,13 +170,22 @@ class Drafter:
         logits: torch.Tensor,  # [R, V] float32
         batch_rows: list[int],  # [R]
         histories: dict[int, list[int]],
+        drafted: int,  # drafts each row has taken so far (the last of its history)
     ) -> tuple[list[int], torch.Tensor]:  # -> (R drafts, [R, V] their q)
         """Sample each row's next draft from q: the draft's logits under every knob of the
-        request (as the target's are for p). A seeded row draws with the noise of its (seed,
-        output index), the noise the target samples that position with: the verifier couples
-        the two (gpu.sampler.rejection_sample)."""
+        request (as the target's are for p), a grammar's mask as it stands after the drafts
+        before. A seeded row draws with the noise of its (seed, output index), the noise the
+        target samples that position with: the verifier couples the two
+        (gpu.sampler.rejection_sample)."""
         params = batch.sampling.select(np.asarray(batch_rows, np.int64))
         params = replace(params, num_logprobs=np.full(len(batch_rows), -1, np.int32))
+        if drafted and batch.grammar_masks is not None and params.token_bitmask.shape[1]:
+            masks = params.token_bitmask.copy()
+            for i, b in enumerate(batch_rows):
+                rows = batch.grammar_masks(b, histories[b][-drafted:])
+                if rows is not None:
+                    masks[i] = rows[-1]
+            params = replace(params, token_bitmask=masks)
         needs_ids = rows_needing_token_ids(params)
         history = []
         for i, b in enumerate(batch_rows):

@@ -48,6 +48,8 @@ from stages.text.checkpoint import (
 log = structlog.get_logger(__name__)
 
 _NO_COPIES = np.zeros((0, 2), np.int32)
+# (batch row, drafts) -> [1 + len(drafts), W] int32 structured-output masks, or None: StepBatch's
+GrammarMasks = Callable[[int, list[int]], np.ndarray | None]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NO_IDS = np.zeros(0, dtype=np.int64)
@@ -102,9 +104,11 @@ class StepBatch:
     # [B] int32: a sampling row's last num_draft input tokens are drafts to verify (speculative
     # decoding); None: no row has any
     num_draft: np.ndarray | None = None
-    # [S', ceil(V / 32)] int32: with drafts and a grammar, the structured-output mask of each
-    # verified position (sampling rows in order, 1 + num_draft each); None: each row's own
-    draft_bitmask: np.ndarray | None = None
+    # With drafts and grammars: a row's structured-output masks at its next position and after
+    # each of the given drafts in turn ([1 + D, ceil(V / 32)] int32; None for a row without a
+    # grammar). A draft model samples each draft under them, and each verified position is
+    # sampled under its own. None: each row's own mask (sampling.token_bitmask) for all.
+    grammar_masks: GrammarMasks | None = None
     # [B] int64: each row's LoRA adapter id, 0 for the base model; None: every row is the base's
     lora_ids: np.ndarray | None = None
     lora_paths: Mapping[int, str] = field(default_factory=dict)  # each adapter id's directory
@@ -551,8 +555,8 @@ class ModelRunner:
         owner = np.repeat(sampled, per_row)  # [S'] the batch row of each virtual row
         offset = np.arange(len(owner)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
         params = batch.sampling.select(owner)
-        if batch.draft_bitmask is not None:
-            params = replace(params, token_bitmask=batch.draft_bitmask)
+        if batch.grammar_masks is not None and params.token_bitmask.shape[1]:
+            params = replace(params, token_bitmask=_verified_masks(batch, num_draft, params))
         needs_ids = rows_needing_token_ids(params)
         history = []
         for row, (b, j) in enumerate(zip(owner.tolist(), offset.tolist(), strict=True)):
@@ -869,6 +873,28 @@ def profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> StepBatch:
         sampling=SamplingArrays.defaults(rows),
         prompt_logprobs=np.full(rows, -1, np.int32),
     )
+
+
+def _verified_masks(
+    batch: StepBatch,  # its drafts filled in
+    num_draft: np.ndarray,  # [B] int64
+    params: SamplingArrays,  # the sampled positions' (sampling rows in order, 1 + drafts each)
+) -> np.ndarray:  # -> [S', W] int32
+    """The structured-output mask of each verified position: a grammar's row's at its input
+    token and after each of its drafts, as if it had taken them; the others' own."""
+    assert batch.grammar_masks is not None
+    masks = params.token_bitmask.copy()
+    starts = batch.query_start_loc.astype(np.int64)
+    first = 0
+    for b in np.flatnonzero(batch.sample).tolist():
+        d = int(num_draft[b])
+        if d:
+            drafts = batch.input_ids[starts[b + 1] - d : starts[b + 1]].tolist()
+            rows = batch.grammar_masks(b, drafts)
+            if rows is not None:
+                masks[first : first + 1 + d] = rows
+        first += 1 + d
+    return masks
 
 
 def network_inputs(

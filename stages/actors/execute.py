@@ -47,7 +47,7 @@ from stages.text.thinking import ThinkingTracker
 if TYPE_CHECKING:
     import llguidance
 
-    from gpu.runner import ModelRunner, RunnerConfig, StepBatch, StepOutput
+    from gpu.runner import GrammarMasks, ModelRunner, RunnerConfig, StepBatch, StepOutput
     from gpu.sampler import RequestSampling
     from gpu.tensor_parallel import TensorParallel
     from stages.text.structured import GrammarMatchers
@@ -271,9 +271,9 @@ class ExecuteActor(SyncActor):
             else np.zeros((len(handles), 0), np.int32)
         )
         num_draft = seqs["num_draft"]
-        draft_bitmask = None
+        grammar_masks = None
         if bitmask.shape[1] and num_draft.any():
-            draft_bitmask = self.draft_bitmask(step, bitmask)
+            grammar_masks = self.grammar_masks(handles.tolist())
         lora_ids, lora_paths = self.adapters_of(handles)
         return StepBatch(
             request_ids=handles,
@@ -293,7 +293,7 @@ class ExecuteActor(SyncActor):
             ),
             prompt_logprobs=np.array([r.prompt_logprobs for r in requests], np.int32),
             num_draft=num_draft if num_draft.any() else None,
-            draft_bitmask=draft_bitmask,
+            grammar_masks=grammar_masks,
             lora_ids=lora_ids,
             lora_paths=lora_paths,
             block_copies=step.block_copies,  # beams about to write blocks they shared
@@ -308,28 +308,17 @@ class ExecuteActor(SyncActor):
         ids = np.array([0 if lora is None else lora.lora_id for lora in found], np.int64)
         return ids, {lora.lora_id: lora.path for lora in found if lora is not None}
 
-    def draft_bitmask(self, step: PlannedStep, bitmask: np.ndarray) -> np.ndarray:
-        """[S', width]: a mask per verified position of each sampling row (its input token's,
-        then one after each draft), in batch order; `bitmask` [B, width] holds each row's own."""
-        seqs = step.seqs
-        ends = (seqs["query_start"] + seqs["query_len"]).tolist()
-        pieces = []
-        for row, (handle, sample, drafts) in enumerate(
-            zip(
-                seqs["handle"].tolist(),
-                seqs["sample"].tolist(),
-                seqs["num_draft"].tolist(),
-                strict=True,
-            )
-        ):
-            if not sample:
-                continue
-            if drafts and handle in self.grammars:
-                proposed = step.input_ids[ends[row] - drafts : ends[row]].tolist()
-                pieces.append(self.grammars.draft_masks(handle, proposed))
-            else:
-                pieces.append(np.repeat(bitmask[row : row + 1], drafts + 1, axis=0))
-        return np.concatenate(pieces)
+    def grammar_masks(self, handles: list[int]) -> GrammarMasks:
+        """What the runner asks of a step's grammars once its drafts are known (a draft model
+        samples them in the step): a row's masks at its next position and after each draft, as
+        if it had taken them (the matcher is rolled back), or None for a row without one."""
+        grammars = self.grammars
+
+        def masks(row: int, drafts: list[int]) -> np.ndarray | None:
+            handle = handles[row]
+            return grammars.draft_masks(handle, drafts) if handle in grammars else None
+
+        return masks
 
     def forced_tokens(self, handles: np.ndarray, sample: np.ndarray) -> np.ndarray:  # -> [S] int32
         """Per row the token its thinking budget forces (the end tag's, once spent), or -1. Such

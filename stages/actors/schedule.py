@@ -113,8 +113,7 @@ class ScheduleActor(AsyncActor):
                 else:
                     handles, prompt = [], prompts.unpack_prompt(message)
             if prompt is not None and self.admit(prompt.handle):
-                spec = self.scheduler.config.speculative
-                seq = _sequence(prompt, spec is not None and spec.proposes_in_execute)
+                seq = _sequence(prompt)
                 if prompt.request().grammar:
                     self.awaiting_matchers[seq.handle] = seq
                     self.matchers_to_build.append(seq)
@@ -343,10 +342,9 @@ class ScheduleActor(AsyncActor):
         await self.detok_link.send(arrays, seqs, new)
 
 
-def _sequence(prompt: RenderedPrompt, proposes_in_execute: bool) -> Sequence:
+def _sequence(prompt: RenderedPrompt) -> Sequence:
     """A rendered prompt as the scheduler tracks it; one resumed after a stage failure starts with
-    the outputs its client already has, to be recomputed as after a preemption.
-    `proposes_in_execute`: speculation drafts with a draft model."""
+    the outputs its client already has, to be recomputed as after a preemption."""
     request = prompt.request()
     resume = request.resume
     return Sequence(
@@ -360,12 +358,9 @@ def _sequence(prompt: RenderedPrompt, proposes_in_execute: bool) -> Sequence:
         detok=prompt.detok,
         cacheable=request.cacheable,
         # No drafts with a thinking budget (execute forces the end tag one sampled token at a
-        # time); a grammar's drafts are checked against it in execute, but a draft model would
-        # have to sample under the grammar too: such a request decodes plainly there. A beam
-        # search's rows are its beams, one token each.
-        can_draft=request.thinking is None
-        and request.sampling.beam is None
-        and not (request.grammar and proposes_in_execute),
+        # time); a grammar's drafts are verified under it in execute (and a draft model samples
+        # them under it). A beam search's rows are its beams, one token each.
+        can_draft=request.thinking is None and request.sampling.beam is None,
         cache_salt=request.cache_salt,
         lora_id=0 if request.lora is None else request.lora.lora_id,
         render_start_ns=prompt.render_start_ns,

@@ -5,6 +5,7 @@ preemption and prefix-cache hits."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 
@@ -128,10 +129,37 @@ def test_per_request_metrics_count_the_draft_models_steps(engines):
         assert sum(m.spec_acceptance_histogram) == m.spec_num_steps
 
 
+def test_a_grammars_drafts_are_sampled_under_it_and_verified_exactly(engines):
+    """Structured outputs with a draft model: each draft is sampled under the grammar as it
+    stands after the drafts before it, so a draft equal to the target has every draft accepted
+    (unmasked, its argmax would often be a token the grammar refuses), and the text is plain
+    decoding's, greedy or seeded."""
+    from stages.api import StructuredOutput
+
+    plain, same, close, loop = engines
+    grammar = StructuredOutput("regex", "[a-z ]{80}")
+    before = _wait_idle(same)
+    greedy = dict(temperature=0, max_tokens=30, ignore_eos=True, structured=grammar)
+    seeded = dict(greedy, temperature=0.9, top_p=0.95, seed=11)
+    for i, prompt in enumerate(PROMPTS):
+        for kind, kwargs in (("g", greedy), ("s", seeded)):
+            want = loop.run(collect(plain, request(prompt, rid=f"gp{kind}{i}", **kwargs)))
+            text = "".join(o.text for o in want)
+            assert len(_tokens(want)) == 30 and re.fullmatch(r"[a-z ]+", text), text
+            for engine, tag in ((same, "gs"), (close, "gc")):
+                got = loop.run(collect(engine, request(prompt, rid=f"{tag}{kind}{i}", **kwargs)))
+                assert _tokens(got) == _tokens(want), (tag, kind, prompt)
+    after = _wait_idle(same)
+    drafted = _delta(before, after, "spec_decode_num_draft_tokens_total")
+    assert drafted > 0
+    assert _delta(before, after, "spec_decode_num_accepted_tokens_total") == drafted
+    assert after["kv_cache_usage_perc"] == 0
+
+
 def test_aborts_preemption_prefix_hits_and_grammars_leave_every_block_free(engines):
     """64 blocks of 16 tokens and 20 requests sharing a 5-block prefix, each wanting 5 more
     blocks: preemption, prefix-cache hits (whose blocks hold the draft's KV too), aborts
-    mid-stream and grammars (decoded without drafts) beside drafting rows."""
+    mid-stream and grammars (drafted under) beside other drafting rows."""
     from stages.api import StructuredOutput
 
     plain, same, _, loop = engines
