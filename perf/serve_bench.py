@@ -572,6 +572,9 @@ def format_table(report: dict[str, Any]) -> str:
                 if "concurrency" in run
                 else f"r={run['request_rate']:g}/s"
             )
+            if not spec["num_draft_tokens"]:  # speculation off, or the policy drafted nothing
+                lines.append(f"{load} {run['url']}: no speculative drafts")
+                continue
             lines.append(
                 f"{load} {run['url']}: speculative decoding accepted {spec['acceptance_rate']:.0%} "
                 f"of {spec['num_draft_tokens']:.0f} drafts, mean acceptance length "
