@@ -16,7 +16,7 @@ import torch
 
 from gpu import memory
 from gpu.attention import AttentionInputs
-from gpu.backends import NATIVE_KERNELS, kernels_for
+from gpu.backends import NATIVE_KERNELS, Kernels, kernels_for
 from gpu.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes
 from gpu.drafter import Drafter
 from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_block_bytes, num_blocks_for_budget
@@ -770,24 +770,23 @@ def _load_model(
     loads in float32 first (quantization reads float weights); otherwise the model is laid out
     without memory and allocated in `dtype` on the device, so that an 8B model never exists in
     float32 or on the host: a checkpoint's tensors are copied in one by one (GGUF's dequantized
-    on the host, then cast), random weights are made in place. A tensor-parallel rank lays out
-    its shard and copies in only its slice of each tensor (random weights are made whole, then
-    cut, so that a seed gives the same model at every tensor-parallel size)."""
+    on the host, then cast), random weights are made in place. On a device a tensor-parallel
+    rank loads only its shard (load_shard); random weights are made whole, then cut, so that a
+    seed gives the same model at every tensor-parallel size, and a CPU rank cuts the loaded
+    model (on the meta path a gloo process group outlived destroy_process_group, and a process
+    leaving normally then aborted in its threads' destructors).
+    """
     kernels = kernels_for(config.device, config.native_kernels)
-    if tensor_parallel is not None and not config.random_weights:
-        with torch.device("meta"):
-            model = CausalLM(model_config, kernels)
-            local = shard_model(model, tensor_parallel)  # the shard's layout, nothing allocated
-        model = _allocated(model, model_config, config.device, dtype)
-        weights = iter_weights(model_path, model_config, dtype)
-        model.load_weights(shard_weights(weights, model_config, tensor_parallel), local)
-        return model, local
     if config.device == "cpu" and not config.random_weights:
         model = CausalLM(model_config, kernels)
         model.load_weights(iter_weights(model_path, model_config, dtype))
         model = model.to(dtype=dtype).eval()
         model.inv_freq = model.inv_freq.float()
+        if tensor_parallel is not None:
+            return model, shard_model(model, tensor_parallel)
         return model, model_config
+    if tensor_parallel is not None and not config.random_weights:
+        return load_shard(model_path, model_config, kernels, config.device, dtype, tensor_parallel)
     with torch.device("meta"):
         model = CausalLM(model_config, kernels)
     model = _allocated(model, model_config, config.device, dtype)
@@ -798,6 +797,27 @@ def _load_model(
     if tensor_parallel is not None:
         return model, shard_model(model, tensor_parallel)
     return model, model_config
+
+
+def load_shard(
+    model_path: str,
+    model_config: ModelConfig,
+    kernels: Kernels,
+    device: str,
+    dtype: torch.dtype,
+    tensor_parallel: TensorParallel,
+) -> tuple[CausalLM, ModelConfig]:  # -> (this rank's shard, its heads and columns)
+    """A tensor-parallel rank's shard, laid out on the meta device and given memory on `device`
+    for that alone; each checkpoint tensor is cut to the rank's slice as it streams by
+    (shard_weights), so that the rank never holds more than its shard and one whole tensor.
+    Loading runs no collective."""
+    with torch.device("meta"):
+        model = CausalLM(model_config, kernels)
+        local = shard_model(model, tensor_parallel)  # the shard's layout, nothing allocated
+    model = _allocated(model, model_config, device, dtype)
+    weights = iter_weights(model_path, model_config, dtype)
+    model.load_weights(shard_weights(weights, model_config, tensor_parallel), local)
+    return model, local
 
 
 def _allocated(

@@ -105,9 +105,35 @@ def test_ranks_size_their_kv_caches_to_the_fewest_blocks_any_device_has_room_for
     assert got[0][2:] == got[1][2:] == [None, 1234]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama_one_kv", "llama_three_kv"])
+def test_a_shard_loaded_alone_is_the_shard_cut_from_the_whole_model(tmp_path, arch):
+    """On a device each rank loads only its slice of every checkpoint tensor (load_shard): the
+    same parameters, bit for bit, as the whole model loaded and then cut (shard_model), for
+    qkv bias, a replicated KV head with a padded vocabulary, and uneven GQA groups and columns."""
+    import torch
+
+    from gpu.backends import TORCH_KERNELS
+    from gpu.runner import load_shard
+    from gpu.tensor_parallel import TensorParallel, shard_model
+
+    path = str(build_tiny_model(arch, tmp_path / arch, seed=3))
+    config = ModelRunner.from_path(path, RUNNER).model_config
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        whole = ModelRunner.from_path(path, RUNNER).model
+        cut_shape = shard_model(whole, tp)
+        alone, shape = load_shard(path, config, TORCH_KERNELS, "cpu", torch.float32, tp)
+        assert shape == cut_shape
+        want = dict(whole.named_parameters(remove_duplicate=False))
+        got = dict(alone.named_parameters(remove_duplicate=False))
+        assert got.keys() == want.keys()
+        for name, param in got.items():
+            assert torch.equal(param, want[name]), (arch, rank, name)
+
+
 def test_a_rank_loads_its_shard_without_ever_holding_the_whole_model(tmp_path):
-    """Each rank cuts every checkpoint tensor to its slice as it is read: its memory grows by
-    about its shard (half the model) and one tensor, not by the whole model first."""
+    """A device's rank cuts every checkpoint tensor to its slice as it is read: its memory grows
+    by about its shard (half the model) and one tensor, not by the whole model first."""
     import torch
     import transformers
 
@@ -128,9 +154,8 @@ def test_a_rank_loads_its_shard_without_ever_holding_the_whole_model(tmp_path):
     transformers.LlamaForCausalLM(config).save_pretrained(checkpoint, safe_serialization=True)
 
     results = SPAWN.Queue()
-    port = free_port()
     ranks = [
-        SPAWN.Process(target=load_peak, args=(str(checkpoint), rank, 2, port, results))
+        SPAWN.Process(target=load_peak, args=(str(checkpoint), rank, 2, results))
         for rank in range(2)
     ]
     for proc in ranks:

@@ -96,12 +96,17 @@ def agree_on_blocks(
         dist.destroy_process_group()
 
 
-def load_peak(path: str, rank: int, world: int, port: int, results) -> None:  # type: ignore[no-untyped-def]
-    """Load this rank's shard while a thread samples the process's anonymous memory (what
-    torch allocates; the checkpoint's mapped file pages are not in it); put the peak's growth
-    and the bytes of the parameters kept."""
+def load_peak(path: str, rank: int, world: int, results) -> None:  # type: ignore[no-untyped-def]
+    """Load a rank's shard as a device does (gpu.runner.load_shard; loading runs no collective,
+    so no group is joined) while a thread samples the process's anonymous memory (what torch
+    allocates; the checkpoint's mapped file pages are not in it); put the peak's growth and the
+    bytes of the parameters kept."""
     import threading
     import time
+
+    from gpu.backends import TORCH_KERNELS
+    from gpu.runner import load_shard
+    from stages.text.checkpoint import load_model_config
 
     def anonymous_bytes() -> int:
         with open("/proc/self/status") as f:
@@ -109,29 +114,26 @@ def load_peak(path: str, rank: int, world: int, port: int, results) -> None:  # 
         return int(line.split()[1]) * 1024
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    # The first random init on the meta device imports torch's Python references (~80 MB
+    # once per process): not the model's.
+    with torch.device("meta"):
+        torch.nn.Embedding(2, 2)
+    config = load_model_config(path)
+    before, peak, done = anonymous_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], anonymous_bytes())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     try:
-        # The first random init on the meta device imports torch's Python references (~80 MB
-        # once per process): not the model's.
-        with torch.device("meta"):
-            torch.nn.Embedding(2, 2)
-        before, peak, done = anonymous_bytes(), [0], threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], anonymous_bytes())
-                time.sleep(0.001)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            runner = ModelRunner.from_path(path, RUNNER, TensorParallel(rank, world))
-        finally:
-            done.set()
-            sampler.join()
-        kept = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        results.put((rank, peak[0] - before, kept))
+        model, _ = load_shard(
+            path, config, TORCH_KERNELS, "cpu", torch.float32, TensorParallel(rank, world)
+        )
     finally:
-        dist.destroy_process_group()
+        done.set()
+        sampler.join()
+    kept = sum(p.numel() * p.element_size() for p in model.parameters())
+    results.put((rank, peak[0] - before, kept))
