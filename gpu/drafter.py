@@ -182,9 +182,9 @@ class Drafter:
         if drafted and batch.grammar_masks is not None and params.token_bitmask.shape[1]:
             masks = params.token_bitmask.copy()
             for i, b in enumerate(batch_rows):
-                rows = batch.grammar_masks(b, histories[b][-drafted:])
-                if rows is not None:
-                    masks[i] = rows[-1]
+                row = batch.grammar_masks(b, histories[b][-drafted:], True)
+                if row is not None:
+                    masks[i] = row[0]
             params = replace(params, token_bitmask=masks)
         needs_ids = rows_needing_token_ids(params)
         history = []

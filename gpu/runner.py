@@ -48,8 +48,9 @@ from stages.text.checkpoint import (
 log = structlog.get_logger(__name__)
 
 _NO_COPIES = np.zeros((0, 2), np.int32)
-# (batch row, drafts) -> [1 + len(drafts), W] int32 structured-output masks, or None: StepBatch's
-GrammarMasks = Callable[[int, list[int]], np.ndarray | None]
+# (batch row, drafts, last_only) -> [1 + len(drafts), W] int32 structured-output masks ([1, W]
+# after all the drafts with last_only), or None for a row without a grammar: StepBatch's
+GrammarMasks = Callable[[int, list[int], bool], np.ndarray | None]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NO_IDS = np.zeros(0, dtype=np.int64)
@@ -910,7 +911,7 @@ def _verified_masks(
         d = int(num_draft[b])
         if d:
             drafts = batch.input_ids[starts[b + 1] - d : starts[b + 1]].tolist()
-            rows = batch.grammar_masks(b, drafts)
+            rows = batch.grammar_masks(b, drafts, False)
             if rows is not None:
                 masks[first : first + 1 + d] = rows
         first += 1 + d

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.model import CausalLM
-from stages.text.checkpoint import ModelConfig, ShardShape, shard_shape
+from stages.text.checkpoint import ModelConfig, shard_shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,94 +96,101 @@ class VocabParallelLMHead(nn.Module):
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
 
 
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """What one rank keeps of the whole model's tensors: shard_model cuts a loaded model by it,
+    shard_weights the checkpoint's tensors as they stream in."""
+
+    local: ModelConfig  # the rank's heads, KV heads and MLP columns
+    heads: slice  # rows of q_proj, columns of o_proj
+    kv_heads: slice  # rows of k_proj and of v_proj
+    columns: slice  # rows of gate_proj and of up_proj, columns of down_proj
+    vocab_start: int
+    vocab_count: int  # rows of the vocabulary the rank holds (the last rank's may be fewer)
+    vocab_per_rank: int  # rows of its slice, zero-padded to this
+
+    @classmethod
+    def of(cls, full: ModelConfig, tp: TensorParallel) -> _Cut:
+        shard = shard_shape(full, tp.world_size, tp.rank)
+        local, d = shard.config, full.head_dim
+        per_rank = -(-full.vocab_size // tp.world_size)
+        start = tp.rank * per_rank
+        return cls(
+            local=local,
+            heads=slice(shard.first_head * d, shard.first_head * d + local.q_size),
+            kv_heads=slice(shard.first_kv_head * d, shard.first_kv_head * d + local.kv_size),
+            columns=slice(shard.first_column, shard.first_column + local.intermediate_size),
+            vocab_start=start,
+            vocab_count=max(0, min(per_rank, full.vocab_size - start)),
+            vocab_per_rank=per_rank,
+        )
+
+    def vocab(self, weight: torch.Tensor) -> torch.Tensor:  # -> [per_rank, hidden], zero-padded
+        out = weight.new_zeros(self.vocab_per_rank, weight.shape[1])
+        out[: self.vocab_count] = weight[self.vocab_start : self.vocab_start + self.vocab_count]
+        return out
+
+
+def _range(part: slice, offset: int = 0) -> range:
+    return range(offset + part.start, offset + part.stop)
+
+
 @torch.no_grad()
 def shard_model(model: CausalLM, tp: TensorParallel) -> ModelConfig:
     """Keep only this rank's slices of a loaded model, in place; return the rank's shape (what
     its attention and KV cache hold)."""
     full = model.config
-    shard = shard_shape(full, tp.world_size, tp.rank)
-    local = shard.config
-    inter, first = full.intermediate_size, shard.first_column
+    cut = _Cut.of(full, tp)
+    qkv = [
+        _range(cut.heads),  # the fused [q; k; v]: the rank's query heads and their KV heads
+        _range(cut.kv_heads, full.q_size),
+        _range(cut.kv_heads, full.q_size + full.kv_size),
+    ]
+    gate_up = [_range(cut.columns), _range(cut.columns, full.intermediate_size)]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _rows(attn.qkv_proj, _qkv_rows(full, shard))
-        q_start = shard.first_head * full.head_dim
-        attn.o_proj = RowParallel(_columns(attn.o_proj, q_start, local.q_size), tp)
-        attn.config = local
-        gate_up = [range(first, first + local.intermediate_size)]
-        gate_up.append(range(inter + first, inter + first + local.intermediate_size))
+        attn.qkv_proj = _rows(attn.qkv_proj, qkv)
+        attn.o_proj = RowParallel(_columns(attn.o_proj, cut.heads), tp)
+        attn.config = cut.local
         mlp.gate_up_proj = _rows(mlp.gate_up_proj, gate_up)
-        mlp.down_proj = RowParallel(_columns(mlp.down_proj, first, local.intermediate_size), tp)
-    vocab = full.vocab_size
-    per_rank = -(-vocab // tp.world_size)
-    start = tp.rank * per_rank
-    count = max(0, min(per_rank, vocab - start))
-
-    def vocab_slice(weight: torch.Tensor) -> torch.Tensor:  # -> [per_rank, hidden], zero-padded
-        out = weight.new_zeros(per_rank, weight.shape[1])
-        out[:count] = weight[start : start + count]
-        return out
-
+        mlp.down_proj = RowParallel(_columns(mlp.down_proj, cut.columns), tp)
     embedding = VocabParallelEmbedding(
-        vocab_slice(model.model.embed_tokens.weight), start, count, tp
+        cut.vocab(model.model.embed_tokens.weight), cut.vocab_start, cut.vocab_count, tp
     )
     head_weight = (
         embedding.weight
         if full.tie_word_embeddings
-        else nn.Parameter(vocab_slice(model.lm_head.weight), requires_grad=False)
+        else nn.Parameter(cut.vocab(model.lm_head.weight), requires_grad=False)
     )
     model.model.embed_tokens = embedding  # type: ignore[assignment]
-    model.lm_head = VocabParallelLMHead(head_weight, vocab, tp)  # type: ignore[assignment]
-    return local
+    model.lm_head = VocabParallelLMHead(head_weight, full.vocab_size, tp)  # type: ignore[assignment]
+    return cut.local
 
 
 def shard_weights(
     weights: Iterable[tuple[str, torch.Tensor]], full: ModelConfig, tp: TensorParallel
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's Hugging Face-named tensors cut to this rank's share as they stream by,
-    under the names of a model shard_model has cut (row-parallel weights sit in `.linear`): the
-    slices shard_model keeps, so that a rank loads its shard holding at most one whole tensor
-    besides it, never the whole model."""
-    shard = shard_shape(full, tp.world_size, tp.rank)
-    local, d = shard.config, full.head_dim
-    heads = slice(shard.first_head * d, shard.first_head * d + local.q_size)
-    kv_heads = slice(shard.first_kv_head * d, shard.first_kv_head * d + local.kv_size)
-    columns = slice(shard.first_column, shard.first_column + local.intermediate_size)
-    per_rank = -(-full.vocab_size // tp.world_size)
-    start = tp.rank * per_rank
-    count = max(0, min(per_rank, full.vocab_size - start))
+    under the names of a model shard_model has cut (row-parallel weights sit in `.linear`), so
+    that a rank loads its shard holding at most one whole tensor besides it."""
+    cut = _Cut.of(full, tp)
     for name, tensor in weights:
         parts = name.split(".")
         module = parts[-2] if len(parts) >= 2 else ""
         if module == "q_proj":
-            yield name, tensor[heads]
+            yield name, tensor[cut.heads]
         elif module in ("k_proj", "v_proj"):
-            yield name, tensor[kv_heads]
+            yield name, tensor[cut.kv_heads]
         elif module in ("gate_proj", "up_proj"):
-            yield name, tensor[columns]
+            yield name, tensor[cut.columns]
         elif module == "o_proj" and name.endswith(".weight"):
-            yield name.replace(".o_proj.", ".o_proj.linear."), tensor[:, heads]
+            yield name.replace(".o_proj.", ".o_proj.linear."), tensor[:, cut.heads]
         elif module == "down_proj" and name.endswith(".weight"):
-            yield name.replace(".down_proj.", ".down_proj.linear."), tensor[:, columns]
+            yield name.replace(".down_proj.", ".down_proj.linear."), tensor[:, cut.columns]
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            padded = tensor.new_zeros(per_rank, tensor.shape[1])  # the vocabulary's last slice
-            padded[:count] = tensor[start : start + count]
-            yield name, padded
+            yield name, cut.vocab(tensor)
         else:  # norms: every rank's whole
             yield name, tensor
-
-
-def _qkv_rows(full: ModelConfig, shard: ShardShape) -> list[range]:
-    """Rows of the fused [q; k; v] weight a rank keeps: its query heads and their KV heads."""
-    d, local = full.head_dim, shard.config
-    q_start = shard.first_head * d
-    k_start = full.q_size + shard.first_kv_head * d
-    v_start = full.q_size + full.kv_size + shard.first_kv_head * d
-    return [
-        range(q_start, q_start + local.q_size),
-        range(k_start, k_start + local.kv_size),
-        range(v_start, v_start + local.kv_size),
-    ]
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -202,6 +209,6 @@ def _rows(linear: nn.Module, rows: list[range]) -> nn.Linear:
     return _linear(linear.weight.index_select(0, index), bias)
 
 
-def _columns(linear: nn.Module, start: int, count: int) -> nn.Linear:
-    """A bias-free linear of input columns start:start + count of `linear`."""
-    return _linear(linear.weight[:, start : start + count].contiguous(), None)
+def _columns(linear: nn.Module, part: slice) -> nn.Linear:
+    """A bias-free linear of the given input columns of `linear`."""
+    return _linear(linear.weight[:, part].contiguous(), None)

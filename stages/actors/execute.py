@@ -314,9 +314,11 @@ class ExecuteActor(SyncActor):
         if it had taken them (the matcher is rolled back), or None for a row without one."""
         grammars = self.grammars
 
-        def masks(row: int, drafts: list[int]) -> np.ndarray | None:
+        def masks(row: int, drafts: list[int], last_only: bool) -> np.ndarray | None:
             handle = handles[row]
-            return grammars.draft_masks(handle, drafts) if handle in grammars else None
+            if handle not in grammars:
+                return None
+            return grammars.draft_masks(handle, drafts, last_only)
 
         return masks
 

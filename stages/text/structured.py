@@ -175,23 +175,31 @@ class GrammarMatchers:
         if matcher is not None and not matcher.is_error():
             matcher.consume_token(token)
 
-    def draft_masks(self, handle: int, drafts: Sequence[int]) -> np.ndarray:
+    def draft_masks(
+        self, handle: int, drafts: Sequence[int], last_only: bool = False
+    ) -> np.ndarray:
         """[1 + D, width] int32: the request's mask at its next position and after each of the
         drafts in turn, as if it had taken them; the matcher is rolled back after. Past a draft
         the grammar refuses, the rows repeat the last mask: the draft cannot be sampled there, so
-        verification stops before they matter."""
+        verification stops before they matter. `last_only`: [1, width], the mask after them all
+        (a draft model sampling its next draft), the others not computed."""
         matcher = self._matchers[handle]
-        out = np.full((1 + len(drafts), self.width), -1, np.int32)
+        out = np.full((1 if last_only else 1 + len(drafts), self.width), -1, np.int32)
         if matcher.is_error():
             return self.masks([handle] * len(out), [True] * len(out))
-        matcher.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)
+        if not last_only:
+            matcher.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)
         consumed = 0
         for j, token in enumerate(drafts, start=1):
             if matcher.is_stopped() or matcher.try_consume_tokens([int(token)]) != 1:
-                out[j:] = out[j - 1]
+                if not last_only:
+                    out[j:] = out[j - 1]
                 break
             consumed += 1
-            matcher.unsafe_compute_mask_ptr(out[j].ctypes.data, out[j].nbytes)
+            if not last_only:
+                matcher.unsafe_compute_mask_ptr(out[j].ctypes.data, out[j].nbytes)
+        if last_only:
+            matcher.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)
         if consumed:
             matcher.rollback(consumed)
         return out

@@ -229,6 +229,10 @@ def test_draft_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(matche
         assert (masks[j] == want).all()
     refused = len(ab + cd) + 1
     assert (masks[refused:] == masks[refused - 1]).all()  # past the refused draft: repeated
+    # the mask after them all alone (a draft model's next draft), without the ones before
+    for j in range(len(drafts) + 1):
+        last = matchers.draft_masks(1, drafts[:j], last_only=True)
+        assert last.shape == (1, before.shape[0]) and (last[0] == masks[j]).all()
     # the matcher itself took nothing
     assert (matchers.masks([1], [True])[0] == before).all()
 
