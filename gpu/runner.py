@@ -51,6 +51,9 @@ _NO_COPIES = np.zeros((0, 2), np.int32)
 # (batch row, drafts, last_only) -> [1 + len(drafts), W] int32 structured-output masks ([1, W]
 # after all the drafts with last_only), or None for a row without a grammar: StepBatch's
 GrammarMasks = Callable[[int, list[int], bool], np.ndarray | None]
+# (batch row, its drafts) -> the token forced at its next position and after each draft ([1 + D],
+# -1: none), or None for a row nothing forces
+ForcedAlong = Callable[[int, list[int]], list[int] | None]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NO_IDS = np.zeros(0, dtype=np.int64)
@@ -110,6 +113,10 @@ class StepBatch:
     # grammar). A draft model samples each draft under them, and each verified position is
     # sampled under its own. None: each row's own mask (sampling.token_bitmask) for all.
     grammar_masks: GrammarMasks | None = None
+    # With drafts and thinking budgets: the token forced at each verified position of a row (the
+    # close tag's, once its budget is spent after the drafts before it). None: each row's own
+    # forced token (sampling.forced_token_ids) for all its positions.
+    forced_along: ForcedAlong | None = None
     # [B] int64: each row's LoRA adapter id, 0 for the base model; None: every row is the base's
     lora_ids: np.ndarray | None = None
     lora_paths: Mapping[int, str] = field(default_factory=dict)  # each adapter id's directory
@@ -558,6 +565,8 @@ class ModelRunner:
         params = batch.sampling.select(owner)
         if batch.grammar_masks is not None and params.token_bitmask.shape[1]:
             params = replace(params, token_bitmask=_verified_masks(batch, num_draft, params))
+        if batch.forced_along is not None:
+            params = replace(params, forced_token_ids=_verified_forced(batch, num_draft, params))
         needs_ids = rows_needing_token_ids(params)
         history = []
         for row, (b, j) in enumerate(zip(owner.tolist(), offset.tolist(), strict=True)):
@@ -916,6 +925,28 @@ def _verified_masks(
                 masks[first : first + 1 + d] = rows
         first += 1 + d
     return masks
+
+
+def _verified_forced(
+    batch: StepBatch,  # its drafts filled in
+    num_draft: np.ndarray,  # [B] int64
+    params: SamplingArrays,  # the sampled positions' (sampling rows in order, 1 + drafts each)
+) -> np.ndarray:  # -> [S'] int32
+    """The token a thinking budget forces at each verified position (-1: none): at a row's input
+    token and after each of its drafts, as if it had taken them."""
+    assert batch.forced_along is not None
+    forced = params.forced_token_ids.copy()
+    starts = batch.query_start_loc.astype(np.int64)
+    first = 0
+    for b in np.flatnonzero(batch.sample).tolist():
+        d = int(num_draft[b])
+        if d:
+            drafts = batch.input_ids[starts[b + 1] - d : starts[b + 1]].tolist()
+            along = batch.forced_along(b, drafts)
+            if along is not None:
+                forced[first : first + 1 + d] = along
+        first += 1 + d
+    return forced
 
 
 def network_inputs(

@@ -97,8 +97,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens taken from the cache when last admitted
     num_registered: int = 0  # prompt blocks registered in the cache
     block_hashes: list[bytes] | None = None  # the prompt's, computed at first admission
-    # Speculative decoding: whether drafts may be proposed for it (not with a thinking budget,
-    # whose close tag execute forces one sampled token at a time), its acceptance so far
+    # Speculative decoding: whether drafts may be proposed for it (not for a beam search's
+    # beams), its acceptance so far
     # (stages.draft_policy), and what its steps verified: steps with drafts, drafts, accepted, and
     # steps by drafts accepted.
     can_draft: bool = True

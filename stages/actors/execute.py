@@ -47,7 +47,14 @@ from stages.text.thinking import ThinkingTracker
 if TYPE_CHECKING:
     import llguidance
 
-    from gpu.runner import GrammarMasks, ModelRunner, RunnerConfig, StepBatch, StepOutput
+    from gpu.runner import (
+        ForcedAlong,
+        GrammarMasks,
+        ModelRunner,
+        RunnerConfig,
+        StepBatch,
+        StepOutput,
+    )
     from gpu.sampler import RequestSampling
     from gpu.tensor_parallel import TensorParallel
     from stages.text.structured import GrammarMatchers
@@ -274,6 +281,9 @@ class ExecuteActor(SyncActor):
         grammar_masks = None
         if bitmask.shape[1] and num_draft.any():
             grammar_masks = self.grammar_masks(handles.tolist())
+        forced_along = None
+        if self.thinking and num_draft.any():
+            forced_along = self.forced_along(handles.tolist())
         lora_ids, lora_paths = self.adapters_of(handles)
         return StepBatch(
             request_ids=handles,
@@ -294,6 +304,7 @@ class ExecuteActor(SyncActor):
             prompt_logprobs=np.array([r.prompt_logprobs for r in requests], np.int32),
             num_draft=num_draft if num_draft.any() else None,
             grammar_masks=grammar_masks,
+            forced_along=forced_along,
             lora_ids=lora_ids,
             lora_paths=lora_paths,
             block_copies=step.block_copies,  # beams about to write blocks they shared
@@ -322,9 +333,21 @@ class ExecuteActor(SyncActor):
 
         return masks
 
+    def forced_along(self, handles: list[int]) -> ForcedAlong:
+        """What the runner asks of a step's thinking budgets once its drafts are known: the token
+        forced at a row's next position and after each draft, as if it had taken them (the
+        tracker does not move), or None for a row without a budget."""
+        thinking = self.thinking
+
+        def along(row: int, drafts: list[int]) -> list[int] | None:
+            tracker = thinking.get(handles[row])
+            return None if tracker is None else tracker.forced_along(drafts)
+
+        return along
+
     def forced_tokens(self, handles: np.ndarray, sample: np.ndarray) -> np.ndarray:  # -> [S] int32
-        """Per row the token its thinking budget forces (the end tag's, once spent), or -1. Such
-        rows draft nothing (schedule's can_draft), so a row's one sampled token is the forced one."""
+        """Per row the token its thinking budget forces at its next position (the end tag's, once
+        spent), or -1; a row's positions after drafts are forced_along's."""
         forced = np.full(len(handles), -1, np.int32)
         for row, (handle, samples) in enumerate(
             zip(handles.tolist(), sample.tolist(), strict=True)

@@ -360,7 +360,7 @@ def _sequence(prompt: RenderedPrompt) -> Sequence:
         # No drafts with a thinking budget (execute forces the end tag one sampled token at a
         # time); a grammar's drafts are verified under it in execute (and a draft model samples
         # them under it). A beam search's rows are its beams, one token each.
-        can_draft=request.thinking is None and request.sampling.beam is None,
+        can_draft=request.sampling.beam is None,
         cache_salt=request.cache_salt,
         lora_id=0 if request.lora is None else request.lora.lora_id,
         render_start_ns=prompt.render_start_ns,

@@ -55,13 +55,35 @@ class ThinkingTracker:
         self._tail: deque[int] = deque(maxlen=max(len(self._start), len(self._end), 1))
 
     def forced(self) -> int:
-        """The token the next sample must be (-1: any). Call once per sampled step."""
-        if self._forcing < 0 and self.inside and self.count >= self.budget and self._end:
-            self._forcing = 0
+        """The token the next sample must be (-1: any)."""
+        self._begin_forcing()
         return self._end[self._forcing] if self._forcing >= 0 else -1
 
+    def _begin_forcing(self) -> None:
+        """The budget is spent: the close tag's tokens are forced from the next one on."""
+        if self._forcing < 0 and self.inside and self.count >= self.budget and self._end:
+            self._forcing = 0
+
+    def forced_along(self, drafts: Sequence[int]) -> list[int]:
+        """The forced token (-1: any) at the next position and after each draft in turn, as if
+        the drafts had been taken (speculative decoding verifies them all in one step); the
+        tracker itself only moves as forced() does."""
+        ahead = [self.forced()]
+        if not drafts:
+            return ahead
+        probe = ThinkingTracker.__new__(ThinkingTracker)
+        probe.budget, probe.count, probe.inside = self.budget, self.count, self.inside
+        probe._start, probe._end, probe._forcing = self._start, self._end, self._forcing
+        probe._tail = deque(self._tail, maxlen=self._tail.maxlen)
+        for token in drafts:
+            probe.consume(token)
+            ahead.append(probe.forced())
+        return ahead
+
     def consume(self, token: int) -> None:
-        """The token sampled (or forced) for the request."""
+        """The token sampled (or forced) for the request (several a step under speculation,
+        with forced() asked only before the first)."""
+        self._begin_forcing()
         self._tail.append(token)
         if self._forcing >= 0:
             self._forcing += 1

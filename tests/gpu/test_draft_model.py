@@ -50,12 +50,18 @@ def runner_with(tiny_models, draft: Path | None, seed: int = 3) -> ModelRunner:
 
 
 def speculate(
-    runner: ModelRunner, req: Request, k: int, prefill_chunk: int = 64, draft_every: int = 1
+    runner: ModelRunner,
+    req: Request,
+    k: int,
+    prefill_chunk: int = 64,
+    draft_every: int = 1,
+    forced: dict[int, int] | None = None,  # output index -> the token forced there
 ) -> list[tuple[int, int]]:
     """Decode req as schedule plans it with a draft model: the prompt in chunks, then steps of
     the input token and k placeholder drafts (-1) that the runner's drafter fills in (on every
-    `draft_every`-th step; plain decodes between). Returns (drafted, accepted) per verifying
-    step."""
+    `draft_every`-th step; plain decodes between). `forced` tokens are forced as execute forces
+    a thinking budget's close tag: the row's next one in its sampling, those after its drafts
+    through forced_along. Returns (drafted, accepted) per verifying step."""
     pool = BlockPool(runner.num_kv_blocks, runner.kv_cache.block_size, seed=1)
     seq = PagedSequence(list(req.prompt))
     prompt_len = len(req.prompt)
@@ -72,6 +78,15 @@ def speculate(
         seq.token_ids = list(req.prompt) + req.outputs + [-1] * drafts
         step = build_step(pool, [(seq, count)])
         samples = seq.num_cached >= prompt_len
+        sampling = sampling_rows([req])
+        along = None
+        if forced:
+            done = len(req.outputs)
+            sampling.forced_token_ids[0] = forced.get(done, -1)
+
+            def along(row: int, ds: list[int], done: int = done) -> list[int]:
+                return [forced.get(done + j, -1) for j in range(len(ds) + 1)]
+
         out = runner.step(
             StepBatch(
                 request_ids=np.array([req.request_id], np.int64),
@@ -83,9 +98,10 @@ def speculate(
                 slot_mapping=step.slot_mapping,
                 prompt_lens=np.array([prompt_len], np.int32),
                 sample=np.array([samples]),
-                sampling=sampling_rows([req]),
+                sampling=sampling,
                 prompt_logprobs=np.full(1, -1, np.int32),
                 num_draft=np.array([drafts], np.int32),
+                forced_along=along,
             )
         )
         if not samples:
@@ -171,6 +187,22 @@ def test_a_seeded_request_gives_plain_decodings_text_wherever_drafts_fall(
         assert req.outputs == want
         if draft == "same":  # the same noise and the same q: every draft is the target's sample
             assert all(accepted == drafted for drafted, accepted in steps)
+
+
+@pytest.mark.parametrize("knobs", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 5}])
+def test_a_forced_token_inside_the_drafts_is_taken_there(tiny_models, drafts, knobs):
+    """A thinking budget's close tag forced at a position a draft model drafted for: the
+    position takes it (an equal draft, which proposed the model's own token there, is rejected
+    at it) and the text is plain decoding's with the same tokens forced."""
+    forced = {5: 60, 6: 61, 13: 62}
+    plain = Request(1, PROMPT, 20, dict(knobs))
+    speculate(runner_with(tiny_models, None), plain, 0, forced=forced)
+    want = plain.outputs
+    assert [want[i] for i in forced] == list(forced.values())
+    req = Request(2, PROMPT, 20, dict(knobs))
+    steps = speculate(runner_with(tiny_models, drafts["same"]), req, 4, forced=forced)
+    assert req.outputs == want
+    assert any(accepted < drafted for drafted, accepted in steps)  # the forced ones refused
 
 
 def test_sampled_drafts_of_an_equal_draft_are_all_accepted(tiny_models, drafts):

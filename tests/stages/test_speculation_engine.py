@@ -310,18 +310,33 @@ def test_a_stage_killed_mid_speculation_resumes_with_the_tokens_of_a_plain_run(e
     assert _wait_idle(fast)["kv_cache_usage_perc"] == 0
 
 
-def test_a_thinking_budget_forces_its_close_tag_with_speculation_on(engines):
-    """A request with a thinking_token_budget drafts nothing (execute forces the close tag one
-    sampled token at a time), so it writes what plain decoding writes, close tag included."""
+def test_a_thinking_budget_forces_its_close_tag_inside_drafts(engines):
+    """A request with a thinking_token_budget drafts too: a verified position where the budget,
+    spent over the drafts before it, forces the close tag takes the tag, so the request writes
+    what plain decoding writes, close tag included, greedy and seeded."""
     plain, fast, loop = engines
     end = fast.bundle.encode("</think>", add_bos=False)
-    kwargs = dict(temperature=0, max_tokens=24, ignore_eos=True, thinking_token_budget=4)
+    before = _wait_idle(fast)
+    steps = 0
+    for budget in (2, 3, 4, 5):  # the tag falls at different places in the draft windows
+        for kwargs in (dict(temperature=0), dict(temperature=0.8, seed=11)):
+            kwargs |= dict(max_tokens=24, ignore_eos=True, thinking_token_budget=budget)
 
-    def budgeted(engine: Engine, rid: str) -> list:
-        req = replace(request(PROMPTS[0], rid=rid, **kwargs), reasoning_parser="deepseek_r1")
-        return loop.run(collect(engine, req))
+            def budgeted(engine: Engine, rid: str, kwargs=kwargs) -> list:
+                req = replace(
+                    request(PROMPTS[0], rid=rid, **kwargs), reasoning_parser="deepseek_r1"
+                )
+                return loop.run(collect(engine, req))
 
-    want, got = budgeted(plain, "think-plain"), budgeted(fast, "think-spec")
-    assert _tokens(got) == _tokens(want)
-    assert _tokens(got)[4 : 4 + len(end)] == end
-    assert got[-1].metrics.spec_num_steps == 0
+            rid = f"think{budget}{len(kwargs)}"
+            want, got = budgeted(plain, rid + "p"), budgeted(fast, rid + "s")
+            assert _tokens(got) == _tokens(want), (budget, kwargs)
+            assert _tokens(got)[budget : budget + len(end)] == end
+            steps += got[-1].metrics.spec_num_steps
+    assert steps > 0
+    after = _wait_idle(fast)
+    assert (
+        after["spec_decode_num_accepted_tokens_total"]
+        > before["spec_decode_num_accepted_tokens_total"]
+    )
+    assert after["kv_cache_usage_perc"] == 0

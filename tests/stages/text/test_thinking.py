@@ -49,3 +49,35 @@ def test_a_model_that_ends_its_thinking_in_time_is_left_alone():
 def test_a_budget_of_zero_ends_the_thinking_at_once():
     tracker = ThinkingTracker(ThinkingBudget(0, START, END, inside=True, count=0))
     assert run(tracker, [7, 7, 7]) == [3, 4, 7]
+
+
+def test_forced_along_drafts_is_what_taking_them_one_by_one_would_force():
+    """Speculative decoding verifies several drafts in one step: each verified position is forced
+    as it would be had the drafts before it been taken, and the tracker itself does not move."""
+    tracker = ThinkingTracker(ThinkingBudget(3, START, END, inside=True))
+    tracker.consume(7)
+    drafts = [8, 9, 3, 4, 11]  # the model's two thinking tokens, the close tag, one more
+    ahead = tracker.forced_along(drafts)
+    walked = ThinkingTracker(ThinkingBudget(3, START, END, inside=True))
+    walked.consume(7)
+    want = []
+    for token in [*drafts, None]:
+        want.append(walked.forced())
+        if token is not None:
+            walked.consume(token)
+    # after two more thinking tokens the budget is spent: the close tag, one token at a time
+    assert ahead == want == [-1, -1, 3, 4, -1, -1]
+    assert tracker.count == 1 and tracker.inside and tracker.forced_along([]) == [-1]
+
+
+def test_tokens_taken_several_a_step_follow_the_close_tag_forced_among_them():
+    """Under speculation a step emits several tokens and forced() is asked only before the first:
+    a close tag token taken among them is the forced one, and the tag's rest follows (not the
+    tag again from its start)."""
+    tracker = ThinkingTracker(ThinkingBudget(2, START, END, inside=True))
+    assert tracker.forced() == -1
+    for token in (7, 8, 3):  # two thinking tokens, then the close tag's first, forced there
+        tracker.consume(token)
+    assert tracker.forced() == 4
+    tracker.consume(4)
+    assert not tracker.inside and tracker.forced() == -1
