@@ -4,7 +4,9 @@ A draft token costs the step one more token of compute and pays only if it is ac
 (or a GPU under load) a step's time grows with its tokens, so the policy learns that growth from
 the steps it sees, `step_s ~ fixed_s + per_token_s * tokens`, and each request's chance that a draft
 is accepted (`acceptance`, a decaying average). Drafting also costs the pipeline its one step of
-overlap (a plan with drafts waits for the previous step's tokens): `sync_gap_s`, measured too.
+overlap (a plan with drafts waits for the previous step's tokens, and the plan after it for the
+drafts' verification): `sync_gap_s`, measured too. Whether to give up the overlap is decided on
+proposals one step stale (a step is in flight): each is discounted by the chance that it stands.
 
 For one step it adds draft positions, most promising first (draft j of a request with acceptance a
 is accepted with probability a^j), while they raise the step's expected output tokens per second,
@@ -33,6 +35,11 @@ MIN_TOKEN_SPREAD = 0.25
 # Drafts must promise this much more output per second than none: the cost model is a straight
 # line through noisy steps, and a small promised gain is within its error.
 REQUIRED_GAIN = 0.10
+# Going from overlapped steps to a step with drafts costs two synced steps: the drafted one waits
+# for its predecessor's tokens, and the one after it for the drafts' verification (measured on
+# SmolLM2 at c=1: 1.4 and 1.9 ms between steps, against 0.5 ms overlapped). A step already
+# synced costs only the one after.
+ENTERING_SYNCS = 2
 
 
 @dataclass(slots=True)
@@ -105,16 +112,20 @@ def plan_drafts(
     base_tokens: int,  # tokens the step carries without drafts (decodes, prefill chunks)
     base_outputs: int,  # tokens it emits without drafts (one per row that samples)
     candidates: list[tuple[float, int]],  # per request that can draft: (acceptance, proposal len)
+    stands: list[float] | None = None,  # per candidate: the chance its proposal is drafted at all
+    syncs: int = 1,  # synced steps the drafts cost (ENTERING_SYNCS from overlapped steps)
 ) -> list[int]:
     """Draft tokens for each candidate, in order: the choice that maximises the step's expected
-    output tokens per second, drafts added most likely first."""
+    output tokens per second, drafts added most likely first. `stands` discounts a proposal that
+    may not be there when the step is planned (one made before a step in flight returned)."""
     counts = [0] * len(candidates)
     if not candidates:
         return counts
+    chance = stands if stands is not None else [1.0] * len(candidates)
     # Every (request, draft position): the expected tokens it adds, a^j. Within a request these
     # fall with j, so taking them in descending order never takes draft j before draft j - 1.
     units = sorted(
-        ((acceptance**j, i) for i, (acceptance, length) in enumerate(candidates)
+        ((chance[i] * acceptance**j, i) for i, (acceptance, length) in enumerate(candidates)
          for j in range(1, length + 1)),
         reverse=True,
     )  # fmt: skip
@@ -122,7 +133,7 @@ def plan_drafts(
     best_rate = (1.0 + REQUIRED_GAIN) * base_outputs / base_s if base_s > 0 else 0.0
     best_taken = 0
     gained = 0.0
-    extra_s = cost.sync_gap_s  # a plan with drafts waits for the step before it
+    extra_s = syncs * cost.sync_gap_s  # a plan with drafts waits for the step before it
     for taken, (gain, _) in enumerate(units, start=1):
         gained += gain
         rate = (base_outputs + gained) / (base_s + extra_s + cost.per_token_s * taken)

@@ -184,6 +184,19 @@ def test_acceptance_follows_what_steps_accept():
     assert 5 < waited < 60
 
 
+def test_a_proposal_that_may_not_stand_is_worth_less_waiting_for():
+    """A proposal made while a step is in flight is drafted only if that step's token is its
+    first draft (the request's acceptance): the wait is discounted by that chance, and it costs
+    two synced steps."""
+    cpu = StepCost(fixed_s=0.004, per_token_s=0.0003, synced_gap_s=0.0008)
+    assert plan_drafts(cpu, 1, 1, [(0.4, 5)]) == [2]  # known now: two drafts pay
+    assert plan_drafts(cpu, 1, 1, [(0.4, 5)], stands=[0.4]) == [0]  # stale: not worth a wait
+    assert plan_drafts(cpu, 1, 1, [(0.8, 5)], stands=[0.8]) != [0]  # a good request still waits
+    # leaving overlapped steps costs the synced step after the drafts' too
+    assert plan_drafts(cpu, 1, 1, [(0.4, 5)], syncs=2) == [0]
+    assert plan_drafts(cpu, 1, 1, [(0.8, 5)], syncs=2) != [0]
+
+
 # -- the scheduler ---------------------------------------------------------------------------------
 
 SPEC = SpeculativeConfig("ngram", 4, 1, 3)
@@ -271,6 +284,25 @@ def test_without_proposals_steps_stay_two_in_flight():
     assert not s.wants_drafts and s.max_in_flight == 2
     step = s.schedule()
     assert step.seqs[0].draft is None and step.seqs[0].num_tokens == 1
+
+
+@pytest.mark.parametrize(("acceptance", "waits"), [(0.5, False), (0.9, True)])
+def test_steps_wait_for_a_proposal_made_with_a_step_in_flight_only_if_it_likely_stands(
+    acceptance, waits
+):
+    s = make()
+    r = repeating(1)
+    r.acceptance = draft_policy.MIN_ACCEPTANCE  # no drafts yet: steps go two in flight
+    s.add(r)
+    complete(s, s.schedule(), [[5]])
+    assert not s.wants_drafts
+    step2, step3 = s.schedule(), s.schedule()
+    assert step3 is not None and r.steps_in_flight == 2
+    r.acceptance = acceptance
+    complete(s, step2, [[6]])  # step 3 still computes the token after 6
+    # a fresh proposal at 0.5 would pay (one at the prior does): one made before step 3's token
+    # is known stands only half the time, and is not worth a synced step
+    assert s.wants_drafts is waits and s.max_in_flight == (1 if waits else 2)
 
 
 def test_a_request_whose_drafts_are_in_flight_is_not_planned_again_until_they_are_back():
