@@ -88,6 +88,10 @@ class RunnerConfig:
     max_model_len: int = 0  # 0: the model's; sets the CUDA graphs' block table width
     enforce_eager: bool = False  # CUDA: no graphs for decode steps
     lora: LoraConfig | None = None  # --enable-lora: adapter slots on every decoder projection
+    # Speculative decoding's draft model, when the KV cache is sized from device memory: loaded
+    # with the target, so that the sizing counts its weights, and its KV cache (as many blocks as
+    # the target's) comes out of the same budget. Otherwise execute attaches it afterwards.
+    draft_model: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -245,7 +249,10 @@ class ModelRunner:
                 use_native=use_native,
             )
         model = model.to(device=device)
-        return cls.from_model(model, config, tensor_parallel, local_shape, start)
+        draft = None
+        if config.draft_model is not None and start is not None:
+            draft = _load_draft(config.draft_model, model_config, config, dtype, device)
+        return cls.from_model(model, config, tensor_parallel, local_shape, start, draft)
 
     @classmethod
     def from_model(
@@ -255,10 +262,12 @@ class ModelRunner:
         tensor_parallel: TensorParallel | None = None,
         local_shape: ModelConfig | None = None,
         start: memory.Baseline | None = None,
+        draft: CausalLM | None = None,
     ) -> ModelRunner:
         """A runner on a model already prepared: from_path's (this rank's shard under tensor
         parallelism, `local_shape` its KV heads; `start` the device before the weights, when the
-        KV cache is sized from device memory), or gpu/prepared.py's."""
+        KV cache is sized from device memory, and `draft` a draft model loaded since, whose KV
+        blocks it sizes too), or gpu/prepared.py's."""
         device = torch.device(config.device)
         model_config = model.config
         local_shape = local_shape or model_config
@@ -274,8 +283,11 @@ class ModelRunner:
                 local_shape, config.num_kv_blocks, config.block_size, kv_dtype, device
             )
         elif config.gpu_memory_utilization is not None and start is not None:
+            draft_block_bytes = (
+                0 if draft is None else kv_block_bytes(draft.config, config.block_size, kv_dtype)
+            )
             kv_cache = cls._sized_kv_cache(
-                model, config, local_shape, kv_dtype, start, tensor_parallel
+                model, config, local_shape, kv_dtype, start, tensor_parallel, draft_block_bytes
             )
         else:
             # Every rank has the blocks of the rank with the most KV heads (the scheduler hands
@@ -289,6 +301,8 @@ class ModelRunner:
             )
             kv_cache = KVCache(local_shape, num_blocks, config.block_size, kv_dtype, device)
         runner = cls(model, kv_cache, config)
+        if draft is not None:
+            runner.attach_draft_model(draft, kv_dtype)
         # Under tensor parallelism the other ranks run every forward eagerly (execute_rank.py);
         # adapters apply their updates around the network's call, which a graph would not see.
         eager = config.enforce_eager or tensor_parallel is not None or config.lora is not None
@@ -318,8 +332,10 @@ class ModelRunner:
         dtype: torch.dtype,
         start: memory.Baseline,  # the device before the model was loaded
         tensor_parallel: TensorParallel | None,
+        draft_block_bytes: int = 0,  # a draft model's KV bytes per block (its cache has as many)
     ) -> KVCache:
-        """The KV cache --gpu-memory-utilization leaves room for: the weights are measured, then
+        """The KV cache --gpu-memory-utilization leaves room for: the weights (a draft model's
+        included) are measured, then
         the largest step the scheduler may plan (max_num_batched_tokens over max_num_seqs rows,
         every row sampled) runs on a cache just big enough for it, and its peak is measured.
         Under tensor parallelism every rank measures its own device, running the probe step
@@ -348,8 +364,13 @@ class ModelRunner:
         measured = replace(measured, peak_step_bytes=max(0, measured.peak_step_bytes - probe_bytes))
         del probe
         torch.cuda.empty_cache()
+        # A draft model's step runs before the target's and is smaller: the target's peak holds.
         num_blocks, own = agreed_kv_blocks(
-            measured, config.gpu_memory_utilization or 0.0, block_bytes, tensor_parallel, device
+            measured,
+            config.gpu_memory_utilization or 0.0,
+            block_bytes + draft_block_bytes,
+            tensor_parallel,
+            device,
         )
         log.info(
             "kv cache sized from device memory",
@@ -362,6 +383,7 @@ class ModelRunner:
             kv_blocks=num_blocks,  # under tensor parallelism, the fewest any rank has room for
             kv_blocks_here=own,
             kv_cache_gib=round(num_blocks * block_bytes / (1 << 30), 2),
+            draft_kv_cache_gib=round(num_blocks * draft_block_bytes / (1 << 30), 2),
         )
         return KVCache(local_shape, num_blocks, config.block_size, dtype, device)
 
@@ -382,12 +404,7 @@ class ModelRunner:
     def attach_drafter(self, model_path: str) -> None:
         """Load a draft model beside this one, with the same settings, and a KV cache of as many
         blocks as this one's (indexed by the same block tables)."""
-        draft_config = load_model_config(model_path)
-        if draft_config.vocab_size != self.model_config.vocab_size:
-            raise ValueError(
-                f"draft model {model_path!r} has {draft_config.vocab_size} logits, the target "
-                f"{self.model_config.vocab_size}"
-            )
+        _check_draft_vocab(model_path, load_model_config(model_path), self.model_config)
         draft = ModelRunner.from_path(
             model_path,
             # Exactly the target's block count; no graphs (the drafter calls the network itself).
@@ -400,6 +417,14 @@ class ModelRunner:
             ),
         )
         self.drafter = Drafter(draft.model, draft.kv_cache, self.generator)
+
+    def attach_draft_model(self, draft: CausalLM, kv_dtype: torch.dtype) -> None:
+        """A draft model already loaded on this device (from_path's, for a sized cache), with a
+        KV cache of as many blocks as this one's."""
+        cache = KVCache(
+            draft.config, self.num_kv_blocks, self.kv_cache.block_size, kv_dtype, self.device
+        )
+        self.drafter = Drafter(draft, cache, self.generator)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -807,6 +832,25 @@ def _load_model(
     if tensor_parallel is not None:
         return model, shard_model(model, tensor_parallel)
     return model, model_config
+
+
+def _check_draft_vocab(path: str, draft: ModelConfig, target: ModelConfig) -> None:
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft model {path!r} has {draft.vocab_size} logits, the target {target.vocab_size}"
+        )
+
+
+def _load_draft(
+    path: str, target: ModelConfig, config: RunnerConfig, dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """A draft model's weights on the device, as attach_drafter loads them (whole, unquantized:
+    this is the sized CUDA path)."""
+    draft_config = load_model_config(path)
+    _check_draft_vocab(path, draft_config, target)
+    settings = replace(config, draft_model=None, lora=None, enforce_eager=True)
+    model, _ = _load_model(path, draft_config, settings, dtype, None)
+    return model.to(device=device)
 
 
 def load_shard(

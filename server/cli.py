@@ -631,9 +631,6 @@ def parse_args(
     utilization = None
     if device == "cuda" and args.kv_cache_memory is None and not dummy:
         utilization = args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-        spec = args.speculative_config
-        if spec is not None and spec.model is not None:  # its weights and cache come after
-            parser.error("a draft model on CUDA needs --kv-cache-memory (the sizing omits it)")
     if (args.data_parallel_size or 1) == 1 and args.data_parallel_routing is not None:
         parser.error("--data-parallel-routing needs --data-parallel-size above 1")
     if (args.tensor_parallel_size or 1) == 1 and (

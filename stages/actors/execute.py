@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -86,9 +87,14 @@ class ExecuteActor(SyncActor):
         with lost_rank_is_peer_death():
             # A pipeline restarted after a failure keeps the count the first execute published.
             published = published_blocks(config, tp, device)
+            settings = runner_config(config, device, sized, published)
+            spec = config.speculative
+            if sized and spec is not None and spec.model is not None:
+                # the sizing counts the draft's weights and KV blocks (rank 0 holds the draft)
+                settings = replace(settings, draft_model=spec.model)
             self.runner = self.prepared_runner(
                 config.model_path,
-                runner_config(config, device, sized, published),
+                settings,
                 self.ctx.kept.get("weights") if keep else None,
                 tp,
             )
@@ -99,9 +105,8 @@ class ExecuteActor(SyncActor):
             raise RuntimeError(
                 f"execute has {self.runner.num_kv_blocks} KV blocks, the scheduler plans {expected}"
             )
-        spec = config.speculative
-        if spec is not None and spec.model is not None:
-            self.runner.attach_drafter(spec.model)
+        if spec is not None and spec.model is not None and self.runner.drafter is None:
+            self.runner.attach_drafter(spec.model)  # beside a cache of a given size
         self.sampling: dict[int, RequestSampling] = {}
         self.last_token: dict[int, int] = {}
         self.with_bad_words: set[int] = set()  # steps without them skip building their arrays

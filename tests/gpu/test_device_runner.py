@@ -4,6 +4,7 @@ profiled step, random weights; and (marked cuda) the same on a device."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -372,6 +373,53 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_from_the_device(tiny_random):
     grown = (total - torch.cuda.mem_get_info()[0]) - before
     assert 0.8 * fraction * total < kv_bytes < fraction * total
     assert grown <= fraction * total * 1.05
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_draft_models_weights_and_kv_blocks_come_out_of_the_same_fraction(tiny_random):
+    """With a draft model the sizing counts its weights and gives its cache as many blocks as
+    the target's, both inside the fraction."""
+    free, total = torch.cuda.mem_get_info()
+    fraction = 0.05
+    before = total - free
+    runner = random_runner(
+        tiny_random,
+        device="cuda",
+        gpu_memory_utilization=fraction,
+        enforce_eager=True,
+        draft_model=tiny_random,
+    )
+    assert runner.drafter is not None
+    draft_layers = runner.drafter.kv_cache.layers
+    assert draft_layers[0][0].shape[0] == runner.num_kv_blocks
+    kv_bytes = sum(
+        k.numel() * k.element_size() * 2 for k, _ in [*runner.kv_cache.layers, *draft_layers]
+    )
+    grown = (total - torch.cuda.mem_get_info()[0]) - before
+    assert 0.8 * fraction * total < kv_bytes < fraction * total
+    assert grown <= fraction * total * 1.05
+
+
+def test_a_draft_model_loaded_with_the_target_drafts_on_a_cache_as_large(tiny_random):
+    """from_model's `draft` (the sized path's, loaded before the measurement) gets a KV cache of
+    the target's block count and drafts as an attached one does: an equal draft is always
+    accepted."""
+    target = random_runner(tiny_random)
+    draft = random_runner(tiny_random).model
+    runner = ModelRunner.from_model(target.model, target.config, draft=draft)
+    assert runner.drafter is not None
+    assert runner.drafter.kv_cache.layers[0][0].shape[0] == runner.num_kv_blocks
+    pool = BlockPool(runner.num_kv_blocks, runner.kv_cache.block_size)
+    seq = PagedSequence([5, 9, 5, 9, 2, 5, 9, 3])
+    out = runner.step(runner_step(pool, [(seq, 8)], [0]))
+    seq.token_ids.append(int(out.token_ids[0]))
+    seq.num_cached = 8
+    seq.token_ids += [-1, -1, -1]  # three placeholders the drafter fills in
+    step = runner_step(pool, [(seq, 4)], [0])
+    step = dataclasses.replace(step, num_draft=np.array([3], np.int32))
+    out = runner.step(step)
+    assert int(out.num_tokens[0]) == 4  # every draft accepted, and a bonus token
 
 
 def write_quantized_gguf(runner: ModelRunner, path: Path) -> str:

@@ -83,15 +83,14 @@ def test_random_weights_of_a_config_file(tmp_path: Path) -> None:
     assert load_model_config(engine.model_path).architecture == "qwen2"
 
 
-def test_a_draft_model_on_cuda_needs_a_kv_cache_size(tmp_path: Path, capsys) -> None:
-    """The device-memory sizing leaves no room for a draft's weights and cache: a clear error
-    at start instead of running out of memory after the target took its share."""
+def test_a_draft_model_on_cuda_is_sized_from_device_memory_too(tmp_path: Path) -> None:
+    """The device-memory sizing counts a draft model's weights and KV blocks (execute loads it
+    with the target), so it needs no --kv-cache-memory; one given still wins."""
     spec = json.dumps(
         {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}
     )
-    with pytest.raises(SystemExit):
-        parse_args(["m", "--device", "cuda", "--speculative-config", spec])
-    assert "a draft model on CUDA needs --kv-cache-memory" in capsys.readouterr().err
+    _, engine = parse_args(["m", "--device", "cuda", "--speculative-config", spec])
+    assert engine.speculative is not None and engine.gpu_memory_utilization == 0.9
     _, engine = parse_args(
         ["m", "--device", "cuda", "--speculative-config", spec, "--kv-cache-memory", "4GiB"]
     )
