@@ -7,7 +7,7 @@ min_tokens and seeds) from the first step that names the request until `free`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -949,6 +949,21 @@ def profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> StepBatch:
     )
 
 
+def _drafted_rows(
+    batch: StepBatch,  # its drafts filled in
+    num_draft: np.ndarray,  # [B] int64
+) -> Iterator[tuple[int, int, list[int]]]:
+    """(its first verified position, batch row, its drafts) of each sampling row with drafts;
+    the positions are the sampling rows' in order, 1 + drafts each."""
+    starts = batch.query_start_loc.astype(np.int64)
+    first = 0
+    for b in np.flatnonzero(batch.sample).tolist():
+        d = int(num_draft[b])
+        if d:
+            yield first, b, batch.input_ids[starts[b + 1] - d : starts[b + 1]].tolist()
+        first += 1 + d
+
+
 def _verified_masks(
     batch: StepBatch,  # its drafts filled in
     num_draft: np.ndarray,  # [B] int64
@@ -958,16 +973,10 @@ def _verified_masks(
     token and after each of its drafts, as if it had taken them; the others' own."""
     assert batch.grammar_masks is not None
     masks = params.token_bitmask.copy()
-    starts = batch.query_start_loc.astype(np.int64)
-    first = 0
-    for b in np.flatnonzero(batch.sample).tolist():
-        d = int(num_draft[b])
-        if d:
-            drafts = batch.input_ids[starts[b + 1] - d : starts[b + 1]].tolist()
-            rows = batch.grammar_masks(b, drafts, False)
-            if rows is not None:
-                masks[first : first + 1 + d] = rows
-        first += 1 + d
+    for first, b, drafts in _drafted_rows(batch, num_draft):
+        rows = batch.grammar_masks(b, drafts, False)
+        if rows is not None:
+            masks[first : first + 1 + len(drafts)] = rows
     return masks
 
 
@@ -980,16 +989,10 @@ def _verified_forced(
     token and after each of its drafts, as if it had taken them."""
     assert batch.forced_along is not None
     forced = params.forced_token_ids.copy()
-    starts = batch.query_start_loc.astype(np.int64)
-    first = 0
-    for b in np.flatnonzero(batch.sample).tolist():
-        d = int(num_draft[b])
-        if d:
-            drafts = batch.input_ids[starts[b + 1] - d : starts[b + 1]].tolist()
-            along = batch.forced_along(b, drafts)
-            if along is not None:
-                forced[first : first + 1 + d] = along
-        first += 1 + d
+    for first, b, drafts in _drafted_rows(batch, num_draft):
+        along = batch.forced_along(b, drafts)
+        if along is not None:
+            forced[first : first + 1 + len(drafts)] = along
     return forced
 
 
