@@ -15,8 +15,9 @@ from torch import nn
 
 from gpu.model import CausalLM
 from gpu.native import LORA_TILE
+from gpu.tensor_parallel import RowParallel, TensorParallel, shard_adapter
 from stages.lora import ADAPTER_WEIGHTS, LoraConfig, module_shape, read_adapter
-from stages.text.checkpoint import ModelConfig
+from stages.text.checkpoint import ModelConfig, shard_shape
 
 log = structlog.get_logger(__name__)
 
@@ -143,18 +144,29 @@ class LoraSlots:
     host-memory LRU (--max-cpu-loras) or, the first time, from its directory."""
 
     def __init__(
-        self, model: ModelConfig, config: LoraConfig, dtype: torch.dtype, device: torch.device
+        self,
+        model: ModelConfig,  # the whole model's
+        config: LoraConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tensor_parallel: TensorParallel | None = None,  # slots of this rank's shard (cut adapters)
     ) -> None:
         self.model_config = model
         self.config = config
         self.dtype = dtype
         self.rank = config.max_lora_rank
+        self.tensor_parallel = tensor_parallel
+        local = (
+            model
+            if tensor_parallel is None
+            else shard_shape(model, tensor_parallel.world_size, tensor_parallel.rank).config
+        )
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         slots = config.max_loras
         for layer in range(model.num_layers):
             for fused in PROJECTIONS:
-                a, b = _zeros(model, fused, self.rank, dtype)
+                a, b = _zeros(local, fused, self.rank, dtype)
                 key = (layer, fused)
                 self.a[key] = a.t().to(device).unsqueeze(0).repeat(slots, 1, 1)
                 self.b[key] = b.to(device).unsqueeze(0).repeat(slots, 1, 1)
@@ -222,6 +234,9 @@ class LoraSlots:
             self.host.move_to_end(lora_id)
             return weights
         weights = load_adapter(lora_id, path, self.model_config, self.rank, self.dtype)
+        if self.tensor_parallel is not None:  # host memory holds this rank's share only
+            cut = shard_adapter(weights.weights, self.model_config, self.tensor_parallel)
+            weights = AdapterWeights(lora_id, cut)
         self.host[lora_id] = weights
         while len(self.host) > self.config.cpu_loras:
             self.host.popitem(last=False)
@@ -261,15 +276,25 @@ class LoraLinear(nn.Module):
             torch.set_num_threads(threads)
 
 
-def install_lora(model: CausalLM, config: LoraConfig, device: torch.device) -> LoraSlots:
+def install_lora(
+    model: CausalLM,
+    config: LoraConfig,
+    device: torch.device,
+    tensor_parallel: TensorParallel | None = None,  # `model` is this rank's shard
+) -> LoraSlots:
     """Wrap every decoder projection of `model` (after any quantization) in a LoraLinear, and
-    give the slots to its fused C layers, if it has them."""
+    give the slots to its fused C layers, if it has them. A row-parallel projection's linear is
+    wrapped inside its all-reduce: each rank adds its partial update (shard_adapter)."""
     dtype = model.model.embed_tokens.weight.dtype
-    slots = LoraSlots(model.config, config, dtype, device)
+    slots = LoraSlots(model.config, config, dtype, device, tensor_parallel)
     for layer_index, layer in enumerate(model.model.layers):
         for fused, (parent_name, _) in PROJECTIONS.items():
             parent = getattr(layer, parent_name)
-            setattr(parent, fused, LoraLinear(getattr(parent, fused), slots, (layer_index, fused)))
+            module = getattr(parent, fused)
+            if isinstance(module, RowParallel):
+                module.linear = LoraLinear(module.linear, slots, (layer_index, fused))
+            else:
+                setattr(parent, fused, LoraLinear(module, slots, (layer_index, fused)))
     model.lora = slots
     if model.fused_layers is not None and not model.fused_layers.attach_lora(slots):
         log.info("adapter slots the fused C layers cannot take: adapter steps run per op")

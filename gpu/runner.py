@@ -145,6 +145,9 @@ class ForwardInputs:
     logits_rows: np.ndarray  # [L] int64, rows of T whose logits are computed
     # [C, 2] int32 (source, destination): KV blocks every rank copies first (copy on write)
     block_copies: np.ndarray = field(default_factory=lambda: _NO_COPIES)
+    # [T] int64: each token's LoRA adapter id (0: the base model); empty: every token the base's
+    lora_ids: np.ndarray = field(default_factory=lambda: _NO_IDS)
+    lora_paths: Mapping[int, str] = field(default_factory=dict)  # each adapter id's directory
 
 
 @dataclass(slots=True, frozen=True)
@@ -272,9 +275,7 @@ class ModelRunner:
         model_config = model.config
         local_shape = local_shape or model_config
         if config.lora is not None:
-            if tensor_parallel is not None:
-                raise ValueError("LoRA adapters are not sharded: no tensor parallelism with them")
-            install_lora(model, config.lora, device)
+            install_lora(model, config.lora, device, tensor_parallel)
         kv_dtype = _DTYPES[
             resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
         ]
@@ -487,11 +488,7 @@ class ModelRunner:
         inputs, rows = network_inputs(batch, samples, num_draft, wants_prompt)
         if share is not None:
             share(inputs)
-        adapters = None
-        if batch.lora_ids is not None:
-            per_token = np.repeat(batch.lora_ids, np.diff(batch.query_start_loc))
-            adapters = (per_token, batch.lora_paths)
-        logits = self._forward(inputs, adapters)  # [R, V] float32
+        logits = self._forward(inputs)  # [R, V] float32
 
         # Where each sequence's logits end among the rows computed (its last row is row_end - 1).
         row_ends = np.cumsum([len(r) for r in rows]) if rows else np.zeros(0, dtype=np.int64)
@@ -508,12 +505,7 @@ class ModelRunner:
         prompt = self._prompt_logprobs(batch, states, host_logits, wants_prompt, row_ends)
         return StepOutput(*out, *prompt)
 
-    def _forward(
-        self,
-        step: ForwardInputs,
-        # [T] int64 each token's adapter id (0: the base), and each id's directory; None: base
-        adapters: tuple[np.ndarray, Mapping[int, str]] | None = None,
-    ) -> torch.Tensor:
+    def _forward(self, step: ForwardInputs) -> torch.Tensor:
         device = self.device
         if len(step.block_copies):
             self.copy_blocks(step.block_copies)
@@ -541,8 +533,8 @@ class ModelRunner:
         )
         lora = self.model.lora
         if lora is not None:
-            ids, paths = adapters or (np.zeros(len(step.input_ids), np.int64), {})
-            lora.begin(ids, paths)
+            ids = step.lora_ids if len(step.lora_ids) else np.zeros(len(step.input_ids), np.int64)
+            lora.begin(ids, step.lora_paths)
         try:
             logits = self.model(
                 torch.from_numpy(step.input_ids).to(device),
@@ -1024,6 +1016,9 @@ def network_inputs(
         logits_rows=logits_rows.astype(np.int64, copy=False),
         block_copies=_NO_COPIES if batch.block_copies is None else batch.block_copies,
     )
+    if batch.lora_ids is not None:
+        per_token = np.repeat(batch.lora_ids.astype(np.int64), np.diff(starts))
+        inputs = replace(inputs, lora_ids=per_token, lora_paths=dict(batch.lora_paths))
     return inputs, rows
 
 

@@ -4,7 +4,7 @@ and of the vocabulary (embedding and LM head); rank 0 gathers the logits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,6 +167,44 @@ def shard_model(model: CausalLM, tp: TensorParallel) -> ModelConfig:
     return cut.local
 
 
+def shard_adapter(
+    weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+    full: ModelConfig,
+    tp: TensorParallel,
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """A LoRA adapter in the slot layout (gpu/lora.py: per (layer, fused projection) `a`
+    [in, P * R] and `b` [P * R, out]) cut as shard_model cuts the projections it adds to: a
+    column-parallel projection (qkv, gate_up) keeps A whole and the rank's output columns of B;
+    a row-parallel one (o, down) the rank's input rows of A and B whole. Each rank's update to
+    a row-parallel projection is then a partial sum too, B (x_k A_k), added before its
+    all-reduce: the sum over ranks is B (x A), as for the weights."""
+    cut = _Cut.of(full, tp)
+    qkv = _index(
+        [
+            _range(cut.heads),
+            _range(cut.kv_heads, full.q_size),
+            _range(cut.kv_heads, full.q_size + full.kv_size),
+        ]
+    )
+    gate_up = _index([_range(cut.columns), _range(cut.columns, full.intermediate_size)])
+    out = {}
+    for (layer, fused), (a, b) in weights.items():
+        if fused == "qkv_proj":
+            a, b = a, b.index_select(1, qkv)
+        elif fused == "gate_up_proj":
+            a, b = a, b.index_select(1, gate_up)
+        elif fused == "o_proj":
+            a = a[cut.heads]
+        elif fused == "down_proj":
+            a = a[cut.columns]
+        out[(layer, fused)] = (a.contiguous(), b.contiguous())
+    return out
+
+
+def _index(rows: list[range]) -> torch.Tensor:
+    return torch.tensor([i for r in rows for i in r], dtype=torch.int64)
+
+
 def shard_weights(
     weights: Iterable[tuple[str, torch.Tensor]], full: ModelConfig, tp: TensorParallel
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -204,7 +242,7 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 def _rows(linear: nn.Module, rows: list[range]) -> nn.Linear:
     """A linear of the given output rows of `linear` (its bias too)."""
-    index = torch.tensor([i for r in rows for i in r], dtype=torch.int64)
+    index = _index(rows)
     bias = None if linear.bias is None else linear.bias.index_select(0, index)
     return _linear(linear.weight.index_select(0, index), bias)
 

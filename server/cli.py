@@ -642,8 +642,6 @@ def parse_args(
             parser.error("--tensor-parallel-size needs a model; the dummy execute has none")
         if quantization is not None:
             parser.error("--tensor-parallel-size runs unquantized weights: add --quantization none")
-        if args.enable_lora:
-            parser.error("--enable-lora does not combine with --tensor-parallel-size yet")
     engine_overrides: dict[str, Any] = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,

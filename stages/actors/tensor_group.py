@@ -168,6 +168,8 @@ def forward_sharer(forward: BroadcastWriter) -> Callable[[ForwardInputs], None]:
             inputs.slot_mapping,
             inputs.logits_rows,
             inputs.block_copies,
+            inputs.lora_ids,
+            inputs.lora_paths,
         )
         forward.send(FORWARD, pack_forward(step))
 

@@ -3,6 +3,8 @@ step's network inputs, which rank 0 made from the plan, so that every rank runs 
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +22,8 @@ FORWARD = Record(
     ("slot_mapping", np.int64),  # [T]
     ("logits_rows", np.int64),  # [L]
     ("block_copies", np.int32),  # [C * 2], (source, destination) pairs
+    ("lora_ids", np.int64),  # [T] each token's adapter id, or [0]: every token the base's
+    ("lora_paths", np.uint8),  # JSON {adapter id: directory} of the step's adapters
 )
 FORWARD_VOCAB = Vocabulary("forward", [FORWARD])
 
@@ -36,6 +40,8 @@ class ForwardStep:
     slot_mapping: np.ndarray  # [T] int64
     logits_rows: np.ndarray  # [L] int64
     block_copies: np.ndarray  # [C, 2] int32
+    lora_ids: np.ndarray  # [T] int64, or empty
+    lora_paths: Mapping[int, str]
 
 
 def pack_forward(step: ForwardStep) -> dict[str, np.ndarray]:
@@ -48,6 +54,8 @@ def pack_forward(step: ForwardStep) -> dict[str, np.ndarray]:
         "slot_mapping": step.slot_mapping,
         "logits_rows": step.logits_rows,
         "block_copies": step.block_copies.reshape(-1),
+        "lora_ids": step.lora_ids,
+        "lora_paths": np.frombuffer(json.dumps(dict(step.lora_paths)).encode(), np.uint8),
     }
 
 
@@ -64,4 +72,8 @@ def unpack_forward(arrays: Views) -> ForwardStep:
         slot_mapping=arrays["slot_mapping"],
         logits_rows=arrays["logits_rows"],
         block_copies=arrays["block_copies"].reshape(-1, 2),
+        lora_ids=arrays["lora_ids"],
+        lora_paths={
+            int(k): v for k, v in json.loads(arrays["lora_paths"].tobytes() or b"{}").items()
+        },
     )

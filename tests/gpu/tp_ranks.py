@@ -46,14 +46,20 @@ def script(
 
 
 def run_rank(
-    path: str, rank: int, world: int, port: int, steps: list[ForwardInputs], results
-) -> None:  # type: ignore[no-untyped-def]
+    path: str,
+    rank: int,
+    world: int,
+    port: int,
+    steps: list[ForwardInputs],
+    results,  # type: ignore[no-untyped-def]
+    config: RunnerConfig = RUNNER,
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        runner = ModelRunner.from_path(path, RUNNER, TensorParallel(rank, world))
+        runner = ModelRunner.from_path(path, config, TensorParallel(rank, world))
         logits = [runner.forward(inputs).numpy() for inputs in steps]
         results.put((rank, runner.kv_cache.layers[0][0].shape[2], logits if rank == 0 else None))
     finally:

@@ -152,3 +152,40 @@ def test_two_ranks_search_beams_as_one_does(engines):
     got = runner.run(run_all(engine, reqs), timeout=120)
     assert [g[:2] for g in got] == [e[:2] for e in expected]
     assert len({tuple(e[0]) for e in expected[:width]}) == width  # the beams differ
+
+
+def test_two_ranks_run_lora_adapters_as_one_does(engines, tiny_chat_model, tmp_path):
+    """LoRA under tensor parallelism: each rank loads its cut of the adapters a step names (the
+    step's adapter ids and directories travel in the forward inputs), so requests on two
+    adapters and on the base model write the greedy text of one rank."""
+    from stages.api import LoraRequest
+    from stages.lora import LoraConfig
+    from tests.lora_adapters import build_peft_adapter
+
+    start, _ = engines
+    adapters = [
+        LoraRequest("alpha", 1, str(build_peft_adapter(tiny_chat_model, tmp_path / "a", seed=1))),
+        LoraRequest(
+            "beta",
+            2,
+            str(
+                build_peft_adapter(
+                    tiny_chat_model, tmp_path / "b", seed=2, rank=4, targets=("o_proj", "up_proj")
+                )
+            ),
+        ),
+        None,
+    ]
+    reqs = [
+        msgspec.structs.replace(request(i, max_tokens=16), lora=lora)
+        for i, lora in enumerate(adapters)
+    ]
+    lora = LoraConfig(max_loras=2, max_lora_rank=8)
+    engine, runner = start(lora=lora)
+    expected = runner.run(run_all(engine, reqs), timeout=120)
+    base = runner.run(run_all(engine, [msgspec.structs.replace(reqs[0], lora=None)]), timeout=120)
+    assert expected[0][0] != base[0][0]  # the adapter changes the text
+    runner.run(engine.stop())
+    engine, runner = start(tensor_parallel_size=2, lora=lora)
+    got = runner.run(run_all(engine, reqs), timeout=120)
+    assert [g[:2] for g in got] == [e[:2] for e in expected]
