@@ -16,12 +16,23 @@ from gpu import native
 from gpu.attention import AttentionInputs, StepLayout
 
 
-@dataclass(slots=True, frozen=True)
 class Rope:
-    """One step's rotary angles, computed once for every layer."""
+    """One step's rotary angles, computed once for every layer: cos and sin, and for the Triton
+    kernel their concatenation and the token rows, made at the first layer that asks."""
 
-    cos: torch.Tensor  # [T, D // 2] float32
-    sin: torch.Tensor  # [T, D // 2] float32
+    __slots__ = ("_table", "cos", "sin")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos = cos  # [T, D // 2] float32
+        self.sin = sin  # [T, D // 2] float32
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def table(self) -> tuple[torch.Tensor, torch.Tensor]:  # -> ([T, D] float32, [T] int64)
+        """The angles as the Triton rotary kernel's cache, token t at row t, and those rows."""
+        if self._table is None:
+            angles = torch.cat([self.cos, self.sin], dim=1)
+            self._table = (angles, torch.arange(len(angles), device=angles.device))
+        return self._table
 
 
 @dataclass(slots=True, frozen=True)
@@ -215,8 +226,7 @@ def triton_kernels() -> Kernels:
         q = q.view(tokens, num_heads, head_dim)
         k = k.view(tokens, num_kv_heads, head_dim)
         # The step's angles as the kernel's cache, token t at row t: rotated in place in qkv.
-        angles = torch.cat([rope.cos, rope.sin], dim=1)  # [T, D] float32
-        rows = torch.arange(tokens, device=qkv.device)
+        angles, rows = rope.table()
         kernels.rotary(q, k, rows, angles)
         kernels.write_kv(
             k, v.view(tokens, num_kv_heads, head_dim), kv[0], kv[1], inputs.slot_mapping
