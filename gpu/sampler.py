@@ -345,17 +345,19 @@ def _apply_penalties(
 
 def _filter_top_k_top_p_min_p(logits: torch.Tensor, params: SamplingArrays) -> None:
     """Set to -inf what top_k, top_p and min_p exclude; the most likely token always stays."""
-    top_k = _on(params.top_k.astype(np.int64), logits)
-    top_p = _on(params.top_p.astype(np.float32), logits)
-    min_p = _on(params.min_p.astype(np.float32), logits)
-    if bool((min_p > 0).any()):
+    # Which filters apply is read on the host: on a GPU a test of device values would wait for
+    # every kernel queued before it.
+    if (params.min_p > 0).any():
+        min_p = _on(params.min_p.astype(np.float32), logits)
         probs = torch.softmax(logits, dim=1)
         threshold = min_p.unsqueeze(1) * probs.max(dim=1, keepdim=True).values
         logits.masked_fill_(probs < threshold, float("-inf"))
+    if not ((params.top_k > 0).any() or (params.top_p < 1.0).any()):
+        return
+    top_k = _on(params.top_k.astype(np.int64), logits)
+    top_p = _on(params.top_p.astype(np.float32), logits)
     use_k = top_k > 0
     use_p = top_p < 1.0
-    if not bool(use_k.any() or use_p.any()):
-        return
     sorted_logits, order = logits.sort(dim=1, descending=True)
     ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
     drop = use_k.unsqueeze(1) & (ranks >= top_k.unsqueeze(1))
@@ -417,21 +419,34 @@ def sample(
             distributions[sampled_rows] = probs[forced[random_rows] < 0]
 
     num_top = max(0, int(params.num_logprobs.max(initial=-1)))
-    rows = logits.shape[0]
-    device = logits.device
+    reported = _logprob_report(raw_logprobs, token_ids, params, wanted, num_top)
+    return SampleOutput(token_ids, *reported, distributions)
+
+
+def _logprob_report(
+    raw_logprobs: torch.Tensor,  # [W, V] float32: log_softmax of the wanted rows' raw logits
+    token_ids: torch.Tensor,  # [S] int64, every row's token, on raw_logprobs' device
+    params: SamplingArrays,  # the S rows' (num_logprobs, logprob_token_ids)
+    wanted: np.ndarray,  # [W] int64, the rows that asked for logprobs
+    num_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs [S], ranks [S], top ids [S, K], top logprobs [S, K]) of the rows' tokens; rows
+    that asked for none get nan, rank 0 and no top-k."""
+    rows = len(token_ids)
+    device = token_ids.device
     chosen = torch.full((rows,), float("nan"), device=device)
     ranks = torch.zeros(rows, dtype=torch.int64, device=device)
     top_ids = torch.full((rows, num_top), -1, dtype=torch.int64, device=device)
     top_logprobs = torch.full((rows, num_top), float("-inf"), device=device)
     if len(wanted):
-        index = _on(wanted, logits)
+        index = _on(wanted, token_ids)
         chosen[index], ranks[index], top_ids[index], top_logprobs[index] = logprob_summary(
             raw_logprobs, token_ids[index], num_top
         )
         _report_given_ids(
             raw_logprobs, params.logprob_token_ids[wanted], wanted, top_ids, top_logprobs
         )
-    return SampleOutput(token_ids, chosen, ranks, top_ids, top_logprobs, distributions)
+    return chosen, ranks, top_ids, top_logprobs
 
 
 def token_logprobs(
@@ -442,22 +457,9 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What `sample` reports for rows that took `token_ids` (rows that asked for no logprobs
     get nan, rank 0 and no top-k): (logprobs [S], ranks [S], top ids [S, K], top logprobs)."""
-    rows = logits.shape[0]
-    chosen = torch.full((rows,), float("nan"))
-    ranks = torch.zeros(rows, dtype=torch.int64)
-    top_ids = torch.full((rows, num_top), -1, dtype=torch.int64)
-    top_logprobs = torch.full((rows, num_top), float("-inf"))
     wanted = np.flatnonzero(params.num_logprobs >= 0)
-    if len(wanted):
-        index = torch.from_numpy(wanted)
-        raw_logprobs = torch.log_softmax(logits[index].float(), dim=1)
-        chosen[index], ranks[index], top_ids[index], top_logprobs[index] = logprob_summary(
-            raw_logprobs, token_ids[index], num_top
-        )
-        _report_given_ids(
-            raw_logprobs, params.logprob_token_ids[wanted], wanted, top_ids, top_logprobs
-        )
-    return chosen, ranks, top_ids, top_logprobs
+    raw_logprobs = torch.log_softmax(logits[_on(wanted, logits)].float(), dim=1)
+    return _logprob_report(raw_logprobs, token_ids.to(logits.device), params, wanted, num_top)
 
 
 def rejection_sample(
