@@ -22,7 +22,9 @@ tokens, so while drafting pays the scheduler keeps one step in flight instead of
 from __future__ import annotations
 
 import enum
+import functools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -347,7 +349,9 @@ class Scheduler:
                 count = min(left, budget) + (0 if draft is None else len(draft))
                 need = seq.num_computed + count
                 # Most steps stay inside the last block: only a crossing asks for room.
-                if need > len(seq.blocks) * capacity and not self._make_room(seq, need, taken):
+                if need > len(seq.blocks) * capacity and not self._make_room(
+                    seq, taken, functools.partial(self.blocks.grow, seq.blocks, need)
+                ):
                     continue
                 planned.append(self._plan(seq, count, count >= left, draft))
                 if left > 1 or seq.num_computed == seq.num_prompt:  # a prefill chunk
@@ -426,13 +430,11 @@ class Scheduler:
         if len(group.beams) > budget:
             return []
         for beam in group.beams:
-            while not self.blocks.grow_writable(beam.blocks, beam.num_computed + 1, group.copies):
-                victim = next((s for s in reversed(self.running) if s.handle not in taken), None)
-                if victim is None:
-                    return []  # the copies made so far wait in the group for its next plan
-                self._preempt(victim)
-                if victim is leader:
-                    return []
+            room = functools.partial(
+                self.blocks.grow_writable, beam.blocks, beam.num_computed + 1, group.copies
+            )
+            if not self._make_room(leader, taken, room):
+                return []  # the copies made so far wait in the group for its next plan
         taken.add(leader.handle)
         copies.extend(group.copies)
         group.copies = []
@@ -634,10 +636,11 @@ class Scheduler:
             self.blocks.register(seq.blocks[j], hashes[j])
         seq.num_registered = full
 
-    def _make_room(self, seq: Sequence, num_tokens: int, taken: set[int]) -> bool:
-        """Blocks for seq to hold num_tokens, preempting the latest-admitted requests not already in
-        this step; seq itself is the last resort (it then waits to be recomputed)."""
-        while not self.blocks.grow(seq.blocks, num_tokens):
+    def _make_room(self, seq: Sequence, taken: set[int], grow: Callable[[], bool]) -> bool:
+        """The blocks `grow` asks for (seq's, or its beams'), preempting the latest-admitted
+        requests not already in this step; seq itself is the last resort (it then waits to be
+        recomputed)."""
+        while not grow():
             victim = next((s for s in reversed(self.running) if s.handle not in taken), None)
             if victim is None:
                 return False
