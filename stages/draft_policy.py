@@ -5,8 +5,7 @@ A draft token costs the step one more token of compute and pays only if it is ac
 the steps it sees, `step_s ~ fixed_s + per_token_s * tokens`, and each request's chance that a draft
 is accepted (`acceptance`, a decaying average). Drafting also costs the pipeline its one step of
 overlap (a plan with drafts waits for the previous step's tokens, and the plan after it for the
-drafts' verification): `sync_gap_s`, measured too. Whether to give up the overlap is decided on
-proposals one step stale (a step is in flight): each is discounted by the chance that it stands.
+drafts' verification): `sync_gap_s`, measured too.
 
 For one step it adds draft positions, most promising first (draft j of a request with acceptance a
 is accepted with probability a^j), while they raise the step's expected output tokens per second,
@@ -112,20 +111,17 @@ def plan_drafts(
     base_tokens: int,  # tokens the step carries without drafts (decodes, prefill chunks)
     base_outputs: int,  # tokens it emits without drafts (one per row that samples)
     candidates: list[tuple[float, int]],  # per request that can draft: (acceptance, proposal len)
-    stands: list[float] | None = None,  # per candidate: the chance its proposal is drafted at all
     syncs: int = 1,  # synced steps the drafts cost (ENTERING_SYNCS from overlapped steps)
 ) -> list[int]:
     """Draft tokens for each candidate, in order: the choice that maximises the step's expected
-    output tokens per second, drafts added most likely first. `stands` discounts a proposal that
-    may not be there when the step is planned (one made before a step in flight returned)."""
+    output tokens per second, drafts added most likely first."""
     counts = [0] * len(candidates)
     if not candidates:
         return counts
-    chance = stands if stands is not None else [1.0] * len(candidates)
     # Every (request, draft position): the expected tokens it adds, a^j. Within a request these
     # fall with j, so taking them in descending order never takes draft j before draft j - 1.
     units = sorted(
-        ((chance[i] * acceptance**j, i) for i, (acceptance, length) in enumerate(candidates)
+        ((acceptance**j, i) for i, (acceptance, length) in enumerate(candidates)
          for j in range(1, length + 1)),
         reverse=True,
     )  # fmt: skip

@@ -570,8 +570,6 @@ class Scheduler:
         if not self._drafts_could_pay(num_decodes, num_decodes, [s.acceptance for s in decoding]):
             self.wants_drafts = False
             return
-        stands = []
-        in_execute = self.config.speculative.proposes_in_execute
         for seq in decoding:
             proposal = self._proposal(seq)
             if len(proposal):
@@ -579,21 +577,10 @@ class Scheduler:
                     self.wants_drafts = True
                     return
                 candidates.append((seq.acceptance, len(proposal)))
-                # A proposal made before the step in flight returns stands when that step's token
-                # is its first draft (the match goes on), about the request's acceptance: else
-                # the wait may find no match and cost synced steps for nothing. A draft model
-                # always proposes.
-                stale = seq.steps_in_flight > 0 and not in_execute
-                stands.append(seq.acceptance if stale else 1.0)
         # Waiting costs two synced steps: this one, and the one after it, which is planned only
         # once the drafts' verification is back (draft_policy.ENTERING_SYNCS).
         counts = draft_policy.plan_drafts(
-            self.cost,
-            num_decodes,
-            num_decodes,
-            candidates,
-            stands,
-            syncs=draft_policy.ENTERING_SYNCS,
+            self.cost, num_decodes, num_decodes, candidates, syncs=draft_policy.ENTERING_SYNCS
         )
         self.wants_drafts = any(counts)
 

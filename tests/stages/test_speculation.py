@@ -184,15 +184,9 @@ def test_acceptance_follows_what_steps_accept():
     assert 5 < waited < 60
 
 
-def test_a_proposal_that_may_not_stand_is_worth_less_waiting_for():
-    """A proposal made while a step is in flight is drafted only if that step's token is its
-    first draft (the request's acceptance): the wait is discounted by that chance, and it costs
-    two synced steps."""
+def test_leaving_overlapped_steps_costs_the_synced_step_after_the_drafts_too():
     cpu = StepCost(fixed_s=0.004, per_token_s=0.0003, synced_gap_s=0.0008)
-    assert plan_drafts(cpu, 1, 1, [(0.4, 5)]) == [2]  # known now: two drafts pay
-    assert plan_drafts(cpu, 1, 1, [(0.4, 5)], stands=[0.4]) == [0]  # stale: not worth a wait
-    assert plan_drafts(cpu, 1, 1, [(0.8, 5)], stands=[0.8]) != [0]  # a good request still waits
-    # leaving overlapped steps costs the synced step after the drafts' too
+    assert plan_drafts(cpu, 1, 1, [(0.4, 5)]) == [2]  # already synced: two drafts pay
     assert plan_drafts(cpu, 1, 1, [(0.4, 5)], syncs=2) == [0]
     assert plan_drafts(cpu, 1, 1, [(0.8, 5)], syncs=2) != [0]
 
@@ -286,22 +280,21 @@ def test_without_proposals_steps_stay_two_in_flight():
     assert step.seqs[0].draft is None and step.seqs[0].num_tokens == 1
 
 
-@pytest.mark.parametrize(("acceptance", "waits"), [(0.5, False), (0.9, True)])
-def test_steps_wait_for_a_proposal_made_with_a_step_in_flight_only_if_it_likely_stands(
-    acceptance, waits
-):
+@pytest.mark.parametrize(("acceptance", "waits"), [(0.35, False), (0.9, True)])
+def test_steps_give_up_their_overlap_for_drafts_only_where_two_synced_steps_pay(acceptance, waits):
+    """Decoding two steps in flight, the pipeline waits for a request's tokens only where its
+    drafts pay for the synced step before them and the one after."""
     s = make()
     r = repeating(1)
-    r.acceptance = draft_policy.MIN_ACCEPTANCE  # no drafts yet: steps go two in flight
     s.add(r)
+    r.acceptance = draft_policy.MIN_ACCEPTANCE  # no drafts yet: steps go two in flight
     complete(s, s.schedule(), [[5]])
     assert not s.wants_drafts
     step2, step3 = s.schedule(), s.schedule()
     assert step3 is not None and r.steps_in_flight == 2
     r.acceptance = acceptance
-    complete(s, step2, [[6]])  # step 3 still computes the token after 6
-    # a fresh proposal at 0.5 would pay (one at the prior does): one made before step 3's token
-    # is known stands only half the time, and is not worth a synced step
+    complete(s, step2, [[6]])
+    # (at 0.35 four drafts pay for one synced step here, not for two)
     assert s.wants_drafts is waits and s.max_in_flight == (1 if waits else 2)
 
 
