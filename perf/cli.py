@@ -173,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     spec.add_argument("--threads", type=int, default=2)
     spec.add_argument("--max-tokens", type=int, default=128)
     spec.add_argument("--repeats", type=int, default=1, help="pairs per case, order alternated")
+    spec.add_argument(
+        "--same-servers",
+        action="store_true",
+        help="run every repeat on one pair of servers (faster; by default each repeat starts a "
+        "fresh pair, so that one process's luck does not weigh on every ratio)",
+    )
     spec.add_argument("--port", type=int, default=8610, help="the servers take PORT and PORT + 1")
     spec.add_argument("--log-dir", default=".", help="where the two servers' logs go")
     spec.add_argument("--json", dest="json_path")
@@ -358,6 +364,7 @@ def run_spec_cli(args: argparse.Namespace) -> int:
         threads=args.threads,
         max_tokens=args.max_tokens,
         repeats=args.repeats,
+        fresh_servers=not args.same_servers,
     )
     if args.speculative_config:
         bench_args = replace(bench_args, speculative_config=args.speculative_config)

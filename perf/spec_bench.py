@@ -46,6 +46,10 @@ class SpecBenchArgs:
     max_tokens: int = 128
     repeats: int = 1
     extra_server_args: tuple[str, ...] = ()
+    # A fresh pair of servers for each repeat: two server processes differ by several percent
+    # for the whole of their lives (where their memory and threads landed), which one pair of
+    # servers would add to every ratio alike.
+    fresh_servers: bool = True
 
 
 def draft_model_config(draft: str | None, num_speculative_tokens: int) -> str:
@@ -108,11 +112,17 @@ def run_spec_bench(args: SpecBenchArgs, log_dir: str) -> dict[str, Any]:
     ]
     on_args = [*common, "--speculative-config", args.speculative_config]
     rows: list[dict[str, Any]] = []
-    with (
-        _server(on_args, args.port, os.path.join(log_dir, "spec-on.log")) as on_url,
-        _server(common, args.port + 1, os.path.join(log_dir, "spec-off.log")) as off_url,
-    ):
+    with contextlib.ExitStack() as servers:
+        on_url = off_url = ""
         for repeat in range(args.repeats):
+            if repeat == 0 or args.fresh_servers:
+                servers.close()  # the last pair's, if any
+                on_url = servers.enter_context(
+                    _server(on_args, args.port, os.path.join(log_dir, "spec-on.log"))
+                )
+                off_url = servers.enter_context(
+                    _server(common, args.port + 1, os.path.join(log_dir, "spec-off.log"))
+                )
             # Alternate which server goes first in each pair, so that drift favours neither.
             urls = (on_url, off_url) if repeat % 2 == 0 else (off_url, on_url)
             for workload, concurrency, requests, measure, goal in CASES:

@@ -87,3 +87,39 @@ def test_a_server_that_cannot_start_is_reported_with_its_log_in_a_new_log_dir(tm
     ):
         pass
     assert "--no-such-flag" in log_path.read_text()
+
+
+@pytest.mark.parametrize(("fresh", "pairs_started"), [(True, 3), (False, 1)])
+def test_each_repeat_runs_on_a_fresh_pair_of_servers(monkeypatch, tmp_path, fresh, pairs_started):
+    """Two server processes differ for their whole lives: by default every repeat starts a new
+    pair (the last one stopped first), and each pair is compared in alternating order."""
+    import contextlib
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_server(args, port, log_path):
+        name = f"{'on' if '--speculative-config' in args else 'off'}{len(events)}"
+        events.append(f"start {name}")
+        yield name
+        events.append(f"stop {name}")
+
+    orders = []
+
+    async def fake_run_serve(args):
+        orders.append(args.urls)
+        runs = [{**_run(100, 5), "url": url} for url in args.urls]
+        return {"runs": runs}, None
+
+    monkeypatch.setattr(spec_bench, "_server", fake_server)
+    monkeypatch.setattr(serve_bench, "run_serve", fake_run_serve)
+    report = spec_bench.run_spec_bench(
+        spec_bench.SpecBenchArgs(repeats=3, fresh_servers=fresh), str(tmp_path)
+    )
+    assert len(report["rows"]) == 3 * len(spec_bench.CASES)
+    assert sum(e.startswith("start on") for e in events) == pairs_started
+    assert len([e for e in events if e.startswith("stop")]) == 2 * pairs_started
+    if fresh:  # a pair stops before the next starts
+        assert events[2:6] == ["stop off1", "stop on0", "start on4", "start off5"]
+    first_of_each_repeat = [orders[i * len(spec_bench.CASES)] for i in range(3)]
+    assert [urls[0].startswith("on") for urls in first_of_each_repeat] == [True, False, True]
