@@ -108,6 +108,8 @@ class _Cut:
     vocab_start: int
     vocab_count: int  # rows of the vocabulary the rank holds (the last rank's may be fewer)
     vocab_per_rank: int  # rows of its slice, zero-padded to this
+    qkv: list[range]  # rows of the fused [q; k; v]: the rank's query heads and their KV heads
+    gate_up: list[range]  # rows of the fused [gate; up]: the rank's MLP columns of each
 
     @classmethod
     def of(cls, full: ModelConfig, tp: TensorParallel) -> _Cut:
@@ -115,14 +117,23 @@ class _Cut:
         local, d = shard.config, full.head_dim
         per_rank = -(-full.vocab_size // tp.world_size)
         start = tp.rank * per_rank
+        heads = slice(shard.first_head * d, shard.first_head * d + local.q_size)
+        kv_heads = slice(shard.first_kv_head * d, shard.first_kv_head * d + local.kv_size)
+        columns = slice(shard.first_column, shard.first_column + local.intermediate_size)
         return cls(
             local=local,
-            heads=slice(shard.first_head * d, shard.first_head * d + local.q_size),
-            kv_heads=slice(shard.first_kv_head * d, shard.first_kv_head * d + local.kv_size),
-            columns=slice(shard.first_column, shard.first_column + local.intermediate_size),
+            heads=heads,
+            kv_heads=kv_heads,
+            columns=columns,
             vocab_start=start,
             vocab_count=max(0, min(per_rank, full.vocab_size - start)),
             vocab_per_rank=per_rank,
+            qkv=[
+                _range(heads),
+                _range(kv_heads, full.q_size),
+                _range(kv_heads, full.q_size + full.kv_size),
+            ],
+            gate_up=[_range(columns), _range(columns, full.intermediate_size)],
         )
 
     def vocab(self, weight: torch.Tensor) -> torch.Tensor:  # -> [per_rank, hidden], zero-padded
@@ -141,18 +152,12 @@ def shard_model(model: CausalLM, tp: TensorParallel) -> ModelConfig:
     its attention and KV cache hold)."""
     full = model.config
     cut = _Cut.of(full, tp)
-    qkv = [
-        _range(cut.heads),  # the fused [q; k; v]: the rank's query heads and their KV heads
-        _range(cut.kv_heads, full.q_size),
-        _range(cut.kv_heads, full.q_size + full.kv_size),
-    ]
-    gate_up = [_range(cut.columns), _range(cut.columns, full.intermediate_size)]
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _rows(attn.qkv_proj, qkv)
+        attn.qkv_proj = _rows(attn.qkv_proj, cut.qkv)
         attn.o_proj = RowParallel(_columns(attn.o_proj, cut.heads), tp)
         attn.config = cut.local
-        mlp.gate_up_proj = _rows(mlp.gate_up_proj, gate_up)
+        mlp.gate_up_proj = _rows(mlp.gate_up_proj, cut.gate_up)
         mlp.down_proj = RowParallel(_columns(mlp.down_proj, cut.columns), tp)
     embedding = VocabParallelEmbedding(
         cut.vocab(model.model.embed_tokens.weight), cut.vocab_start, cut.vocab_count, tp
@@ -179,20 +184,13 @@ def shard_adapter(
     a row-parallel projection is then a partial sum too, B (x_k A_k), added before its
     all-reduce: the sum over ranks is B (x A), as for the weights."""
     cut = _Cut.of(full, tp)
-    qkv = _index(
-        [
-            _range(cut.heads),
-            _range(cut.kv_heads, full.q_size),
-            _range(cut.kv_heads, full.q_size + full.kv_size),
-        ]
-    )
-    gate_up = _index([_range(cut.columns), _range(cut.columns, full.intermediate_size)])
+    qkv, gate_up = _index(cut.qkv), _index(cut.gate_up)
     out = {}
     for (layer, fused), (a, b) in weights.items():
         if fused == "qkv_proj":
-            a, b = a, b.index_select(1, qkv)
+            b = b.index_select(1, qkv)
         elif fused == "gate_up_proj":
-            a, b = a, b.index_select(1, gate_up)
+            b = b.index_select(1, gate_up)
         elif fused == "o_proj":
             a = a[cut.heads]
         elif fused == "down_proj":

@@ -100,9 +100,8 @@ class Sequence:
     num_registered: int = 0  # prompt blocks registered in the cache
     block_hashes: list[bytes] | None = None  # the prompt's, computed at first admission
     # Speculative decoding: whether drafts may be proposed for it (not for a beam search's
-    # beams), its acceptance so far
-    # (stages.draft_policy), and what its steps verified: steps with drafts, drafts, accepted, and
-    # steps by drafts accepted.
+    # beams), its acceptance so far (stages.draft_policy), and what its steps verified: steps
+    # with drafts, drafts, accepted, and steps by drafts accepted.
     can_draft: bool = True
     acceptance: float = draft_policy.PRIOR_ACCEPTANCE
     spec_steps: int = 0

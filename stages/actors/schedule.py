@@ -357,9 +357,9 @@ def _sequence(prompt: RenderedPrompt) -> Sequence:
         rendered=prompt.rendered,
         detok=prompt.detok,
         cacheable=request.cacheable,
-        # No drafts with a thinking budget (execute forces the end tag one sampled token at a
-        # time); a grammar's drafts are verified under it in execute (and a draft model samples
-        # them under it). A beam search's rows are its beams, one token each.
+        # A grammar's drafts are verified under it in execute (and a draft model samples them
+        # under it), a thinking budget's close tag is forced wherever it falls among them. A
+        # beam search's rows are its beams, one token each: no drafts.
         can_draft=request.sampling.beam is None,
         cache_salt=request.cache_salt,
         lora_id=0 if request.lora is None else request.lora.lora_id,
