@@ -22,6 +22,7 @@ from gpu.quant import (
     ThinThickLinear,
     WithBias,
 )
+from gpu.tensor_parallel import RowParallel, VocabParallelLMHead
 
 QUANTIZATION_MODES = ("int8", "int4")
 
@@ -38,7 +39,10 @@ def quantize_linears(
 
     "int8": 8-bit, "int4": 4-bit weights. GGUF blocks in `raw_blocks` (by Hugging Face name)
     are taken unchanged where their format is the one asked for (Q4_1 for int4, Q8_0 for int8
-    and the LM head), which is lossless; other weights are quantized here.
+    and the LM head), which is lossless; other weights are quantized here. A tensor-parallel
+    rank's shard (shard_model) is quantized the same way, given its cut of the blocks
+    (shard_raw_blocks): RowParallel keeps its all-reduce around the quantized slice, and the
+    vocab-parallel LM head scores its rows with the 8-bit copy.
     With the native CPU kernels (`use_native`, default: where they build) the formats are GGUF's
     own (NativeQ4Linear, NativeQ8Linear); otherwise torch's packed int4/int8 kernels compute in
     `compute_dtype` (their float32 paths are 10-100x slower than bfloat16).
@@ -64,7 +68,10 @@ def quantize_linears(
             (layer.mlp, "down_proj", ("mlp.down_proj",)),
         )
         for parent, attr, parts in targets:
-            linear: nn.Linear = getattr(parent, attr)
+            module = getattr(parent, attr)
+            if isinstance(module, RowParallel):  # a rank's input slice, before its all-reduce
+                parent, attr, module = module, "linear", module.linear
+            linear: nn.Linear = module
             raw = [blocks.get(f"{prefix}.{part}.weight") for part in parts]
             quantized = _quantized(linear.weight.detach(), mode, raw, compute_dtype, use_native)
             if max_thin_rows is not None:
@@ -77,7 +84,10 @@ def quantize_linears(
         tied = model.config.tie_word_embeddings
         raw_head = blocks.get("model.embed_tokens.weight" if tied else "lm_head.weight")
         thin = _quantized(head, "int8", [raw_head], compute_dtype, use_native)
-        model.lm_head = ThinThickLinear(thin, head, max_thin_rows)
+        if isinstance(model.lm_head, VocabParallelLMHead):  # the rank's slice, still gathered
+            model.lm_head.local = ThinThickLinear(thin, head, max_thin_rows)
+        else:
+            model.lm_head = ThinThickLinear(thin, head, max_thin_rows)
         if model.kernels is NATIVE_KERNELS:
             model.fused_layers = FusedLayers.of(model, max_thin_rows)
 

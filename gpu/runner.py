@@ -36,7 +36,13 @@ from gpu.sampler import (
     token_logprobs,
     verify,
 )
-from gpu.tensor_parallel import TensorParallel, shard_model, shard_weights
+from gpu.tensor_parallel import (
+    TensorParallel,
+    quantized_cut_problem,
+    shard_model,
+    shard_raw_blocks,
+    shard_weights,
+)
 from stages.lora import LoraConfig
 from stages.text.checkpoint import (
     ModelConfig,
@@ -206,8 +212,6 @@ class ModelRunner:
     ) -> ModelRunner:
         """Load the model; with `tensor_parallel`, only this rank's shard of it and of the KV
         heads (the caller joined the group; every rank calls this with the same arguments)."""
-        if tensor_parallel is not None and config.quantization is not None:
-            raise ValueError("tensor parallelism runs unquantized weights only (quantization None)")
         if config.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype {config.dtype!r} is not supported; use one of {sorted(_DTYPES)}"
@@ -226,6 +230,10 @@ class ModelRunner:
             torch.set_num_threads(config.threads)
         dtype = _DTYPES[config.dtype]
         model_config = load_model_config(model_path)
+        if tensor_parallel is not None and config.quantization is not None:
+            problem = quantized_cut_problem(model_config, tensor_parallel)
+            if problem:
+                raise ValueError(f"{problem}: run it unquantized (quantization None)")
         sized = config.gpu_memory_utilization is not None and config.num_kv_blocks is None
         start = memory.baseline(device) if sized and device.type == "cuda" else None
         model, local_shape = _load_model(model_path, model_config, config, dtype, tensor_parallel)
@@ -235,6 +243,8 @@ class ModelRunner:
             if is_gguf:
                 for ggml_type in ("Q4_1", "Q8_0"):
                     raw.update(read_gguf_raw_tensors(model_path, model_config, ggml_type))
+                if tensor_parallel is not None:
+                    raw = shard_raw_blocks(raw, model_config, tensor_parallel)
             use_native = model.kernels is NATIVE_KERNELS  # kernels_for made the choice
             max_rows = config.quantized_max_rows
             if max_rows == "auto":

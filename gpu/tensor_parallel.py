@@ -8,13 +8,17 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.loader import GgufRawTensor
 from gpu.model import CausalLM
 from stages.text.checkpoint import ModelConfig, shard_shape
+
+QUANT_BLOCK_WEIGHTS = 32  # GGUF's Q4_1 and Q8_0 blocks, along a matrix's inputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +89,13 @@ class VocabParallelLMHead(nn.Module):
         super().__init__()
         self.weight = weight  # [V / world (padded), hidden]; the embedding's own when tied
         self.vocab_size, self.tp = vocab_size, tp
+        # The slice's scores from another linear over the same rows (quantize_linears puts an
+        # 8-bit copy for thin inputs here, as it does for a whole LM head); None: the weight.
+        self.local: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [S, hidden] -> [S, V] on rank 0
-        local = F.linear(x, self.weight).contiguous()
+        scores = F.linear(x, self.weight) if self.local is None else self.local(x)
+        local = scores.contiguous()
         if not self.tp.samples:
             dist.gather(local, None, group=self.tp.group, group_dst=0)
             return local
@@ -227,6 +235,57 @@ def shard_weights(
             yield name, cut.vocab(tensor)
         else:  # norms: every rank's whole
             yield name, tensor
+
+
+def quantized_cut_problem(full: ModelConfig, tp: TensorParallel, block: int = 32) -> str | None:
+    """Why this rank's shard cannot hold quantized weights, or None: a row-parallel projection
+    (o_proj, down_proj) is cut along its inputs, which must fall on whole quantization blocks
+    of `block` weights, so that every rank's partial sums are the whole model's blocks."""
+    cut = _Cut.of(full, tp)
+    for name, part in (("o_proj", cut.heads), ("down_proj", cut.columns)):
+        if part.start % block or part.stop % block:
+            return (
+                f"tensor-parallel rank {tp.rank} of {tp.world_size} takes inputs "
+                f"{part.start}-{part.stop} of {name}, which do not fall on its quantization "
+                f"blocks of {block} weights"
+            )
+    return None
+
+
+def shard_raw_blocks(
+    raw: Mapping[str, GgufRawTensor], full: ModelConfig, tp: TensorParallel
+) -> dict[str, GgufRawTensor]:
+    """A GGUF file's quantized matrices (by Hugging Face name) cut as shard_weights cuts the
+    float tensors: whole rows of blocks for q/k/v, gate/up and the vocabulary (zero blocks
+    pad the last rank's), whole blocks of every row for o_proj and down_proj (their input
+    slices fall on blocks: quantized_cut_problem). Lossless: a rank quantizes nothing anew."""
+    cut = _Cut.of(full, tp)
+    out = {}
+    for name, tensor in raw.items():
+        parts = name.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        per_block = tensor.blocks.shape[1] // (tensor.shape[1] // QUANT_BLOCK_WEIGHTS)  # bytes
+        if module == "q_proj":
+            blocks = tensor.blocks[cut.heads]
+        elif module in ("k_proj", "v_proj"):
+            blocks = tensor.blocks[cut.kv_heads]
+        elif module in ("gate_proj", "up_proj"):
+            blocks = tensor.blocks[cut.columns]
+        elif module in ("o_proj", "down_proj"):
+            part = cut.heads if module == "o_proj" else cut.columns
+            first, end = part.start // QUANT_BLOCK_WEIGHTS, part.stop // QUANT_BLOCK_WEIGHTS
+            blocks = tensor.blocks[:, first * per_block : end * per_block]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            blocks = np.zeros((cut.vocab_per_rank, tensor.blocks.shape[1]), np.uint8)
+            blocks[: cut.vocab_count] = tensor.blocks[
+                cut.vocab_start : cut.vocab_start + cut.vocab_count
+            ]
+        else:
+            continue  # nothing else is quantized
+        blocks = np.ascontiguousarray(blocks)
+        shape = (len(blocks), blocks.shape[1] // per_block * QUANT_BLOCK_WEIGHTS)
+        out[name] = GgufRawTensor(blocks, shape, tensor.ggml_type)
+    return out
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tensor-parallel-size",
         type=int,
         default=1,
-        help="ranks over gloo, this process rank 0 (fp32 and bf16 weights; no baseline)",
+        help="ranks over gloo, this process rank 0 (no baseline)",
     )
     model.add_argument("--no-baseline", action="store_true")
     model.add_argument("--json", dest="json_path")

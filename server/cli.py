@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-tp",
         type=_positive_int,
         help="execute processes, each holding a shard of every layer (Megatron-style), one per "
-        "device; on CPU they divide --threads among them (default 1); unquantized weights only",
+        "device; on CPU they divide --threads among them (default 1)",
     )
     parser.add_argument(
         "--master-addr",
@@ -637,11 +637,8 @@ def parse_args(
         args.master_addr is not None or args.master_port is not None
     ):
         parser.error("--master-addr and --master-port need --tensor-parallel-size above 1")
-    if (args.tensor_parallel_size or 1) > 1:
-        if dummy:
-            parser.error("--tensor-parallel-size needs a model; the dummy execute has none")
-        if quantization is not None:
-            parser.error("--tensor-parallel-size runs unquantized weights: add --quantization none")
+    if (args.tensor_parallel_size or 1) > 1 and dummy:
+        parser.error("--tensor-parallel-size needs a model; the dummy execute has none")
     engine_overrides: dict[str, Any] = {
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,

@@ -43,6 +43,9 @@ def _hf_config(arch: str):
     if arch == "llama_three_kv":  # SmolLM2's 3 KV heads, which 2 ranks split 1 + 2; odd MLP
         shape = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}
         return transformers.LlamaConfig(**(TINY | shape | {"intermediate_size": 101}))
+    if arch == "llama_wide":  # heads of 32 and 128 MLP columns: two ranks cut whole Q4 blocks
+        shape = {"hidden_size": 128, "intermediate_size": 128}
+        return transformers.LlamaConfig(**(TINY | shape), tie_word_embeddings=True)
     if arch == "qwen2":
         return transformers.Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True)
     if arch == "mistral":
@@ -66,6 +69,7 @@ def build_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
         "llama_tied": transformers.LlamaForCausalLM,
         "llama_one_kv": transformers.LlamaForCausalLM,
         "llama_three_kv": transformers.LlamaForCausalLM,
+        "llama_wide": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "mistral_swa": transformers.MistralForCausalLM,

@@ -111,6 +111,81 @@ def test_two_ranks_with_lora_adapters_give_the_logits_of_one(tmp_path, arch):
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
 
+def _q4_gguf(tmp_path) -> str:  # type: ignore[no-untyped-def]
+    """A tiny Llama as the default model is stored: Q4_1 decoder matrices, a Q8_0 embedding
+    that is also the LM head."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.gpu.test_loader import write_gguf
+
+    hf = build_tiny_model("llama_wide", tmp_path / "hf", seed=3)
+    types = {"token_embd.weight": Q.Q8_0}
+    for layer in range(2):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            types[f"blk.{layer}.{part}.weight"] = Q.Q4_1
+        for part in ("ffn_gate", "ffn_up", "ffn_down"):
+            types[f"blk.{layer}.{part}.weight"] = Q.Q4_1
+    return write_gguf(hf, tmp_path / "tiny-q4_1.gguf", "llama", types)
+
+
+@pytest.mark.parametrize("source", ["gguf", "safetensors"])
+def test_two_ranks_of_quantized_weights_give_the_logits_of_one(tmp_path, source):
+    """int4 under tensor parallelism: each rank quantizes its shard as one process quantizes the
+    whole (a GGUF's own Q4_1 and Q8_0 blocks cut to the rank's rows and input blocks, or float
+    weights quantized per block), so TP=2 logits equal TP=1's within 1e-4, over prefill,
+    chunked prefill and decodes, through the quantized kernels and the 8-bit LM head. (The
+    activations go in as int8: the all-reduce adds the partial sums in another order, which can
+    move a later rounding; on this model and script none moves.)"""
+    from dataclasses import replace
+
+    path = (
+        _q4_gguf(tmp_path)
+        if source == "gguf"
+        else str(build_tiny_model("llama_wide", tmp_path / "hf", seed=3))
+    )
+    config = replace(RUNNER, quantization="int4")
+    runner = ModelRunner.from_path(path, config)
+    vocab = runner.model_config.vocab_size
+    steps = script(
+        [[5, 9, 2, 7, 1, 3, 8, 4, 6], [11, 12, 13, 14, 15], list(range(20, 33))], vocab, 7, 4
+    )
+    expected = [runner.forward(inputs).numpy() for inputs in steps]
+    plain = ModelRunner.from_path(path, RUNNER).forward(steps[0]).numpy()
+    # Quantization shows in the logits: ranks that ran float weights would not match.
+    assert not np.allclose(plain, expected[0], atol=1e-3)
+
+    results = SPAWN.Queue()
+    port = free_port()
+    ranks = [
+        SPAWN.Process(target=run_rank, args=(path, rank, 2, port, steps, results, config))
+        for rank in range(2)
+    ]
+    for proc in ranks:
+        proc.start()
+    got = {rank: logits for rank, _, logits in (results.get(timeout=120) for _ in ranks)}
+    for proc in ranks:
+        proc.join(30)
+        assert proc.exitcode == 0
+    for ours, theirs in zip(got[0], expected, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_a_shard_whose_inputs_split_a_quantization_block_is_refused_with_the_reason(tmp_path):
+    """llama_three_kv's 101 MLP columns split 50 + 51: rank 1's down_proj inputs start mid-block,
+    so no rank can hold whole blocks; the load names the projection and the cut, before it
+    joins any collective (the ranks of llama_wide cut whole blocks and load)."""
+    from dataclasses import replace
+
+    from gpu.tensor_parallel import TensorParallel, quantized_cut_problem
+
+    path = str(build_tiny_model("llama_three_kv", tmp_path / "three", seed=3))
+    config = replace(RUNNER, quantization="int4")
+    with pytest.raises(ValueError, match=r"inputs 0-50 of down_proj.*blocks of 32"):
+        ModelRunner.from_path(path, config, TensorParallel(0, 2))
+    wide = ModelRunner.from_path(str(build_tiny_model("llama_wide", tmp_path / "wide")), RUNNER)
+    assert quantized_cut_problem(wide.model_config, TensorParallel(1, 2)) is None
+
+
 def test_ranks_size_their_kv_caches_to_the_fewest_blocks_any_device_has_room_for(tmp_path):
     """--gpu-memory-utilization under tensor parallelism: each rank measures its own device (here
     the test supplies the figures) and every rank allocates the blocks of the tightest one; a
