@@ -127,6 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         help="ranks over gloo, this process rank 0 (no baseline)",
     )
     model.add_argument("--no-baseline", action="store_true")
+    model.add_argument(
+        "--verify-drafts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time each batch verifying K drafts per sequence (speculative decoding), in "
+        "decode steps: the tokens per step drafting must emit to pay",
+    )
     model.add_argument("--json", dest="json_path")
 
     chaos = sub.add_parser(
@@ -493,6 +501,7 @@ def run_model_cli(args: argparse.Namespace) -> int:
             threads=args.threads,
             baseline=not args.no_baseline,
             tensor_parallel_size=args.tensor_parallel_size,
+            verify_drafts=args.verify_drafts,
         )
     )
     print(model_bench.format_table(report))

@@ -52,6 +52,9 @@ class ModelBenchArgs:
     random_weights: bool = False  # model_path is a random-weight checkpoint (--random-weights)
     peak_bandwidth_gb_s: float | None = None  # the roofline's; None: measured (CPU) or an H200's
     tensor_parallel_size: int = 1  # > 1: this process is rank 0 of a gloo group (perf/tp_ranks.py)
+    # > 0: also a step of each batch where every sequence verifies this many drafts (speculative
+    # decoding), timed against the batch's decode step: what drafting costs at that load.
+    verify_drafts: int = 0
 
 
 H200_HBM_GB_S = 4800.0  # HBM3e, NVIDIA's figure
@@ -122,6 +125,34 @@ def decode_batch(
         sample=np.ones(batch, bool),
         sampling=SamplingArrays.defaults(batch),
         prompt_logprobs=np.full(batch, -1, np.int32),
+    )
+
+
+def verify_batch(
+    runner: ModelRunner, batch: int, context: int, drafts: int, rng: np.random.Generator
+) -> StepBatch:
+    """B sequences at `context`, each feeding its input token and `drafts` drafts after it, as a
+    step of speculative decoding does (one logits row per position, the drafts verified)."""
+    block = runner.kv_cache.block_size
+    rows = 1 + drafts
+    per_seq = -(-(context + rows) // block)
+    tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
+    positions = np.tile(np.arange(context, context + rows, dtype=np.int64), batch)
+    seq = np.repeat(np.arange(batch), rows)
+    slots = tables[seq, positions // block].astype(np.int64) * block + positions % block
+    return StepBatch(
+        request_ids=np.arange(batch, dtype=np.int64),
+        input_ids=rng.integers(0, runner.model_config.vocab_size, batch * rows),
+        positions=positions,
+        query_start_loc=np.arange(0, batch * rows + 1, rows, dtype=np.int32),
+        context_lens=np.full(batch, context + rows, np.int32),
+        block_tables=tables,
+        slot_mapping=slots,
+        prompt_lens=np.full(batch, context, np.int32),
+        sample=np.ones(batch, bool),
+        sampling=SamplingArrays.defaults(batch),
+        prompt_logprobs=np.full(batch, -1, np.int32),
+        num_draft=np.full(batch, drafts, np.int32),
     )
 
 
@@ -303,11 +334,47 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
                 f"[{weights}] decode batch {batch}: {batch / seconds:.0f} tok/s ({seconds * 1e3:.1f} ms/step)",
                 file=sys.stderr,
             )
+            if args.verify_drafts > 0:
+                rows.append(_verify_row(args, runner, share, weights, batch, seconds, rng))
         close()
         del runner
         if cuda:
             torch.cuda.empty_cache()
     return {"bandwidth_gb_s": bandwidth, "device": args.device, "rows": rows}
+
+
+def _verify_row(
+    args: ModelBenchArgs,
+    runner: ModelRunner,
+    share: Callable[[ForwardInputs], None] | None,
+    weights: str,
+    batch: int,
+    decode_seconds: float,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
+    """A step verifying `verify_drafts` drafts per sequence, against the batch's decode step.
+    Its cost in decode steps is the break-even: drafting pays only where a sequence emits more
+    tokens than that per verifying step (accepted drafts + 1), before the pipeline's own costs."""
+    k = args.verify_drafts
+    step = verify_batch(runner, batch, args.context, k, rng)
+    seconds = _median_time(partial(runner.step, step, share), args.steps)
+    runner.free(np.arange(batch))
+    print(
+        f"[{weights}] verify {k} drafts, batch {batch}: {seconds * 1e3:.1f} ms/step, "
+        f"{seconds / decode_seconds:.2f} decode steps",
+        file=sys.stderr,
+    )
+    return {
+        "mode": f"verify{k}",
+        "batch": batch,
+        "context": args.context,
+        "weights": weights,
+        "tok_per_s": batch * (1 + k) / seconds,  # positions computed
+        "baseline_tok_per_s": 0.0,
+        "roofline_fraction": None,
+        "step_ms": seconds * 1e3,
+        "decode_steps": seconds / decode_seconds,
+    }
 
 
 def _load(
@@ -348,5 +415,12 @@ def format_table(report: dict[str, Any]) -> str:
             f"{r['mode']:<8} {r['weights']:<7} {r['batch']:>5} {r['context']:>5} {r['tok_per_s']:>9.0f} "
             f"{other or 0:>9.0f} {ratio:>6.2f}x {step:>8} {roof:>9}"
         )
+    for r in report["rows"]:
+        if "decode_steps" in r:
+            lines.append(
+                f"{r['mode']} {r['weights']} batch {r['batch']}: one step costs "
+                f"{r['decode_steps']:.2f} decode steps; drafts pay only above that many tokens "
+                "out per sequence per step"
+            )
     lines.append(f"\nmemory read bandwidth {report['bandwidth_gb_s']:.1f} GB/s")
     return "\n".join(lines)

@@ -63,3 +63,36 @@ def test_bytes_read_follow_the_path_the_rows_take(tmp_path):
     )
     thin, thick = weight_bytes_read(runner.model, 1), weight_bytes_read(runner.model, 64)
     assert thin < thick  # int4 codes for a decode, the dense bf16 copy for a big batch
+
+
+def test_verify_rows_time_steps_that_verify_drafts(tmp_path, capsys):
+    """--verify-drafts K adds, per batch, a step where every sequence verifies K drafts, with its
+    cost in decode steps; and that step does verify them: drafts equal to the greedy tokens are
+    all accepted, and the bonus token comes out."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from gpu.runner import ModelRunner, RunnerConfig
+    from perf.model_bench import verify_batch
+
+    model = build_tiny_chat_model(tmp_path / "model")
+    out = tmp_path / "model.json"
+    argv = ["model", str(model), "--weights", "fp32", "--batches", "1,4", "--context", "32"]
+    argv += ["--steps", "2", "--no-baseline", "--verify-drafts", "2", "--json", str(out)]
+    assert main(argv) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["mode"] == "verify2"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert all(r["decode_steps"] > 0 and r["step_ms"] > 0 for r in rows)
+    assert "verify2 fp32 batch 4: one step costs" in capsys.readouterr().out
+
+    runner = ModelRunner.from_path(str(model), RunnerConfig(kv_cache_bytes=1 << 22))
+    step = verify_batch(runner, 4, 32, 2, np.random.default_rng(0))
+    inputs = step.input_ids.reshape(4, 3).copy()
+    for drafted in range(2):  # put each greedy token in as the next draft
+        got = runner.step(replace(step, input_ids=inputs.reshape(-1)))
+        starts = np.cumsum(got.num_tokens) - got.num_tokens
+        inputs[:, drafted + 1] = got.token_ids[starts + drafted]
+        runner.free(np.arange(4))
+    got = runner.step(replace(step, input_ids=inputs.reshape(-1)))
+    assert got.num_tokens.tolist() == [3, 3, 3, 3]  # both drafts accepted, and the bonus
