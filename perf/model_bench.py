@@ -108,31 +108,16 @@ def _median_time(fn: Any, repeats: int) -> float:
 def decode_batch(
     runner: ModelRunner, batch: int, context: int, rng: np.random.Generator
 ) -> StepBatch:
-    block = runner.kv_cache.block_size
-    per_seq = -(-(context + 1) // block)
-    tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
-    positions = np.full(batch, context, np.int64)
-    slots = tables[:, context // block].astype(np.int64) * block + context % block
-    return StepBatch(
-        request_ids=np.arange(batch, dtype=np.int64),
-        input_ids=rng.integers(0, runner.model_config.vocab_size, batch),
-        positions=positions,
-        query_start_loc=np.arange(batch + 1, dtype=np.int32),
-        context_lens=np.full(batch, context + 1, np.int32),
-        block_tables=tables,
-        slot_mapping=slots,
-        prompt_lens=np.full(batch, context, np.int32),
-        sample=np.ones(batch, bool),
-        sampling=SamplingArrays.defaults(batch),
-        prompt_logprobs=np.full(batch, -1, np.int32),
-    )
+    """B sequences at `context`, one token each."""
+    return verify_batch(runner, batch, context, 0, rng)
 
 
 def verify_batch(
     runner: ModelRunner, batch: int, context: int, drafts: int, rng: np.random.Generator
 ) -> StepBatch:
     """B sequences at `context`, each feeding its input token and `drafts` drafts after it, as a
-    step of speculative decoding does (one logits row per position, the drafts verified)."""
+    step of speculative decoding does (one logits row per position, the drafts verified); with
+    no drafts, a decode step."""
     block = runner.kv_cache.block_size
     rows = 1 + drafts
     per_seq = -(-(context + rows) // block)
@@ -152,7 +137,7 @@ def verify_batch(
         sample=np.ones(batch, bool),
         sampling=SamplingArrays.defaults(batch),
         prompt_logprobs=np.full(batch, -1, np.int32),
-        num_draft=np.full(batch, drafts, np.int32),
+        num_draft=np.full(batch, drafts, np.int32) if drafts else None,
     )
 
 

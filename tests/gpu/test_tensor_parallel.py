@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpu.memory import DeviceMemory
-from gpu.runner import ModelRunner
+from gpu.runner import ModelRunner, RunnerConfig
 from tests.gpu.conftest import build_tiny_model
 from tests.gpu.tp_ranks import RUNNER, agree_on_blocks, load_peak, run_rank, script
 
@@ -20,6 +20,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank0_logits(path: str, steps: list, config: RunnerConfig) -> list[np.ndarray]:
+    """What rank 0 of a two-rank gloo group computes for each step."""
+    results = SPAWN.Queue()
+    port = free_port()
+    ranks = [
+        SPAWN.Process(target=run_rank, args=(path, rank, 2, port, steps, results, config))
+        for rank in range(2)
+    ]
+    for proc in ranks:
+        proc.start()
+    got = {rank: logits for rank, _, logits in (results.get(timeout=120) for _ in ranks)}
+    for proc in ranks:
+        proc.join(30)
+        assert proc.exitcode == 0
+    return got[0]
 
 
 @pytest.mark.parametrize(
@@ -95,19 +112,7 @@ def test_two_ranks_with_lora_adapters_give_the_logits_of_one(tmp_path, arch):
     plain = ModelRunner.from_path(str(base), RUNNER).forward(steps[0]).numpy()
     assert not np.allclose(plain, expected[0], atol=1e-2)  # the adapters change the logits
 
-    results = SPAWN.Queue()
-    port = free_port()
-    ranks = [
-        SPAWN.Process(target=run_rank, args=(str(base), rank, 2, port, steps, results, config))
-        for rank in range(2)
-    ]
-    for proc in ranks:
-        proc.start()
-    got = {rank: logits for rank, _, logits in (results.get(timeout=120) for _ in ranks)}
-    for proc in ranks:
-        proc.join(30)
-        assert proc.exitcode == 0
-    for ours, theirs in zip(got[0], expected, strict=True):
+    for ours, theirs in zip(rank0_logits(str(base), steps, config), expected, strict=True):
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
 
@@ -154,19 +159,7 @@ def test_two_ranks_of_quantized_weights_give_the_logits_of_one(tmp_path, source)
     # Quantization shows in the logits: ranks that ran float weights would not match.
     assert not np.allclose(plain, expected[0], atol=1e-3)
 
-    results = SPAWN.Queue()
-    port = free_port()
-    ranks = [
-        SPAWN.Process(target=run_rank, args=(path, rank, 2, port, steps, results, config))
-        for rank in range(2)
-    ]
-    for proc in ranks:
-        proc.start()
-    got = {rank: logits for rank, _, logits in (results.get(timeout=120) for _ in ranks)}
-    for proc in ranks:
-        proc.join(30)
-        assert proc.exitcode == 0
-    for ours, theirs in zip(got[0], expected, strict=True):
+    for ours, theirs in zip(rank0_logits(path, steps, config), expected, strict=True):
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
 
