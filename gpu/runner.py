@@ -38,7 +38,6 @@ from gpu.sampler import (
 )
 from gpu.tensor_parallel import (
     TensorParallel,
-    quantized_cut_problem,
     shard_model,
     shard_raw_blocks,
     shard_weights,
@@ -46,8 +45,10 @@ from gpu.tensor_parallel import (
 from stages.lora import LoraConfig
 from stages.text.checkpoint import (
     ModelConfig,
+    UnsupportedModelError,
     cache_shape,
     load_model_config,
+    quantized_shard_problem,
     resolve_kv_cache_dtype,
 )
 
@@ -231,9 +232,9 @@ class ModelRunner:
         dtype = _DTYPES[config.dtype]
         model_config = load_model_config(model_path)
         if tensor_parallel is not None and config.quantization is not None:
-            problem = quantized_cut_problem(model_config, tensor_parallel)
+            problem = quantized_shard_problem(model_config, tensor_parallel.world_size)
             if problem:
-                raise ValueError(f"{problem}: run it unquantized (quantization None)")
+                raise UnsupportedModelError(f"{problem}: run it unquantized (quantization None)")
         sized = config.gpu_memory_utilization is not None and config.num_kv_blocks is None
         start = memory.baseline(device) if sized and device.type == "cuda" else None
         model, local_shape = _load_model(model_path, model_config, config, dtype, tensor_parallel)

@@ -16,9 +16,7 @@ from torch import nn
 
 from gpu.loader import GgufRawTensor
 from gpu.model import CausalLM
-from stages.text.checkpoint import ModelConfig, shard_shape
-
-QUANT_BLOCK_WEIGHTS = 32  # GGUF's Q4_1 and Q8_0 blocks, along a matrix's inputs
+from stages.text.checkpoint import QUANT_BLOCK_WEIGHTS, ModelConfig, shard_shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,28 +235,13 @@ def shard_weights(
             yield name, tensor
 
 
-def quantized_cut_problem(full: ModelConfig, tp: TensorParallel, block: int = 32) -> str | None:
-    """Why this rank's shard cannot hold quantized weights, or None: a row-parallel projection
-    (o_proj, down_proj) is cut along its inputs, which must fall on whole quantization blocks
-    of `block` weights, so that every rank's partial sums are the whole model's blocks."""
-    cut = _Cut.of(full, tp)
-    for name, part in (("o_proj", cut.heads), ("down_proj", cut.columns)):
-        if part.start % block or part.stop % block:
-            return (
-                f"tensor-parallel rank {tp.rank} of {tp.world_size} takes inputs "
-                f"{part.start}-{part.stop} of {name}, which do not fall on its quantization "
-                f"blocks of {block} weights"
-            )
-    return None
-
-
 def shard_raw_blocks(
     raw: Mapping[str, GgufRawTensor], full: ModelConfig, tp: TensorParallel
 ) -> dict[str, GgufRawTensor]:
     """A GGUF file's quantized matrices (by Hugging Face name) cut as shard_weights cuts the
     float tensors: whole rows of blocks for q/k/v, gate/up and the vocabulary (zero blocks
     pad the last rank's), whole blocks of every row for o_proj and down_proj (their input
-    slices fall on blocks: quantized_cut_problem). Lossless: a rank quantizes nothing anew."""
+    slices fall on blocks: stages.text.checkpoint.quantized_shard_problem). Lossless: a rank quantizes nothing anew."""
     cut = _Cut.of(full, tp)
     out = {}
     for name, tensor in raw.items():

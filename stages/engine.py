@@ -58,7 +58,11 @@ from stages.kv_size import published_num_blocks
 from stages.lora import LoraError, read_adapter
 from stages.rings import common, deltas, forward, plan, prompts, requests, results, tokens
 from stages.scheduler import GAUGES
-from stages.text.checkpoint import load_model_config
+from stages.text.checkpoint import (
+    UnsupportedModelError,
+    load_model_config,
+    quantized_shard_problem,
+)
 from stages.text.prompts import prompt_token_ids
 from stages.text.snapshot import tokenizer_of, write_snapshot
 
@@ -224,13 +228,17 @@ class Engine:
     """Supervises the pipeline and serves requests through it."""
 
     def __init__(self, config: EngineConfig) -> None:
+        model_config = load_model_config(config.model_path)
+        if config.tensor_parallel_size > 1 and config.quantization is not None:
+            problem = quantized_shard_problem(model_config, config.tensor_parallel_size)
+            if problem:  # refused before any stage starts, as a head split no rank count fits
+                raise UnsupportedModelError(f"{problem}: add --quantization none")
         self.bundle = tokenizer_of(config)  # --tokenizer and --chat-template applied
         self.max_model_len = resolve_max_model_len(config)
         # Sized from device memory, the count is known once execute has published it (start).
         self.num_blocks = 0 if sized_from_device_memory(config) else num_kv_blocks(config)
         if self.num_blocks:
             _check_kv_fits(self.num_blocks, config.block_size, self.max_model_len)
-        model_config = load_model_config(config.model_path)
         if config.speculative is not None and config.speculative.model is not None:
             check_draft_vocabulary(config.speculative.model, self.bundle, model_config)
         # The stages read the tokenizer and model config from this snapshot (removed at stop).

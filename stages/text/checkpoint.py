@@ -237,6 +237,28 @@ def shard_shape(config: ModelConfig, world_size: int, rank: int) -> ShardShape:
     return ShardShape(local, first_head, first_kv, first_column)
 
 
+QUANT_BLOCK_WEIGHTS = 32  # GGUF's Q4_1 and Q8_0 blocks (and the int4/int8 groups), along inputs
+
+
+def quantized_shard_problem(config: ModelConfig, world_size: int) -> str | None:
+    """Why the ranks cannot hold quantized weights, or None: a row-parallel projection (o_proj,
+    down_proj) is cut along its inputs, which must fall on whole quantization blocks, so that
+    every rank's partial sums are the whole model's blocks."""
+    d = config.head_dim
+    for rank in range(world_size):
+        shard = shard_shape(config, world_size, rank)
+        heads = (shard.first_head * d, (shard.first_head + shard.config.num_heads) * d)
+        columns = (shard.first_column, shard.first_column + shard.config.intermediate_size)
+        for name, (start, stop) in (("o_proj", heads), ("down_proj", columns)):
+            if start % QUANT_BLOCK_WEIGHTS or stop % QUANT_BLOCK_WEIGHTS:
+                return (
+                    f"--tensor-parallel-size {world_size}: rank {rank} takes inputs "
+                    f"{start}-{stop} of {name}, which do not fall on its quantization blocks "
+                    f"of {QUANT_BLOCK_WEIGHTS} weights"
+                )
+    return None
+
+
 def cache_shape(config: ModelConfig, world_size: int) -> ModelConfig:
     """The shape KV blocks are sized by: the most KV heads a rank holds. Every rank has as many
     blocks (the scheduler hands out one set), as many as that rank's budget holds."""

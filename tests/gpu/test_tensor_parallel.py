@@ -164,19 +164,27 @@ def test_two_ranks_of_quantized_weights_give_the_logits_of_one(tmp_path, source)
 
 
 def test_a_shard_whose_inputs_split_a_quantization_block_is_refused_with_the_reason(tmp_path):
-    """llama_three_kv's 101 MLP columns split 50 + 51: rank 1's down_proj inputs start mid-block,
-    so no rank can hold whole blocks; the load names the projection and the cut, before it
-    joins any collective (the ranks of llama_wide cut whole blocks and load)."""
+    """llama_three_kv's 101 MLP columns split 50 + 51: the ranks' down_proj inputs end and start
+    mid-block, so they cannot hold whole blocks; the load names the projection and the cut
+    before it joins any collective, and so does the engine before any stage starts. The
+    ranks of llama_wide cut whole blocks."""
     from dataclasses import replace
 
-    from gpu.tensor_parallel import TensorParallel, quantized_cut_problem
+    from gpu.tensor_parallel import TensorParallel
+    from stages.config import EngineConfig
+    from stages.engine import Engine
+    from stages.text.checkpoint import UnsupportedModelError, quantized_shard_problem
 
     path = str(build_tiny_model("llama_three_kv", tmp_path / "three", seed=3))
     config = replace(RUNNER, quantization="int4")
-    with pytest.raises(ValueError, match=r"inputs 0-50 of down_proj.*blocks of 32"):
+    says = r"rank 0 takes inputs 0-50 of down_proj.*blocks of 32 weights"
+    with pytest.raises(UnsupportedModelError, match=says):
         ModelRunner.from_path(path, config, TensorParallel(0, 2))
+    engine = EngineConfig(model_path=path, quantization="int4", tensor_parallel_size=2)
+    with pytest.raises(UnsupportedModelError, match=says + ": add --quantization none"):
+        Engine(engine)
     wide = ModelRunner.from_path(str(build_tiny_model("llama_wide", tmp_path / "wide")), RUNNER)
-    assert quantized_cut_problem(wide.model_config, TensorParallel(1, 2)) is None
+    assert quantized_shard_problem(wide.model_config, 2) is None
 
 
 def test_ranks_size_their_kv_caches_to_the_fewest_blocks_any_device_has_room_for(tmp_path):
