@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -221,11 +223,12 @@ static inline void prefetch_row_l2(const void *cache, int64_t index, int64_t dim
         _mm_prefetch(row + off, _MM_HINT_T1);
 }
 
-/* acc[g][c] = sum_p probs[g][p] * V[p][c0 + c] for GN query heads and CN 16-wide chunks of
- * the head dimension; the GN * CN accumulators stay in registers across all positions. */
+/* acc[g][c] = sum_p probs[g][p] * V[p][c0 + c] for GN query vectors and CN 16-wide chunks of
+ * the head dimension; the GN * CN accumulators stay in registers across all positions. Vector
+ * g's output row is outs[g]. */
 static inline __attribute__((always_inline)) void pv_tile(
     const int GN, const int CN, const float *probs, int64_t probs_stride, const void *v_cache,
-    int bf16, const int64_t *rows, int64_t n, int64_t c0, float *out, int64_t dim,
+    int bf16, const int64_t *rows, int64_t n, int64_t c0, float *const *outs, int64_t dim,
     const float *inv) {
     __m512 acc[4][4];
     for (int g = 0; g < GN; g++)
@@ -243,14 +246,14 @@ static inline __attribute__((always_inline)) void pv_tile(
     }
     for (int g = 0; g < GN; g++)
         for (int c = 0; c < CN; c++)
-            _mm512_storeu_ps(out + g * dim + c0 + 16 * c,
+            _mm512_storeu_ps(outs[g] + c0 + 16 * c,
                              _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
 }
 
-#define PV_CASE(G, C)                                                                        \
-    case (G) * 8 + (C):                                                                      \
-        pv_tile(G, C, probs + g0 * stride, stride, v_cache, bf16, rows, n, c0, out + g0 * dim, \
-                dim, inv + g0);                                                              \
+#define PV_CASE(G, C)                                                                         \
+    case (G) * 8 + (C):                                                                       \
+        pv_tile(G, C, probs + v0 * stride, stride, v_cache, bf16, rows, upto, c0, outs + v0, \
+                dim, inv + v0);                                                               \
         break;
 
 /* The sums of 16 vectors as one: lane 4k + m of the result is the sum of a[4m + k] (callers put
@@ -269,7 +272,7 @@ static inline __m512 transpose_sum16(const __m512 *a) {
     return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
 }
 
-/* Scores of one query head against 16 keys held as float32 rows in `keys` (CN chunks of 16). */
+/* Scores of one query vector against 16 keys held as float32 rows in `keys` (CN chunks of 16). */
 static inline __attribute__((always_inline)) __m512 scores16(const int CN, const float *qg,
                                                              const float *keys) {
     __m512 qv[8], acc[16];
@@ -283,40 +286,69 @@ static inline __attribute__((always_inline)) __m512 scores16(const int CN, const
     return transpose_sum16(acc);
 }
 
-/* One (sequence, KV head) item: scores, softmax and the weighted sum of values. `rows` holds the
- * cache element offset of each visible position's K/V row for this KV head. Keys are taken 16 at
- * a time: converted once to float32 in `keys` (L1), scored against every query head of the group,
- * and the 16 dot products reduced together. */
-static void attend_avx512(const float *q, const void *k_cache, const void *v_cache, int bf16,
-                          const int64_t *rows, int64_t n, int64_t group, int64_t dim,
-                          float scale, float *probs, int64_t stride, float *out, float *keys) {
+/* Keys j0 .. j0 + m - 1 of `rows` into `keys` as float32 rows (zeros past m), CN chunks of 16
+ * each, prefetching the rows ahead (the walk through the block table hides the pattern) and,
+ * as the keys end, the first values. */
+static inline __attribute__((always_inline)) void load_keys16(
+    const int CN, const void *k_cache, const void *v_cache, int bf16, const int64_t *rows,
+    int64_t j0, int64_t m, int64_t n, int64_t dim, float *keys) {
+    for (int64_t r = 0; r < 16; r++) {
+        float *dst = keys + r * dim;
+        if (r >= m) {
+            for (int c = 0; c < CN; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_setzero_ps());
+            continue;
+        }
+        const int64_t j = j0 + r;
+        if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
+        if (j + KV_PREFETCH_FAR < n) {
+            prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
+        } else if (j + KV_PREFETCH_FAR - n < n) {
+            prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
+        }
+        for (int c = 0; c < CN; c++)
+            _mm512_storeu_ps(dst + 16 * c, load16(k_cache, rows[j] + 16 * c, bf16));
+    }
+}
+
+#define ATTEND_VECTORS 64 /* query vectors one work item holds at most (MAX_GROUP in Python) */
+
+/* One work item: `nv` query vectors of one KV head (its query group at one or more positions
+ * of a sequence), vector i attending to the first seen[i] keys of `rows` (the cache element
+ * offset of each position's K/V row for this head). Keys are taken 16 at a time: converted once
+ * to float32 in `keys` (L1), scored against every vector that sees them, the 16 dot products
+ * reduced together; then each vector's softmax, and the values weighted 4 vectors at a time.
+ * A vector's arithmetic does not depend on what else the item holds: a position verified with
+ * its neighbours gets the bits it gets when decoded alone (positions past seen[i] weigh 0). */
+static void attend_avx512(const float *const *qs, float *const *outs, const int64_t *seen,
+                          int64_t nv, const void *k_cache, const void *v_cache, int bf16,
+                          const int64_t *rows, int64_t dim, float scale, float *probs,
+                          int64_t stride, float *keys) {
     const int64_t chunks = dim / 16;
-    float inv[64], mx[64];
-    for (int64_t g = 0; g < group; g++) mx[g] = -INFINITY;
+    int64_t n = 0;
+    for (int64_t i = 0; i < nv; i++) n = seen[i] > n ? seen[i] : n;
+    float inv[ATTEND_VECTORS];
+    __m512 top[ATTEND_VECTORS];
+    for (int64_t i = 0; i < nv; i++) top[i] = _mm512_set1_ps(-INFINITY);
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int64_t m = n - j0 < 16 ? n - j0 : 16;
-        for (int64_t r = 0; r < 16; r++) {
-            float *dst = keys + r * dim;
-            if (r >= m) {
-                for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_setzero_ps());
-                continue;
+        switch (chunks) {
+            case 4: load_keys16(4, k_cache, v_cache, bf16, rows, j0, m, n, dim, keys); break;
+            case 8: load_keys16(8, k_cache, v_cache, bf16, rows, j0, m, n, dim, keys); break;
+            case 2: load_keys16(2, k_cache, v_cache, bf16, rows, j0, m, n, dim, keys); break;
+            default: {
+                for (int64_t r = 0; r < 16; r++)
+                    for (int64_t c = 0; c < chunks; c++)
+                        _mm512_storeu_ps(keys + r * dim + 16 * c,
+                                         r < m ? load16(k_cache, rows[j0 + r] + 16 * c, bf16)
+                                               : _mm512_setzero_ps());
             }
-            const int64_t j = j0 + r;
-            /* key rows a few positions ahead: the walk through the block table hides the pattern */
-            if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
-            if (j + KV_PREFETCH_FAR < n) {
-                prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
-            } else if (j + KV_PREFETCH_FAR - n < n) {
-                /* the keys are ending: bring in the first values */
-                prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
-            }
-            for (int64_t c = 0; c < chunks; c++)
-                _mm512_storeu_ps(dst + 16 * c, load16(k_cache, rows[j] + 16 * c, bf16));
         }
-        const __mmask16 valid = (__mmask16)((1u << m) - 1u);
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = q + g * dim;
+        for (int64_t i = 0; i < nv; i++) {
+            if (seen[i] <= j0) continue;
+            const int64_t mi = seen[i] - j0 < 16 ? seen[i] - j0 : 16;
+            const __mmask16 valid = (__mmask16)((1u << mi) - 1u);
+            const float *qg = qs[i];
             __m512 sc;
             switch (chunks) {
                 case 4: sc = scores16(4, qg, keys); break;
@@ -336,20 +368,22 @@ static void attend_avx512(const float *q, const void *k_cache, const void *v_cac
                 }
             }
             sc = _mm512_mul_ps(sc, vscale);
-            _mm512_mask_storeu_ps(probs + g * stride + j0, valid, sc);
-            const float top = _mm512_mask_reduce_max_ps(valid, sc);
-            mx[g] = top > mx[g] ? top : mx[g];
+            _mm512_mask_storeu_ps(probs + i * stride + j0, valid, sc);
+            top[i] = _mm512_mask_max_ps(top[i], valid, top[i], sc);
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *pg = probs + g * stride;
-        const float sum = exp_shifted(pg, pg, n, mx[g]);
-        inv[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t i = 0; i < nv; i++) {
+        float *pg = probs + i * stride;
+        const float sum = exp_shifted(pg, pg, seen[i], _mm512_reduce_max_ps(top[i]));
+        for (int64_t j = seen[i]; j < n; j++) pg[j] = 0.0f;
+        inv[i] = sum > 0.0f ? 1.0f / sum : 0.0f;
     }
     for (int64_t c0 = 0; c0 < chunks * 16; c0 += 64) {
         const int64_t cn = (chunks * 16 - c0) / 16 < 4 ? (chunks * 16 - c0) / 16 : 4;
-        for (int64_t g0 = 0; g0 < group; g0 += 4) {
-            const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+        for (int64_t v0 = 0; v0 < nv; v0 += 4) {
+            const int64_t gn = nv - v0 < 4 ? nv - v0 : 4;
+            int64_t upto = 0; /* the values any of these vectors weighs */
+            for (int64_t i = v0; i < v0 + gn; i++) upto = seen[i] > upto ? seen[i] : upto;
             switch (gn * 8 + cn) {
                 PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4)
                 PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4)
@@ -442,10 +476,15 @@ static void attend_scalar(const float *q, const void *k_cache, const void *v_cac
     }
 }
 
-/* One query token per sequence. q rows: q + token_index[s] * q_stride, [H, D]; out likewise.
- * Sequence s sees cache positions [lo, context_lens[s]) through block_tables[s] (lo > 0 only
- * with a sliding window). Work items are (sequence, KV head): its query group is scored
- * against each key; softmax and accumulation in float32. */
+/* One query token per row. q rows: q + token_index[s] * q_stride, [H, D]; out likewise. Row s
+ * sees cache positions [lo, context_lens[s]) through block_tables[s] (lo > 0 only with a
+ * sliding window). Work items are (rows, KV head): its query group is scored against each key;
+ * softmax and accumulation in float32.
+ *
+ * Rows whose keys are a prefix of the next row's (the same blocks for every position the
+ * shorter one sees: the positions of a sequence verifying drafts, each attended as a decode)
+ * share an item on AVX-512: their keys are read and converted once for all of them. A run is
+ * cut into equal pieces so that the items still keep every thread busy. */
 void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *token_index,
                             int64_t num_seqs, const int32_t *block_tables, int64_t table_stride,
                             const int32_t *context_lens, const void *k_cache, const void *v_cache,
@@ -457,30 +496,85 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
     for (int64_t s = 0; s < num_seqs; s++)
         if (context_lens[s] > max_len) max_len = context_lens[s];
     const int64_t stride = max_len + 16;
+    /* first[p]: the first row of piece p (first[pieces] = num_seqs) */
+    int64_t first[num_seqs + 1];
+    int64_t pieces = 0, widest = 1;
+#if defined(__AVX512F__)
+    const int spans = dim % 16 == 0 && window <= 0;
+#else
+    const int spans = 0;
+#endif
+    if (!spans) {
+        for (int64_t s = 0; s <= num_seqs; s++) first[s] = s;
+        pieces = num_seqs;
+    } else {
+        /* rows per piece: ATTEND_VECTORS query vectors, and 2 items per thread where possible */
+        const int64_t threads = omp_get_max_threads();
+        int64_t cap = num_seqs * kv_heads / (2 * threads);
+        if (cap > ATTEND_VECTORS / group) cap = ATTEND_VECTORS / group;
+        if (cap < 1) cap = 1;
+        for (int64_t s = 0; s < num_seqs;) {
+            int64_t e = s + 1;
+            while (e < num_seqs && context_lens[e] >= context_lens[e - 1] &&
+                   !memcmp(block_tables + e * table_stride, block_tables + (e - 1) * table_stride,
+                           sizeof(int32_t) *
+                               (size_t)((context_lens[e - 1] + block_size - 1) / block_size)))
+                e++;
+            const int64_t run = e - s, parts = (run + cap - 1) / cap;
+            for (int64_t k = 0; k < parts; k++) first[pieces++] = s + run * k / parts;
+            if ((run + parts - 1) / parts > widest) widest = (run + parts - 1) / parts;
+            s = e;
+        }
+        first[pieces] = num_seqs;
+    }
 #pragma omp parallel
     {
-        float *probs = (float *)malloc(sizeof(float) * (size_t)(group * stride));
+        float *probs = (float *)malloc(sizeof(float) * (size_t)(widest * group * stride));
         int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)(max_len + 1));
         float *keys = (float *)malloc(sizeof(float) * (size_t)(16 * dim));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_seqs * kv_heads; item++) {
-            const int64_t s = item / kv_heads, kvh = item % kv_heads;
-            const int64_t len = context_lens[s];
+        for (int64_t item = 0; item < pieces * kv_heads; item++) {
+            const int64_t p = item / kv_heads, kvh = item % kv_heads;
+            const int64_t s0 = first[p], s1 = first[p + 1], last = s1 - 1;
+            const int64_t len = context_lens[last];
             const int64_t lo = (window > 0 && len > window) ? len - window : 0;
-            const int32_t *table = block_tables + s * table_stride;
-            for (int64_t p = lo; p < len; p++)
-                rows[p - lo] =
-                    ((int64_t)table[p / block_size] * block_size + p % block_size) * kv_heads * dim +
-                    kvh * dim;
-            const float *qs = q + token_index[s] * q_stride + kvh * group * dim;
-            float *os = out + token_index[s] * out_stride + kvh * group * dim;
+            const int32_t *table = block_tables + last * table_stride;
+            for (int64_t pos = lo; pos < len; pos++)
+                rows[pos - lo] = ((int64_t)table[pos / block_size] * block_size +
+                                  pos % block_size) * kv_heads * dim +
+                                 kvh * dim;
 #if defined(__AVX512F__)
-            if (dim % 16 == 0) {
-                attend_avx512(qs, k_cache, v_cache, cache_bf16, rows, len - lo, group, dim, scale,
-                              probs, stride, os, keys);
+            if (spans) {
+                const float *qv[ATTEND_VECTORS];
+                float *ov[ATTEND_VECTORS];
+                int64_t seen[ATTEND_VECTORS], nv = 0;
+                for (int64_t s = s0; s < s1; s++)
+                    for (int64_t g = 0; g < group; g++, nv++) {
+                        qv[nv] = q + token_index[s] * q_stride + (kvh * group + g) * dim;
+                        ov[nv] = out + token_index[s] * out_stride + (kvh * group + g) * dim;
+                        seen[nv] = context_lens[s];
+                    }
+                attend_avx512(qv, ov, seen, nv, k_cache, v_cache, cache_bf16, rows, dim, scale,
+                              probs, stride, keys);
                 continue;
             }
-#elif defined(__AVX2__) && defined(__FMA__)
+            if (dim % 16 == 0) { /* a sliding window: one row per item, its own window */
+                const float *qv[ATTEND_VECTORS];
+                float *ov[ATTEND_VECTORS];
+                int64_t seen[ATTEND_VECTORS];
+                for (int64_t g = 0; g < group; g++) {
+                    qv[g] = q + token_index[s0] * q_stride + (kvh * group + g) * dim;
+                    ov[g] = out + token_index[s0] * out_stride + (kvh * group + g) * dim;
+                    seen[g] = len - lo;
+                }
+                attend_avx512(qv, ov, seen, group, k_cache, v_cache, cache_bf16, rows, dim,
+                              scale, probs, stride, keys);
+                continue;
+            }
+#endif
+            const float *qs = q + token_index[s0] * q_stride + kvh * group * dim;
+            float *os = out + token_index[s0] * out_stride + kvh * group * dim;
+#if defined(__AVX2__) && defined(__FMA__)
             if (dim % 8 == 0 && dim <= 8 * MAX_DIM_VECS) {
                 attend_avx2(qs, k_cache, v_cache, cache_bf16, rows, len - lo, group, dim, scale,
                             probs, stride, os);

@@ -145,7 +145,8 @@ def test_q8_0_matmul_against_the_dequantized_weights(rows, many_rows):
     linear = NativeQ8Linear.from_float(weight, many_rows)
     groups = weight.view(300, 5, 32)
     scales = (groups.abs().amax(-1) / 127).half().float()
-    codes = torch.round(groups / scales[..., None]).clamp(-127, 127)
+    # times the reciprocal, as llama.cpp's quantize_row_q8_0 (dividing rounds a tie differently)
+    codes = torch.round(groups * (1.0 / scales[..., None])).clamp(-127, 127)
     dequantized = (codes * scales[..., None]).view(300, 160)
     torch.testing.assert_close(_weights_of(linear), dequantized)
     assert _relative_error(dequantized, weight) < 0.01
