@@ -286,30 +286,6 @@ static inline __attribute__((always_inline)) __m512 scores16(const int CN, const
     return transpose_sum16(acc);
 }
 
-/* Keys j0 .. j0 + m - 1 of `rows` into `keys` as float32 rows (zeros past m), CN chunks of 16
- * each, prefetching the rows ahead (the walk through the block table hides the pattern) and,
- * as the keys end, the first values. */
-static inline __attribute__((always_inline)) void load_keys16(
-    const int CN, const void *k_cache, const void *v_cache, int bf16, const int64_t *rows,
-    int64_t j0, int64_t m, int64_t n, int64_t dim, float *keys) {
-    for (int64_t r = 0; r < 16; r++) {
-        float *dst = keys + r * dim;
-        if (r >= m) {
-            for (int c = 0; c < CN; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_setzero_ps());
-            continue;
-        }
-        const int64_t j = j0 + r;
-        if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
-        if (j + KV_PREFETCH_FAR < n) {
-            prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
-        } else if (j + KV_PREFETCH_FAR - n < n) {
-            prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
-        }
-        for (int c = 0; c < CN; c++)
-            _mm512_storeu_ps(dst + 16 * c, load16(k_cache, rows[j] + 16 * c, bf16));
-    }
-}
-
 #define ATTEND_VECTORS 64 /* query vectors one work item holds at most (MAX_GROUP in Python) */
 
 /* One work item: `nv` query vectors of one KV head (its query group at one or more positions
@@ -332,17 +308,21 @@ static void attend_avx512(const float *const *qs, float *const *outs, const int6
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int64_t m = n - j0 < 16 ? n - j0 : 16;
-        switch (chunks) {
-            case 4: load_keys16(4, k_cache, v_cache, bf16, rows, j0, m, n, dim, keys); break;
-            case 8: load_keys16(8, k_cache, v_cache, bf16, rows, j0, m, n, dim, keys); break;
-            case 2: load_keys16(2, k_cache, v_cache, bf16, rows, j0, m, n, dim, keys); break;
-            default: {
-                for (int64_t r = 0; r < 16; r++)
-                    for (int64_t c = 0; c < chunks; c++)
-                        _mm512_storeu_ps(keys + r * dim + 16 * c,
-                                         r < m ? load16(k_cache, rows[j0 + r] + 16 * c, bf16)
-                                               : _mm512_setzero_ps());
+        for (int64_t r = 0; r < 16; r++) {
+            float *dst = keys + r * dim;
+            if (r >= m) {
+                for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_setzero_ps());
+                continue;
             }
+            const int64_t j = j0 + r;
+            if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
+            if (j + KV_PREFETCH_FAR < n) {
+                prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
+            } else if (j + KV_PREFETCH_FAR - n < n) {
+                prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
+            }
+            for (int64_t c = 0; c < chunks; c++)
+                _mm512_storeu_ps(dst + 16 * c, load16(k_cache, rows[j] + 16 * c, bf16));
         }
         for (int64_t i = 0; i < nv; i++) {
             if (seen[i] <= j0) continue;

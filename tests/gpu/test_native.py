@@ -105,6 +105,80 @@ def test_paged_decode_attention_matches_the_reference(heads, kv_heads, dim, cach
     assert out[3].isnan().all()  # rows that are not decodes are left alone
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "cache_dtype"),
+    [
+        (9, 3, 64, torch.bfloat16),  # SmolLM2's shape
+        (10, 2, 32, torch.float32),
+        (8, 1, 128, torch.bfloat16),  # a group of 8: 8 rows fill an item
+    ],
+)
+def test_decode_rows_of_one_sequence_share_an_item_and_keep_their_bits(
+    heads, kv_heads, dim, cache_dtype
+):
+    """A sequence verifying drafts is attended as consecutive decode rows on one block table
+    (gpu.runner._attention_rows). The kernel reads their keys once for all of them; each row must
+    still get the bits it gets attended alone, or greedy speculation would not write plain
+    decoding's text."""
+    block_size, num_blocks = 4, 64
+    rng = np.random.default_rng(dim)
+    order = rng.permutation(num_blocks).astype(np.int32)
+    spans = [(30, 6), (5, 1), (17, 11), (9, 2)]  # (first row's context, positions verified)
+    tables, lens = [], []
+    used = 0
+    for context, verified in spans:
+        need = -(-(context + verified - 1) // block_size)
+        table = np.zeros(20, np.int32)
+        table[:need] = order[used : used + need]
+        used += need
+        for j in range(verified):
+            tables.append(table)
+            lens.append(context + j)
+    # a prefix-cached sequence: the first span's full blocks, then blocks of its own
+    shared = tables[0].copy()
+    shared[3:6] = order[used : used + 3]
+    tables.append(shared)
+    lens.append(21)
+    tables.insert(7, tables[0])  # the first span's table after an unrelated row: its own item
+    lens.insert(7, 34)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
+    rows = len(lens)
+    block_tables = torch.from_numpy(np.stack(tables))
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(rows, heads, dim)
+    index = torch.arange(rows)
+    out = torch.empty(rows, heads, dim)
+    native.paged_decode_attention(
+        q, k_cache, v_cache, index, block_tables, context_lens, 0.2, None, out
+    )
+    for r in range(rows):
+        alone = torch.empty(1, heads, dim)
+        native.paged_decode_attention(
+            q[r : r + 1],
+            k_cache,
+            v_cache,
+            torch.zeros(1, dtype=torch.int64),
+            block_tables[r : r + 1],
+            context_lens[r : r + 1],
+            0.2,
+            None,
+            alone,
+        )
+        assert torch.equal(out[r], alone[0]), f"row {r}"
+    expected = reference.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        torch.arange(rows + 1, dtype=torch.int32),
+        context_lens,
+        0.2,
+        None,
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
 def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got - expected).abs().max() / expected.abs().max()).item()
 
