@@ -606,10 +606,21 @@ class ModelRunner:
             else:
                 history.append(TokenHistory(seen - prompt_len, _NO_IDS, _NO_IDS))
         first_row = np.array([last_row[int(b)] for b in sampled]) - num_draft[sampled]
-        rows = torch.from_numpy(np.repeat(first_row, per_row) + offset)
-        picked = logits[rows.to(logits.device)]  # [S', V] on the device
+        rows = np.repeat(first_row, per_row) + offset
         by_model = draft_probs is not None
-        on_device = sample(picked, params, history, self.generator, keep_probs=by_model)
+        if len(rows) == logits.shape[0] and (rows == np.arange(len(rows))).all():
+            # Every logits row is sampled, in order (decodes and verifications): no [S', V]
+            # copy, and sampling may mask and penalise them in place unless something reads
+            # them after (a draft model's rejection sampling; prompt logprobs read the chunk's
+            # rows, where a sampled row is one they do not use, but need not know that).
+            picked = logits
+            owned = not by_model and not (batch.prompt_logprobs >= 0).any()
+        else:
+            picked = logits[torch.from_numpy(rows).to(logits.device)]  # [S', V]
+            owned = not by_model
+        on_device = sample(
+            picked, params, history, self.generator, keep_probs=by_model, owned=owned
+        )
         # One copy back of the [S'] rows (and their top-k), not of [S', V] logits; a draft
         # model's distributions stay on the device for its rejection sampling.
         result = SampleOutput(

@@ -375,14 +375,16 @@ def sample(
     history: Sequence[TokenHistory],
     generator: torch.Generator | None = None,
     keep_probs: bool = False,
+    owned: bool = False,
 ) -> SampleOutput:
     """One token per row. `generator` drives rows without a seed. Logprobs are computed for the
     rows that asked for them (num_logprobs >= 0); other rows get nan and rank 0. Everything runs
     on the logits' device (`generator` and the outputs are there too). `keep_probs` also returns
-    each row's distribution."""
+    each row's distribution. `owned`: the caller no longer needs `logits`, which the knobs may
+    then change in place instead of in a copy."""
     wanted = np.flatnonzero(params.num_logprobs >= 0)
     raw_logprobs = torch.log_softmax(logits[_on(wanted, logits)].float(), dim=1)
-    logits = logits.float().clone()
+    logits = logits.float() if owned else logits.float().clone()
     _apply_token_rules(logits, params, history)
     _apply_penalties(logits, params, history)
 

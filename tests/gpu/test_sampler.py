@@ -329,3 +329,26 @@ def test_a_forced_token_is_taken_with_its_own_logprob():
     assert out.token_ids.tolist() == [11, int(logits[1].argmax())]
     raw = torch.log_softmax(logits, dim=1)
     torch.testing.assert_close(out.logprobs[0], raw[0, 11])
+
+
+def test_owned_logits_are_sampled_in_place_with_the_same_result():
+    """A caller that no longer needs its logits lets the knobs change them in place; the tokens
+    and logprobs are those of sampling a copy, and a caller that keeps them sees them unchanged."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5))
+    params = SamplingArrays.defaults(
+        3,
+        temperature=np.array([0.0, 0.7, 0.0], np.float32),
+        logit_bias_ids=ids([[int(logits[0].argmax())], [1], [2]]),
+        logit_bias_values=np.array([[-100.0], [3.0], [50.0]], np.float32),
+        frequency_penalty=np.array([0.0, 0.0, 1.5], np.float32),
+        num_logprobs=np.zeros(3, np.int32),
+    )
+    kept = logits.clone()
+    copy = sample(logits, params, histories(3, [2, 2]), torch.Generator().manual_seed(1))
+    assert torch.equal(logits, kept)
+    owned = sample(
+        logits, params, histories(3, [2, 2]), torch.Generator().manual_seed(1), owned=True
+    )
+    assert not torch.equal(logits, kept)  # masked and penalised in place
+    for field in ("token_ids", "logprobs", "ranks"):
+        assert torch.equal(getattr(copy, field), getattr(owned, field)), field
