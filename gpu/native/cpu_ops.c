@@ -315,10 +315,12 @@ static void attend_avx512(const float *const *qs, float *const *outs, const int6
                 continue;
             }
             const int64_t j = j0 + r;
+            /* key rows a few positions ahead: the walk through the block table hides the pattern */
             if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
             if (j + KV_PREFETCH_FAR < n) {
                 prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
             } else if (j + KV_PREFETCH_FAR - n < n) {
+                /* the keys are ending: bring in the first values */
                 prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
             }
             for (int64_t c = 0; c < chunks; c++)
@@ -524,7 +526,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
                                   pos % block_size) * kv_heads * dim +
                                  kvh * dim;
 #if defined(__AVX512F__)
-            if (spans) {
+            if (dim % 16 == 0) { /* a piece's rows (one, with a sliding window) */
                 const float *qv[ATTEND_VECTORS];
                 float *ov[ATTEND_VECTORS];
                 int64_t seen[ATTEND_VECTORS], nv = 0;
@@ -532,23 +534,10 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
                     for (int64_t g = 0; g < group; g++, nv++) {
                         qv[nv] = q + token_index[s] * q_stride + (kvh * group + g) * dim;
                         ov[nv] = out + token_index[s] * out_stride + (kvh * group + g) * dim;
-                        seen[nv] = context_lens[s];
+                        seen[nv] = context_lens[s] - lo;
                     }
                 attend_avx512(qv, ov, seen, nv, k_cache, v_cache, cache_bf16, rows, dim, scale,
                               probs, stride, keys);
-                continue;
-            }
-            if (dim % 16 == 0) { /* a sliding window: one row per item, its own window */
-                const float *qv[ATTEND_VECTORS];
-                float *ov[ATTEND_VECTORS];
-                int64_t seen[ATTEND_VECTORS];
-                for (int64_t g = 0; g < group; g++) {
-                    qv[g] = q + token_index[s0] * q_stride + (kvh * group + g) * dim;
-                    ov[g] = out + token_index[s0] * out_stride + (kvh * group + g) * dim;
-                    seen[g] = len - lo;
-                }
-                attend_avx512(qv, ov, seen, group, k_cache, v_cache, cache_bf16, rows, dim,
-                              scale, probs, stride, keys);
                 continue;
             }
 #endif

@@ -65,7 +65,7 @@ def test_rope_rotates_in_place_and_writes_the_cache(cache_dtype):
         (9, 3, 64, torch.float32, None),  # SmolLM2's shape, the AVX-512 path
         (10, 2, 32, torch.bfloat16, None),  # group of 5: two register tiles
         (4, 4, 80, torch.float32, 7),  # no grouping, 5 chunks of 16, sliding window
-        (6, 2, 24, torch.float32, None),  # head_dim not a multiple of 16: the portable path
+        (6, 2, 24, torch.float32, None),  # head_dim not a multiple of 16: 8 lanes (AVX2)
         (8, 1, 128, torch.bfloat16, 20),
     ],
 )
