@@ -187,6 +187,19 @@ def main(argv: list[str] | None = None) -> int:
         help="run every repeat on one pair of servers (faster; by default each repeat starts a "
         "fresh pair, so that one process's luck does not weigh on every ratio)",
     )
+    spec.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="instead of on against off: the most the grounded cases can reach, the model's greedy "
+        "outputs replayed through the method's proposer and priced with the verification cost "
+        "measured on the model (no pipeline costs; ngram and suffix)",
+    )
+    spec.add_argument(
+        "--ceiling-weights",
+        default="int4",
+        choices=["fp32", "bf16", "int8", "int4"],
+        help="the weights the verification cost is measured with (the default model serves int4)",
+    )
     spec.add_argument("--port", type=int, default=8610, help="the servers take PORT and PORT + 1")
     spec.add_argument("--log-dir", default=".", help="where the two servers' logs go")
     spec.add_argument("--json", dest="json_path")
@@ -382,8 +395,15 @@ def run_spec_cli(args: argparse.Namespace) -> int:
         draft = args.draft_model if args.draft_model != "self" else args.model
         config = spec_bench.draft_model_config(draft, args.num_speculative_tokens)
         bench_args = replace(bench_args, speculative_config=config)
-    report = spec_bench.run_spec_bench(bench_args, args.log_dir)
-    print(spec_bench.format_table(report))
+    if args.ceiling:
+        try:
+            report = spec_bench.run_ceiling(bench_args, args.log_dir, args.ceiling_weights)
+        except ValueError as error:
+            raise SystemExit(f"pipeline-bench spec: {error}") from None
+        print(spec_bench.format_ceiling(report))
+    else:
+        report = spec_bench.run_spec_bench(bench_args, args.log_dir)
+        print(spec_bench.format_table(report))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)

@@ -203,3 +203,105 @@ def format_table(report: dict[str, Any]) -> str:
             f"{on['itl_p99_ms']:.1f} / {off['itl_p99_ms']:.1f} |"
         )
     return "\n".join(lines)
+
+
+# -- the ceiling ---------------------------------------------------------------------------------
+
+
+def run_ceiling(args: SpecBenchArgs, log_dir: str, weights: str = "int4") -> dict[str, Any]:
+    """The most the grounded cases' ratios can reach with this model, method and CPU: each
+    request's greedy output (from a server without speculation) replayed through the method's
+    proposer (perf/spec_replay.py), priced with the verification cost measured on the model at
+    the case's batch (`pipeline-bench model --verify-drafts`)."""
+    from perf import model_bench, spec_replay
+    from stages.config import default_model_path
+    from stages.speculation import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec.proposes_in_execute:
+        raise ValueError("--ceiling replays model-free methods (ngram, suffix), not a draft model")
+    k = spec.num_speculative_tokens
+    cases = [(c, n) for workload, c, n, _, _ in CASES if workload == "grounded"]
+    print("[spec ceiling] verification cost on the model ...", file=sys.stderr, flush=True)
+    bench = model_bench.run_model_bench(
+        model_bench.ModelBenchArgs(
+            model_path=args.model or default_model_path(),
+            weights=(weights,),
+            batches=tuple(c for c, _ in cases),
+            steps=20,
+            threads=args.threads,
+            baseline=False,
+            verify_drafts=k,
+        )
+    )
+    cost = {
+        row["batch"]: row["decode_steps"] for row in bench["rows"] if row["mode"] == f"verify{k}"
+    }
+    common = ([args.model] if args.model else []) + ["--threads", str(args.threads)]
+    rows = []
+    with _server(common, args.port, os.path.join(log_dir, "spec-off.log")) as url:
+        for concurrency, count in cases:
+            print(f"[spec ceiling] grounded c={concurrency}: greedy outputs", file=sys.stderr)
+            work = serve_bench.grounded(count, args.max_tokens, seed=0)  # the bench's prompts
+            requests = [_greedy(url, messages, args.max_tokens) for messages in work.prompts]
+            total = spec_replay.replay_all(
+                spec, requests, spec_replay.linear_cost(cost[concurrency], k)
+            )
+            rows.append(
+                {
+                    "workload": "grounded",
+                    "concurrency": concurrency,
+                    "verify_decode_steps": cost[concurrency],
+                    **total.summary(),
+                }
+            )
+    return {"speculative_config": args.speculative_config, "weights": weights, "rows": rows}
+
+
+def _greedy(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[Any, Any]:
+    """(prompt ids, output ids) of a greedy completion, as the bench's load generator asks it
+    (ignore_eos: every request runs to max_tokens)."""
+    import numpy as np
+
+    port = int(url.rsplit(":", 1)[1])
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        connection.request("GET", "/v1/models")
+        model = json.loads(connection.getresponse().read())["data"][0]["id"]
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        reply = json.loads(connection.getresponse().read())
+    finally:
+        connection.close()
+    return (
+        np.asarray(reply["prompt_token_ids"], np.int32),
+        np.asarray(reply["choices"][0]["token_ids"], np.int32),
+    )
+
+
+def format_ceiling(report: dict[str, Any]) -> str:
+    lines = [
+        "| workload | c | verify k (decode steps) | steps with a proposal | accepted | tokens per step "
+        "| ceiling, every proposal | ceiling, perfect draft length |",
+        "|" + "---|" * 8,
+    ]
+    goals = {c: goal for w, c, _, _, goal in CASES if w == "grounded"}
+    for row in report["rows"]:
+        goal = goals.get(row["concurrency"])
+        lines.append(
+            f"| {row['workload']} | {row['concurrency']} | {row['verify_decode_steps']:.2f} | "
+            f"{row['steps_with_proposal']:.0%} | {row['acceptance_rate']:.0%} | "
+            f"{row['tokens_per_step']:.2f} | {row['ratio']:.2f}x | {row['oracle_ratio']:.2f}x"
+            + (f" (goal {goal:g}x)" if goal else "")
+            + " |"
+        )
+    return "\n".join(lines)

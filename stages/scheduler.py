@@ -35,7 +35,7 @@ from stages.beam_group import BeamGroup, BeamRequest, Decode
 from stages.draft_policy import StepCost
 from stages.kv_blocks import BlockManager, prompt_block_hashes
 from stages.rings import common as m
-from stages.speculation import SpeculativeConfig, SuffixCache, propose_ngram, propose_suffix
+from stages.speculation import SpeculativeConfig, SuffixCache, propose
 
 # What `Scheduler.stats` reports, in the order schedule publishes it to the server as gauges.
 GAUGES = (
@@ -494,14 +494,7 @@ class Scheduler:
         if spec.proposes_in_execute:  # a draft model: positions reserved, drafts unknown (-1)
             return np.full(room, -1, np.int32)
         tokens = np.concatenate([seq.prompt_ids, np.asarray(seq.output_ids, np.int32)])
-        if spec.suffix is None:
-            return propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
-        # The better of what the request's own tokens and what recent outputs propose.
-        own, own_score = propose_suffix(tokens, tokens, room, spec.suffix, before=len(tokens) - 1)
-        if self.suffix_cache is None or not len(self.suffix_cache.tokens):
-            return own
-        past, past_score = propose_suffix(self.suffix_cache.tokens, tokens, room, spec.suffix)
-        return past if past_score > own_score else own
+        return propose(spec, tokens, room, self.suffix_cache)
 
     def _drafts(
         self,

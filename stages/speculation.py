@@ -266,6 +266,26 @@ def propose_suffix(
     return np.asarray(drafts, np.int32), expected
 
 
+def propose(
+    spec: SpeculativeConfig,
+    tokens: np.ndarray,  # [N] int32: the request's prompt and outputs
+    room: int,  # drafts at most
+    suffix_cache: SuffixCache | None = None,  # recent outputs, for suffix decoding
+) -> np.ndarray:  # -> [<= room] int32
+    """A model-free method's proposal for the tokens after `tokens` (what schedule drafts, and
+    what `pipeline-bench spec --ceiling` replays): prompt lookup for ngram; for suffix, the
+    better of what the request's own tokens and what recent outputs propose."""
+    if room <= 0:
+        return tokens[:0]
+    if spec.suffix is None:
+        return propose_ngram(tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+    own, own_score = propose_suffix(tokens, tokens, room, spec.suffix, before=len(tokens) - 1)
+    if suffix_cache is None or not len(suffix_cache.tokens):
+        return own
+    past, past_score = propose_suffix(suffix_cache.tokens, tokens, room, spec.suffix)
+    return past if past_score > own_score else own
+
+
 class SuffixCache:
     """The outputs of recent requests, for suffix decoding to look in beside a request's own
     tokens: FIFO, at most `max_cached_requests`, kept as one array with -1 between outputs."""
