@@ -396,6 +396,8 @@ def run_spec_cli(args: argparse.Namespace) -> int:
         config = spec_bench.draft_model_config(draft, args.num_speculative_tokens)
         bench_args = replace(bench_args, speculative_config=config)
     if args.ceiling:
+        if args.repeats != 1 or args.same_servers:
+            raise SystemExit("pipeline-bench spec: --ceiling runs once, on one server")
         try:
             report = spec_bench.run_ceiling(bench_args, args.log_dir, args.ceiling_weights)
         except ValueError as error:

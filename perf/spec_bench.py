@@ -237,7 +237,8 @@ def run_ceiling(args: SpecBenchArgs, log_dir: str, weights: str = "int4") -> dic
     cost = {
         row["batch"]: row["decode_steps"] for row in bench["rows"] if row["mode"] == f"verify{k}"
     }
-    common = ([args.model] if args.model else []) + ["--threads", str(args.threads)]
+    common = [*([args.model] if args.model else []), "--threads", str(args.threads)]
+    common += args.extra_server_args
     rows = []
     with _server(common, args.port, os.path.join(log_dir, "spec-off.log")) as url:
         for concurrency, count in cases:

@@ -87,3 +87,12 @@ def test_the_ceiling_table_sets_each_case_beside_its_goal():
     }
     table = spec_bench.format_ceiling({"rows": [row]})
     assert "| grounded | 1 | 1.40 | 41% | 69% | 2.41 | 2.27x | 2.31x (goal 2.5x) |" in table
+
+
+def test_the_ceiling_refuses_what_it_would_not_honour(tmp_path):
+    from perf import cli
+
+    with pytest.raises(SystemExit, match="runs once"):
+        cli.main(["spec", "--ceiling", "--repeats", "2"])
+    with pytest.raises(SystemExit, match="draft model"):
+        cli.main(["spec", "--ceiling", "--draft-model", str(tmp_path)])
