@@ -105,6 +105,20 @@ def _median_time(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _alternating(first: Any, second: Any, repeats: int) -> tuple[float, float]:
+    """Median times of two steps timed in turns (which goes first alternating), after a warm-up
+    of each."""
+    first(), second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeats):
+        for which in (i % 2, 1 - i % 2):
+            fn = (first, second)[which]
+            start = time.perf_counter()
+            fn()
+            times[which].append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def decode_batch(
     runner: ModelRunner, batch: int, context: int, rng: np.random.Generator
 ) -> StepBatch:
@@ -320,7 +334,7 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
                 file=sys.stderr,
             )
             if args.verify_drafts > 0:
-                rows.append(_verify_row(args, runner, share, weights, batch, seconds, rng))
+                rows.append(_verify_row(args, runner, share, weights, batch, rng))
         close()
         del runner
         if cuda:
@@ -334,15 +348,19 @@ def _verify_row(
     share: Callable[[ForwardInputs], None] | None,
     weights: str,
     batch: int,
-    decode_seconds: float,
     rng: np.random.Generator,
 ) -> dict[str, Any]:
     """A step verifying `verify_drafts` drafts per sequence, against the batch's decode step.
     Its cost in decode steps is the break-even: drafting pays only where a sequence emits more
     tokens than that per verifying step (accepted drafts + 1), before the pipeline's own costs."""
     k = args.verify_drafts
+    # Timed against decode steps of the same batch, alternating, so that the machine's drift
+    # between the two measurements does not land in the ratio.
+    decode = decode_batch(runner, batch, args.context, rng)
     step = verify_batch(runner, batch, args.context, k, rng)
-    seconds = _median_time(partial(runner.step, step, share), args.steps)
+    decode_seconds, seconds = _alternating(
+        partial(runner.step, decode, share), partial(runner.step, step, share), args.steps
+    )
     runner.free(np.arange(batch))
     print(
         f"[{weights}] verify {k} drafts, batch {batch}: {seconds * 1e3:.1f} ms/step, "
