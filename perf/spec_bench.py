@@ -212,7 +212,7 @@ def run_ceiling(args: SpecBenchArgs, log_dir: str, weights: str = "int4") -> dic
     """The most the grounded cases' ratios can reach with this model, method and CPU: each
     request's greedy output (from a server without speculation) replayed through the method's
     proposer (perf/spec_replay.py), priced with the verification cost measured on the model at
-    the case's batch (`pipeline-bench model --verify-drafts`)."""
+    the case's batch (`pipeline-bench model --verify-drafts`, context 256)."""
     from perf import model_bench, spec_replay
     from stages.config import default_model_path
     from stages.speculation import SpeculativeConfig
