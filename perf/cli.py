@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         help="speculate with this draft model instead (draft_model, --num-speculative-tokens); "
         "'self' drafts with the served model itself",
     )
-    spec.add_argument("--num-speculative-tokens", type=int, default=3)
+    spec.add_argument(
+        "--num-speculative-tokens", type=int, help="with --draft-model: its drafts (default 3)"
+    )
     spec.add_argument("--threads", type=int, default=2)
     spec.add_argument("--max-tokens", type=int, default=128)
     spec.add_argument("--repeats", type=int, default=1, help="pairs per case, order alternated")
@@ -196,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     spec.add_argument(
         "--ceiling-weights",
-        default="int4",
         choices=["fp32", "bf16", "int8", "int4"],
-        help="the weights the verification cost is measured with (the default model serves int4)",
+        help="with --ceiling: the weights the verification cost is measured with (default int4, "
+        "as the default model serves)",
     )
     spec.add_argument("--port", type=int, default=8610, help="the servers take PORT and PORT + 1")
     spec.add_argument("--log-dir", default=".", help="where the two servers' logs go")
@@ -389,21 +391,30 @@ def run_spec_cli(args: argparse.Namespace) -> int:
     )
     if args.speculative_config:
         bench_args = replace(bench_args, speculative_config=args.speculative_config)
+    if args.num_speculative_tokens is not None and not args.draft_model:
+        raise SystemExit(
+            "pipeline-bench spec: --num-speculative-tokens goes with --draft-model (the JSON of "
+            "--speculative-config carries its own)"
+        )
     if args.draft_model:
         if args.speculative_config:
             raise SystemExit("pipeline-bench spec: --draft-model or --speculative-config, not both")
         draft = args.draft_model if args.draft_model != "self" else args.model
-        config = spec_bench.draft_model_config(draft, args.num_speculative_tokens)
+        config = spec_bench.draft_model_config(draft, args.num_speculative_tokens or 3)
         bench_args = replace(bench_args, speculative_config=config)
     if args.ceiling:
         if args.repeats != 1 or args.same_servers:
             raise SystemExit("pipeline-bench spec: --ceiling runs once, on one server")
         try:
-            report = spec_bench.run_ceiling(bench_args, args.log_dir, args.ceiling_weights)
+            report = spec_bench.run_ceiling(
+                bench_args, args.log_dir, args.ceiling_weights or "int4"
+            )
         except ValueError as error:
             raise SystemExit(f"pipeline-bench spec: {error}") from None
         print(spec_bench.format_ceiling(report))
     else:
+        if args.ceiling_weights:
+            raise SystemExit("pipeline-bench spec: --ceiling-weights goes with --ceiling")
         report = spec_bench.run_spec_bench(bench_args, args.log_dir)
         print(spec_bench.format_table(report))
     if args.json_path:

@@ -244,7 +244,7 @@ def run_ceiling(args: SpecBenchArgs, log_dir: str, weights: str = "int4") -> dic
         for concurrency, count in cases:
             print(f"[spec ceiling] grounded c={concurrency}: greedy outputs", file=sys.stderr)
             work = serve_bench.grounded(count, args.max_tokens, seed=0)  # the bench's prompts
-            requests = [_greedy(url, messages, args.max_tokens) for messages in work.prompts]
+            requests = asyncio.run(_greedy_outputs(url, work.prompts, args.max_tokens))
             total = spec_replay.replay_all(
                 spec, requests, spec_replay.linear_cost(cost[concurrency], k)
             )
@@ -259,34 +259,37 @@ def run_ceiling(args: SpecBenchArgs, log_dir: str, weights: str = "int4") -> dic
     return {"speculative_config": args.speculative_config, "weights": weights, "rows": rows}
 
 
-def _greedy(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[Any, Any]:
-    """(prompt ids, output ids) of a greedy completion, as the bench's load generator asks it
-    (ignore_eos: every request runs to max_tokens)."""
+async def _greedy_outputs(
+    url: str, prompts: list[list[dict[str, str]]], max_tokens: int
+) -> list[tuple[Any, Any]]:
+    """(prompt ids, output ids) of each prompt's greedy completion, one after another, as the
+    bench's load generator asks them (ignore_eos: every request runs to max_tokens)."""
+    import aiohttp
     import numpy as np
 
-    port = int(url.rsplit(":", 1)[1])
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    try:
-        connection.request("GET", "/v1/models")
-        model = json.loads(connection.getresponse().read())["data"][0]["id"]
-        body = {
-            "model": model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        connection.request(
-            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
-        reply = json.loads(connection.getresponse().read())
-    finally:
-        connection.close()
-    return (
-        np.asarray(reply["prompt_token_ids"], np.int32),
-        np.asarray(reply["choices"][0]["token_ids"], np.int32),
-    )
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        model = await serve_bench.served_model(session, url, None)
+        outputs = []
+        for messages in prompts:
+            body = {
+                "model": model,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+                response.raise_for_status()
+                reply = await response.json()
+            outputs.append(
+                (
+                    np.asarray(reply["prompt_token_ids"], np.int32),
+                    np.asarray(reply["choices"][0]["token_ids"], np.int32),
+                )
+            )
+    return outputs
 
 
 def format_ceiling(report: dict[str, Any]) -> str:

@@ -111,5 +111,5 @@ def replay_all(
     for prompt_ids, output_ids in requests:
         total.add(replay(spec, prompt_ids, output_ids, step_cost, cache))
         if cache is not None:
-            cache.add([int(t) for t in output_ids])
+            cache.add(output_ids.tolist())
     return total

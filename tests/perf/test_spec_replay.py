@@ -89,10 +89,14 @@ def test_the_ceiling_table_sets_each_case_beside_its_goal():
     assert "| grounded | 1 | 1.40 | 41% | 69% | 2.41 | 2.27x | 2.31x (goal 2.5x) |" in table
 
 
-def test_the_ceiling_refuses_what_it_would_not_honour(tmp_path):
+def test_spec_refuses_options_it_would_not_honour(tmp_path):
     from perf import cli
 
     with pytest.raises(SystemExit, match="runs once"):
         cli.main(["spec", "--ceiling", "--repeats", "2"])
     with pytest.raises(SystemExit, match="draft model"):
         cli.main(["spec", "--ceiling", "--draft-model", str(tmp_path)])
+    with pytest.raises(SystemExit, match="goes with --ceiling"):
+        cli.main(["spec", "--ceiling-weights", "bf16"])
+    with pytest.raises(SystemExit, match="goes with --draft-model"):
+        cli.main(["spec", "--num-speculative-tokens", "4"])
