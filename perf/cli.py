@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=("random", "grounded"),
         default="random",
         help="random: random-word prompts of --prompt-tokens; grounded: copy a function of this "
-        "project's source given in the prompt (where speculative decoding pays)",
+        "project's source given in the prompt (where speculative decoding pays); its requests end at "
+        "EOS, the others run to --max-tokens unless --no-ignore-eos",
     )
     serve.add_argument("--prompt-tokens", type=int, default=204)
     serve.add_argument("--max-tokens", type=int, default=128)

@@ -485,6 +485,13 @@ class ServeArgs:
     timeout_s: float = 600.0
     profile: bool = False  # read /debug/profile around each run: stage figures and overhead
 
+    @property
+    def requests_ignore_eos(self) -> bool:
+        """Random prompts and datasets run to max_tokens (ignore_eos), as the earlier benchmarks
+        did; grounded requests end at EOS: the answer is the copy, and what a model writes past
+        its EOS is text no user gets, which repeats nothing of the prompt."""
+        return self.ignore_eos and (self.dataset is not None or self.workload != "grounded")
+
 
 async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The report ({"runs": [...]}) and, per run, the raw TTFT/ITL samples and stage spans (charts)."""
@@ -497,7 +504,9 @@ async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str
         for url in args.urls:
             model = args.model or await served_model(session, url, args.api_key)
             tpw = await tokens_per_word(session, url, model, args.api_key)
-            clients.append((url, tpw, Client(session, url, model, args.api_key, args.ignore_eos)))
+            clients.append(
+                (url, tpw, Client(session, url, model, args.api_key, args.requests_ignore_eos))
+            )
         loads: list[tuple[str, float]] = [
             ("concurrency", c) for c in (() if args.request_rates else args.concurrency)
         ]

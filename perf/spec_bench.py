@@ -263,7 +263,7 @@ async def _greedy_outputs(
     url: str, prompts: list[list[dict[str, str]]], max_tokens: int
 ) -> list[tuple[Any, Any]]:
     """(prompt ids, output ids) of each prompt's greedy completion, one after another, as the
-    bench's load generator asks them (ignore_eos: every request runs to max_tokens)."""
+    bench's load generator asks grounded requests (they end at EOS or max_tokens)."""
     import aiohttp
     import numpy as np
 
@@ -277,7 +277,6 @@ async def _greedy_outputs(
                 "messages": messages,
                 "max_tokens": max_tokens,
                 "temperature": 0,
-                "ignore_eos": True,
                 "return_token_ids": True,
             }
             async with session.post(f"{url}/v1/chat/completions", json=body) as response:

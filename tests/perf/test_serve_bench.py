@@ -13,6 +13,7 @@ from perf.cli import main
 from perf.serve_bench import RequestResult, Slo, summarize
 
 TTFT_S, ITL_S, TOKENS = 0.060, 0.020, 6
+ASKED: list[dict] = []  # the chat bodies the fake server got
 
 
 def fake_app() -> web.Application:
@@ -25,6 +26,7 @@ def fake_app() -> web.Application:
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        ASKED.append(body)
         if body["messages"][0]["content"].startswith("FAIL"):
             return web.json_response({"error": {"message": "no"}}, status=400)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -179,3 +181,17 @@ def test_goodput_counts_only_requests_within_the_slo():
     assert summary["tpot_ms"]["p50"] == pytest.approx((100.0 + 250.0) / 2)  # decode time / 4 tokens
     with pytest.raises(ValueError):
         Slo.parse("latency=3")
+
+
+def test_grounded_requests_end_at_eos_and_random_ones_run_to_max_tokens(fake_url):
+    asked = {}
+    for workload in ("random", "grounded"):
+        ASKED.clear()
+        args = ["serve", "--url", fake_url, "--num-requests", "8", "--workload", workload]
+        assert main(args) == 0
+        asked[workload] = [body.get("ignore_eos", False) for body in ASKED]
+    assert len(asked["grounded"]) == 9 and not any(asked["grounded"])  # the warm-up's too
+    assert len(asked["random"]) == 9 and all(asked["random"])
+    ASKED.clear()
+    assert main(["serve", "--url", fake_url, "--num-requests", "8", "--no-ignore-eos"]) == 0
+    assert not any(body.get("ignore_eos", False) for body in ASKED)
