@@ -2,9 +2,10 @@
 
 Starts two `pipeline-serve` processes on the same model (one with `--speculative-config`, one
 without), then drives both with `pipeline-bench serve`'s load generator, interleaved level by level:
-the grounded workload (copy a function given in the prompt) at c=1 and c=8, and the random-prompt
-workload of the earlier benchmarks at c=32 and c=1, at temperature 0 (the load generator's). It prints each pair's ratio
-against the issue's goal with the acceptance figures from /metrics, and writes the JSON.
+the grounded workload (copy a function given in the prompt, to EOS) at c=1 and c=8, and the
+random-prompt workload of the earlier benchmarks at c=32 and c=1, at temperature 0 (the load
+generator's). It prints each pair's ratio against the issue's goal with the acceptance figures
+from /metrics, and writes the JSON.
 """
 
 from __future__ import annotations
