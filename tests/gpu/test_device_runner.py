@@ -226,6 +226,52 @@ def test_decode_steps_through_the_graph_buffers_sample_what_eager_steps_do(tiny_
     assert graphs.input_ids[:3].tolist() == emitted[0][-2]  # the last step went through them
 
 
+def test_verifications_of_drafts_replay_the_graphs_and_emit_what_eager_steps_do(tiny_random):
+    """A row verifying drafts is split into sampled one-token rows, which the decode graphs take:
+    right, wrong and partly right drafts give, through the graph buffers, the eager tokens."""
+    graphed = random_runner(tiny_random, dtype="float32", max_num_seqs=8)
+    eager = random_runner(tiny_random, dtype="float32", max_num_seqs=8)
+    graphs = DecodeGraphs(
+        graphed.model, graphed.kv_cache.layers, capture_sizes(8), 16, torch.device("cpu")
+    )
+    for size in graphs.sizes:
+        graphs.graphs[size] = ReplayEagerly(graphs, size)  # type: ignore[assignment]
+    graphed.graphs = graphs
+    prompt = [5, 9, 5, 9, 2, 5, 9, 3]
+    pool = BlockPool(eager.num_kv_blocks, eager.kv_cache.block_size, seed=3)
+    seq = PagedSequence(list(prompt))
+    plain = [int(eager.step(runner_step(pool, [(seq, len(prompt))], [9])).token_ids[0])]
+    for _ in range(4):  # plain greedy decoding: the right drafts
+        seq.token_ids.append(plain[-1])
+        plain.append(int(eager.step(runner_step(pool, [(seq, 1)], [9])).token_ids[0]))
+    eager.free([9])
+    emitted, accepted = [], []
+    for runner in (graphed, eager):
+        pool = BlockPool(runner.num_kv_blocks, runner.kv_cache.block_size, seed=3)
+        seq = PagedSequence(list(prompt))
+        out = [int(runner.step(runner_step(pool, [(seq, len(prompt))], [0])).token_ids[0])]
+        taken = []
+        for guess in ("right", "wrong", "half"):
+            if guess == "right":
+                drafts = plain[1:4]
+            else:
+                drafts = [(out[-1] + 1) % 320, 4, 4] if guess == "wrong" else [out[-1], 4]
+            seq.token_ids = prompt + out + drafts
+            seq.num_cached = len(prompt) + len(out) - 1
+            step = runner_step(pool, [(seq, 1 + len(drafts))], [0])
+            step = dataclasses.replace(step, num_draft=np.array([len(drafts)], np.int32))
+            result = runner.step(step)
+            n = int(result.num_tokens[0])
+            out += result.token_ids[:n].tolist()
+            taken.append(n - 1)
+            if runner is graphed:  # the step went through the graph of its rows' size
+                assert graphs.input_ids[: 1 + len(drafts)].tolist() == step.input_ids.tolist()
+        emitted.append(out)
+        accepted.append(taken)
+    assert emitted[0] == emitted[1] and accepted[0] == accepted[1]
+    assert emitted[0][:5] == plain and accepted[0][:2] == [3, 0]  # right drafts pass, wrong fail
+
+
 def test_cuda_takes_the_triton_kernels_and_cpu_does_not():
     for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
         chosen = kernels_for(device)
