@@ -245,28 +245,35 @@ def run_ceiling(args: SpecBenchArgs, log_dir: str, weights: str = "int4") -> dic
         for concurrency, count in cases:
             print(f"[spec ceiling] grounded c={concurrency}: greedy outputs", file=sys.stderr)
             work = serve_bench.grounded(count, args.max_tokens, seed=0)  # the bench's prompts
-            requests = asyncio.run(_greedy_outputs(url, work.prompts, args.max_tokens))
-            total = spec_replay.replay_all(
+            outputs = asyncio.run(_greedy_outputs(url, work.prompts, args.max_tokens))
+            requests = [(out.prompt_ids, out.output_ids) for out in outputs]
+            each = spec_replay.replay_each(
                 spec, requests, spec_replay.linear_cost(cost[concurrency], k)
             )
-            rows.append(
-                {
-                    "workload": "grounded",
-                    "concurrency": concurrency,
-                    "verify_decode_steps": cost[concurrency],
-                    **total.summary(),
-                }
-            )
+            total = spec_replay.Replay()
+            for one in each:
+                total.add(one)
+            row = {
+                "workload": "grounded",
+                "concurrency": concurrency,
+                "verify_decode_steps": cost[concurrency],
+                **total.summary(),
+            }
+            if concurrency == 1:  # one request at a time, as these were timed
+                timings = [(out.ttft_s, out.e2e_s) for out in outputs]
+                row["prefill_share"] = sum(t for t, _ in timings) / sum(e for _, e in timings)
+                row["ratio_with_prefill"] = spec_replay.with_prefill(each, timings)
+                row["oracle_ratio_with_prefill"] = spec_replay.with_prefill(each, timings, True)
+            rows.append(row)
     return {"speculative_config": args.speculative_config, "weights": weights, "rows": rows}
 
 
 async def _greedy_outputs(
     url: str, prompts: list[list[dict[str, str]]], max_tokens: int
-) -> list[tuple[Any, Any]]:
-    """(prompt ids, output ids) of each prompt's greedy completion, one after another, as the
-    bench's load generator asks grounded requests (they end at EOS or max_tokens)."""
+) -> list[GreedyOutput]:
+    """Each prompt's greedy completion, streamed one after another as the bench's load generator
+    asks grounded requests at c=1 (they end at EOS or max_tokens), with its timings."""
     import aiohttp
-    import numpy as np
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -278,34 +285,70 @@ async def _greedy_outputs(
                 "messages": messages,
                 "max_tokens": max_tokens,
                 "temperature": 0,
+                "stream": True,
                 "return_token_ids": True,
             }
+            started = time.perf_counter()
             async with session.post(f"{url}/v1/chat/completions", json=body) as response:
                 response.raise_for_status()
-                reply = await response.json()
-            outputs.append(
-                (
-                    np.asarray(reply["prompt_token_ids"], np.int32),
-                    np.asarray(reply["choices"][0]["token_ids"], np.int32),
-                )
-            )
+                outputs.append(await _read_stream(response, started))
     return outputs
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyOutput:
+    prompt_ids: Any  # [P] int32
+    output_ids: Any  # [O] int32
+    ttft_s: float  # to the chunk with the first output token
+    e2e_s: float
+
+
+async def _read_stream(response: Any, started: float) -> GreedyOutput:
+    import numpy as np
+
+    prompt: list[int] = []
+    output: list[int] = []
+    first = 0.0
+    async for raw in response.content:
+        line = raw.strip()
+        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+            continue
+        chunk = json.loads(line[5:])
+        prompt = chunk.get("prompt_token_ids") or prompt
+        for choice in chunk.get("choices") or ():
+            ids = choice.get("token_ids") or ()
+            if ids and not first:
+                first = time.perf_counter() - started
+            output.extend(ids)
+    return GreedyOutput(
+        np.asarray(prompt, np.int32),
+        np.asarray(output, np.int32),
+        first,
+        time.perf_counter() - started,
+    )
 
 
 def format_ceiling(report: dict[str, Any]) -> str:
     lines = [
         "| workload | c | verify k (decode steps) | steps with a proposal | accepted | tokens per step "
-        "| ceiling, every proposal | ceiling, perfect draft length |",
-        "|" + "---|" * 8,
+        "| ceiling, every proposal | ceiling, perfect draft length "
+        "| with prefill (c=1): every proposal / perfect |",
+        "|" + "---|" * 9,
     ]
     goals = {c: goal for w, c, _, _, goal in CASES if w == "grounded"}
     for row in report["rows"]:
         goal = goals.get(row["concurrency"])
+        prefill = "-"
+        if "ratio_with_prefill" in row:
+            prefill = (
+                f"{row['ratio_with_prefill']:.2f}x / {row['oracle_ratio_with_prefill']:.2f}x "
+                f"(TTFT {row['prefill_share']:.0%} of the time off)"
+            )
         lines.append(
             f"| {row['workload']} | {row['concurrency']} | {row['verify_decode_steps']:.2f} | "
             f"{row['steps_with_proposal']:.0%} | {row['acceptance_rate']:.0%} | "
             f"{row['tokens_per_step']:.2f} | {row['ratio']:.2f}x | {row['oracle_ratio']:.2f}x"
             + (f" (goal {goal:g}x)" if goal else "")
-            + " |"
+            + f" | {prefill} |"
         )
     return "\n".join(lines)

@@ -97,19 +97,49 @@ def replay(
     return result
 
 
-def replay_all(
+def replay_each(
     spec: SpeculativeConfig,
     requests: list[tuple[np.ndarray, np.ndarray]],  # (prompt ids, greedy output ids), in order
     step_cost: Callable[[int], float],
-) -> Replay:
+) -> list[Replay]:
     """Requests one after another; with suffix decoding each output joins the recent outputs
     the next ones look in, as a finished request's does in schedule."""
     cache = None
     if spec.suffix is not None and spec.suffix.max_cached_requests > 0:
         cache = SuffixCache(spec.suffix.max_cached_requests)
-    total = Replay()
+    each = []
     for prompt_ids, output_ids in requests:
-        total.add(replay(spec, prompt_ids, output_ids, step_cost, cache))
+        each.append(replay(spec, prompt_ids, output_ids, step_cost, cache))
         if cache is not None:
             cache.add(output_ids.tolist())
+    return each
+
+
+def replay_all(
+    spec: SpeculativeConfig,
+    requests: list[tuple[np.ndarray, np.ndarray]],
+    step_cost: Callable[[int], float],
+) -> Replay:
+    """replay_each's requests, summed."""
+    total = Replay()
+    for one in replay_each(spec, requests, step_cost):
+        total.add(one)
     return total
+
+
+def with_prefill(
+    replays: list[Replay],
+    timings: list[tuple[float, float]],  # per request, without speculation: (TTFT, E2E) seconds
+    oracle: bool = False,
+) -> float:
+    """The on/off ratio of requests run one after another (c=1), prefill included, as the
+    bench's output tok/s counts it: both servers take each request's measured time to its first
+    token, and speculation scales the decoding after it, measured without speculation (a step
+    per token), by the replay's cost per token. The prefill is work speculation cannot shorten."""
+    off = on = 0.0
+    for one, (ttft, e2e) in zip(replays, timings, strict=True):
+        decoding = max(e2e - ttft, 0.0)
+        cost = one.oracle_cost if oracle else one.cost
+        off += ttft + decoding
+        on += ttft + (decoding * cost / one.tokens if one.tokens else decoding)
+    return off / on if on else 1.0

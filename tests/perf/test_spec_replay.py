@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from perf import spec_bench
-from perf.spec_replay import Replay, linear_cost, replay, replay_all
+from perf.spec_replay import Replay, linear_cost, replay, replay_all, with_prefill
 from stages.speculation import SpeculativeConfig, SuffixCache
 
 NGRAM = SpeculativeConfig.parse(
@@ -85,8 +85,58 @@ def test_the_ceiling_table_sets_each_case_beside_its_goal():
         "ratio": 2.27,
         "oracle_ratio": 2.31,
     }
-    table = spec_bench.format_ceiling({"rows": [row]})
-    assert "| grounded | 1 | 1.40 | 41% | 69% | 2.41 | 2.27x | 2.31x (goal 2.5x) |" in table
+    eight = {**row, "concurrency": 8}
+    row |= {"prefill_share": 0.1, "ratio_with_prefill": 2.01, "oracle_ratio_with_prefill": 2.05}
+    table = spec_bench.format_ceiling({"rows": [row, eight]})
+    assert (
+        "| grounded | 1 | 1.40 | 41% | 69% | 2.41 | 2.27x | 2.31x (goal 2.5x) "
+        "| 2.01x / 2.05x (TTFT 10% of the time off) |" in table
+    )
+    assert "| grounded | 8 | 1.40 | 41% | 69% | 2.41 | 2.27x | 2.31x (goal 1.8x) | - |" in table
+
+
+def test_the_prefill_both_servers_pay_bounds_the_ratio_as_output_tok_s_counts_it():
+    # 20 tokens after the first, 20 plain steps off; 10 decode steps' cost on (8 perfectly)
+    half = Replay(steps=5, tokens=20, cost=10.0, oracle_cost=8.0)
+    assert with_prefill([half], [(0.0, 1.0)]) == pytest.approx(half.ratio) == 2.0
+    assert with_prefill([half], [(0.0, 1.0)], oracle=True) == pytest.approx(half.oracle_ratio)
+    # 0.2 s to the first token, 0.8 s of decoding that halves: 1.0 / 0.6
+    assert with_prefill([half], [(0.2, 1.0)]) == pytest.approx(1 / 0.6)
+    # Requests weigh by their time: a long one that does not speed up pulls the ratio to 1.
+    plain = Replay(steps=10, tokens=10, cost=10.0, oracle_cost=10.0)
+    assert with_prefill([half, plain], [(0.0, 1.0), (0.0, 9.0)]) == pytest.approx(10 / 9.5)
+
+
+def test_the_greedy_outputs_are_read_from_the_stream_with_their_timings():
+    import asyncio
+    import json
+    import time
+
+    chunks = [
+        {"prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "token_ids": []}]},
+        {"choices": [{"index": 0, "token_ids": [7]}]},
+        {"choices": [{"index": 0, "token_ids": [8, 9]}]},
+        {"choices": [], "usage": {"completion_tokens": 3}},
+    ]
+
+    class Content:
+        def __aiter__(self):
+            return self.lines()
+
+        async def lines(self):
+            for chunk in chunks:
+                await asyncio.sleep(0.01)
+                yield f"data: {json.dumps(chunk)}\n".encode()
+                yield b"\n"
+            yield b"data: [DONE]\n"
+
+    class Response:
+        content = Content()
+
+    started = time.perf_counter()
+    out = asyncio.run(spec_bench._read_stream(Response(), started))
+    assert out.prompt_ids.tolist() == [1, 2, 3] and out.output_ids.tolist() == [7, 8, 9]
+    assert 0.015 <= out.ttft_s < out.e2e_s  # the first token came with the second chunk
 
 
 def test_spec_refuses_options_it_would_not_honour(tmp_path):
