@@ -250,14 +250,11 @@ def run_ceiling(args: SpecBenchArgs, log_dir: str, weights: str = "int4") -> dic
             each = spec_replay.replay_each(
                 spec, requests, spec_replay.linear_cost(cost[concurrency], k)
             )
-            total = spec_replay.Replay()
-            for one in each:
-                total.add(one)
             row = {
                 "workload": "grounded",
                 "concurrency": concurrency,
                 "verify_decode_steps": cost[concurrency],
-                **total.summary(),
+                **spec_replay.summed(each).summary(),
             }
             if concurrency == 1:  # one request at a time, as these were timed
                 timings = [(out.ttft_s, out.e2e_s) for out in outputs]

@@ -121,8 +121,12 @@ def replay_all(
     step_cost: Callable[[int], float],
 ) -> Replay:
     """replay_each's requests, summed."""
+    return summed(replay_each(spec, requests, step_cost))
+
+
+def summed(replays: list[Replay]) -> Replay:
     total = Replay()
-    for one in replay_each(spec, requests, step_cost):
+    for one in replays:
         total.add(one)
     return total
 

@@ -199,15 +199,21 @@ class ReplayEagerly:
         self.graphs.logits[: self.size].copy_(self.graphs._forward(self.size))
 
 
-def test_decode_steps_through_the_graph_buffers_sample_what_eager_steps_do(tiny_random):
-    graphed = random_runner(tiny_random, dtype="float32", max_num_seqs=8)
-    eager = random_runner(tiny_random, dtype="float32", max_num_seqs=8)
+def graphed_runner(path: str) -> tuple[ModelRunner, DecodeGraphs]:
+    """A CPU runner whose decode graphs (sizes 1, 2, 4, 8) replay eagerly on their buffers."""
+    runner = random_runner(path, dtype="float32", max_num_seqs=8)
     graphs = DecodeGraphs(
-        graphed.model, graphed.kv_cache.layers, capture_sizes(8), 16, torch.device("cpu")
+        runner.model, runner.kv_cache.layers, capture_sizes(8), 16, torch.device("cpu")
     )
     for size in graphs.sizes:
         graphs.graphs[size] = ReplayEagerly(graphs, size)  # type: ignore[assignment]
-    graphed.graphs = graphs
+    runner.graphs = graphs
+    return runner, graphs
+
+
+def test_decode_steps_through_the_graph_buffers_sample_what_eager_steps_do(tiny_random):
+    graphed, graphs = graphed_runner(tiny_random)
+    eager = random_runner(tiny_random, dtype="float32", max_num_seqs=8)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 320, n).tolist() for n in (7, 20, 3)]
     emitted = []
@@ -229,14 +235,8 @@ def test_decode_steps_through_the_graph_buffers_sample_what_eager_steps_do(tiny_
 def test_verifications_of_drafts_replay_the_graphs_and_emit_what_eager_steps_do(tiny_random):
     """A row verifying drafts is split into sampled one-token rows, which the decode graphs take:
     right, wrong and partly right drafts give, through the graph buffers, the eager tokens."""
-    graphed = random_runner(tiny_random, dtype="float32", max_num_seqs=8)
+    graphed, graphs = graphed_runner(tiny_random)
     eager = random_runner(tiny_random, dtype="float32", max_num_seqs=8)
-    graphs = DecodeGraphs(
-        graphed.model, graphed.kv_cache.layers, capture_sizes(8), 16, torch.device("cpu")
-    )
-    for size in graphs.sizes:
-        graphs.graphs[size] = ReplayEagerly(graphs, size)  # type: ignore[assignment]
-    graphed.graphs = graphs
     prompt = [5, 9, 5, 9, 2, 5, 9, 3]
     pool = BlockPool(eager.num_kv_blocks, eager.kv_cache.block_size, seed=3)
     seq = PagedSequence(list(prompt))
