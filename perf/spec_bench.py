@@ -265,6 +265,14 @@ def run_ceiling(args: SpecBenchArgs, log_dir: str, weights: str = "int4") -> dic
     return {"speculative_config": args.speculative_config, "weights": weights, "rows": rows}
 
 
+@dataclass(frozen=True, slots=True)
+class GreedyOutput:
+    prompt_ids: Any  # [P] int32
+    output_ids: Any  # [O] int32
+    ttft_s: float  # to the chunk with the first output token
+    e2e_s: float
+
+
 async def _greedy_outputs(
     url: str, prompts: list[list[dict[str, str]]], max_tokens: int
 ) -> list[GreedyOutput]:
@@ -292,14 +300,6 @@ async def _greedy_outputs(
     return outputs
 
 
-@dataclass(frozen=True, slots=True)
-class GreedyOutput:
-    prompt_ids: Any  # [P] int32
-    output_ids: Any  # [O] int32
-    ttft_s: float  # to the chunk with the first output token
-    e2e_s: float
-
-
 async def _read_stream(response: Any, started: float) -> GreedyOutput:
     import numpy as np
 
@@ -311,6 +311,8 @@ async def _read_stream(response: Any, started: float) -> GreedyOutput:
         if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
             continue
         chunk = json.loads(line[5:])
+        if "error" in chunk:  # a cut-off output would replay as a shorter, faster one
+            raise RuntimeError(f"the greedy output failed: {chunk['error']}")
         prompt = chunk.get("prompt_token_ids") or prompt
         for choice in chunk.get("choices") or ():
             ids = choice.get("token_ids") or ()

@@ -137,6 +137,9 @@ def test_the_greedy_outputs_are_read_from_the_stream_with_their_timings():
     out = asyncio.run(spec_bench._read_stream(Response(), started))
     assert out.prompt_ids.tolist() == [1, 2, 3] and out.output_ids.tolist() == [7, 8, 9]
     assert 0.015 <= out.ttft_s < out.e2e_s  # the first token came with the second chunk
+    chunks[2] = {"error": {"message": "stage failed", "code": 500}}
+    with pytest.raises(RuntimeError, match="stage failed"):
+        asyncio.run(spec_bench._read_stream(Response(), time.perf_counter()))
 
 
 def test_spec_refuses_options_it_would_not_honour(tmp_path):
