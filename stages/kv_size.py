@@ -1,41 +1,28 @@
 """The KV block count of a cache sized from device memory (--gpu-memory-utilization).
 
 Only execute can size it (it loads the weights and profiles a step), so it publishes the count
-in the engine's snapshot directory, where schedule waits for it and the engine reads it. The file
-outlives a restarted pipeline: a later execute allocates the published count, so that every
-schedule it meets plans the same blocks.
+(stages/published.py), which schedule waits for and the engine reads. A later execute allocates
+the published count, so that every schedule it meets plans the same blocks.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 from stages.config import EngineConfig, num_kv_blocks, sized_from_device_memory
+from stages.published import publish, published
 
-_FILE = "kv_blocks"
+_NAME = "kv_blocks"
 _POLL_S = 0.05
 
 
-def _path(config: EngineConfig) -> str:
-    # Data-parallel replicas share the snapshot directory; each sizes its own device.
-    return os.path.join(config.snapshot_dir, f"{_FILE}.dp{config.data_parallel_rank}")
-
-
 def publish_num_blocks(config: EngineConfig, num_blocks: int) -> None:
-    """Write the count whole (rename), so that a reader never sees half of it."""
-    path = _path(config)
-    with open(f"{path}.tmp", "w", encoding="ascii") as f:
-        f.write(str(num_blocks))
-    os.replace(f"{path}.tmp", path)
+    publish(config, _NAME, str(num_blocks))
 
 
 def published_num_blocks(config: EngineConfig) -> int | None:
-    try:
-        with open(_path(config), encoding="ascii") as f:
-            return int(f.read())
-    except FileNotFoundError:
-        return None
+    text = published(config, _NAME)
+    return None if text is None else int(text)
 
 
 def planned_num_blocks(config: EngineConfig, timeout_s: float) -> int:

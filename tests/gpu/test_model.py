@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,6 +15,7 @@ from gpu.kv_cache import KVCache
 from gpu.loader import iter_weights
 from gpu.model import CausalLM
 from stages.text.checkpoint import load_model_config
+from tests.cpu_levels import NATIVE_LEVELS, native_level
 from tests.gpu.paged import BlockPool, PagedSequence, StepBatch, build_step
 
 BLOCK_SIZE = 4
@@ -61,17 +62,16 @@ SCHEDULE = [
 ]
 
 
-KERNELS = [
-    pytest.param(TORCH_KERNELS, id="torch"),
-    pytest.param(
-        NATIVE_KERNELS,
-        id="native",
-        marks=pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C compiler"),
-    ),
-]
+@pytest.fixture(params=["torch", *NATIVE_LEVELS])
+def kernels(request) -> Iterator[Kernels]:
+    """The torch path, and the native kernels at every level this host runs."""
+    if request.param == "torch":
+        yield TORCH_KERNELS
+        return
+    with native_level(request.param):
+        yield NATIVE_KERNELS
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2", "mistral", "mistral_swa"])
 def test_mixed_paged_batches_match_transformers(tiny_models, arch, kernels):
     path = tiny_models[arch]
@@ -94,7 +94,6 @@ def test_mixed_paged_batches_match_transformers(tiny_models, arch, kernels):
         assert (ours - expected).abs().max().item() < 1e-4 * max(1.0, scale)
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
 def test_batch_gives_each_sequence_what_it_gets_alone(tiny_models, kernels):
     model = load_ours(tiny_models["qwen2"], kernels)
     rng = np.random.default_rng(2)

@@ -1,7 +1,9 @@
-"""The native CPU kernels (gpu/native) against the torch reference of each op."""
+"""The native CPU kernels (gpu/native) against the torch reference of each op, at every ISA level
+this host runs (the `cpu_isa` fixture)."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import subprocess
 import sys
@@ -14,12 +16,13 @@ from gpu import native
 from gpu.backends import NATIVE_KERNELS, TORCH_KERNELS, Rope, _split_rotate, kernels_for
 from gpu.kernels import reference
 from gpu.quant import NativeQ4Linear, NativeQ8Linear
+from tests.cpu_levels import NATIVE_LEVELS
 
 # With a compiler on the machine the kernels must build: a build error fails here, not skips.
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C compiler")
 
 
-def test_rms_norm_and_the_fused_residual_add():
+def test_rms_norm_and_the_fused_residual_add(cpu_isa):
     x, residual, weight = torch.randn(7, 96), torch.randn(7, 96), torch.randn(96)
     torch.testing.assert_close(
         native.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)
@@ -32,13 +35,13 @@ def test_rms_norm_and_the_fused_residual_add():
 
 
 @pytest.mark.parametrize("rows", [1, 300])  # serial and OpenMP-parallel
-def test_silu_mul(rows):
+def test_silu_mul(cpu_isa, rows):
     gate_up = torch.randn(rows, 2 * 75) * 6
     torch.testing.assert_close(native.silu_mul(gate_up), reference.silu_mul(gate_up))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_rope_rotates_in_place_and_writes_the_cache(cache_dtype):
+def test_rope_rotates_in_place_and_writes_the_cache(cpu_isa, cache_dtype):
     heads, kv_heads, dim, tokens = 6, 2, 16, 9
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     positions = torch.tensor([0, 1, 2, 3, 4, 40, 41, 1000, 7])
@@ -69,7 +72,9 @@ def test_rope_rotates_in_place_and_writes_the_cache(cache_dtype):
         (8, 1, 128, torch.bfloat16, 20),
     ],
 )
-def test_paged_decode_attention_matches_the_reference(heads, kv_heads, dim, cache_dtype, window):
+def test_paged_decode_attention_matches_the_reference(
+    cpu_isa, heads, kv_heads, dim, cache_dtype, window
+):
     block_size, num_blocks = 4, 40
     rng = np.random.default_rng(heads * dim)
     lens = [1, 5, 33, 70, 16]
@@ -114,7 +119,7 @@ def test_paged_decode_attention_matches_the_reference(heads, kv_heads, dim, cach
     ],
 )
 def test_decode_rows_of_one_sequence_share_an_item_and_keep_their_bits(
-    heads, kv_heads, dim, cache_dtype
+    cpu_isa, heads, kv_heads, dim, cache_dtype
 ):
     """A sequence verifying drafts is attended as consecutive decode rows on one block table
     (gpu.runner._attention_rows). The kernel reads their keys once for all of them; each row must
@@ -189,20 +194,22 @@ def _weights_of(linear: torch.nn.Module) -> torch.Tensor:  # [N, K] as the kerne
     return linear(torch.eye(linear.in_features)).T
 
 
+# The row layout at every level; the 16-channel layout of the many-row kernels where they exist.
 LAYOUTS = [
-    pytest.param(False, id="row-layout"),
-    pytest.param(
-        True,
-        id="16-channel-layout",
-        marks=pytest.mark.skipif(not native.gemm_available(), reason="needs AVX-512 VNNI"),
+    *(pytest.param(level, False, id=f"{level}-row-layout") for level in NATIVE_LEVELS),
+    *(
+        pytest.param(level, True, id=f"{level}-16-channel-layout")
+        for level in NATIVE_LEVELS
+        if level == "avx512_vnni"
     ),
 ]
+LEVEL_LAYOUT = ("cpu_isa", "many_rows")
 
 
-@pytest.mark.parametrize("many_rows", LAYOUTS)
+@pytest.mark.parametrize(LEVEL_LAYOUT, LAYOUTS, indirect=["cpu_isa"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 33])
 @pytest.mark.parametrize("in_features", [96, 160, 576, 608])  # quads, pairs and single blocks
-def test_q4_1_matmul_against_the_dequantized_weights(rows, in_features, many_rows):
+def test_q4_1_matmul_against_the_dequantized_weights(cpu_isa, rows, in_features, many_rows):
     weight = torch.randn(70, in_features) * 0.05  # 70: the last group of 16 channels is partial
     linear = NativeQ4Linear.from_float(weight, many_rows)
     dequantized = _weights_of(linear)
@@ -212,9 +219,9 @@ def test_q4_1_matmul_against_the_dequantized_weights(rows, in_features, many_row
     assert _relative_error(linear(x), x @ dequantized.T) < 0.02
 
 
-@pytest.mark.parametrize("many_rows", LAYOUTS)
+@pytest.mark.parametrize(LEVEL_LAYOUT, LAYOUTS, indirect=["cpu_isa"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
-def test_q8_0_matmul_against_the_dequantized_weights(rows, many_rows):
+def test_q8_0_matmul_against_the_dequantized_weights(cpu_isa, rows, many_rows):
     weight = torch.randn(300, 160)
     linear = NativeQ8Linear.from_float(weight, many_rows)
     groups = weight.view(300, 5, 32)
@@ -229,9 +236,9 @@ def test_q8_0_matmul_against_the_dequantized_weights(rows, many_rows):
     assert linear(x.view(rows, 1, 160)).shape == (rows, 1, 300)
 
 
-@pytest.mark.parametrize("many_rows", LAYOUTS)
+@pytest.mark.parametrize(LEVEL_LAYOUT, LAYOUTS, indirect=["cpu_isa"])
 @pytest.mark.parametrize("blocks", [1, 2, 3, 4, 7])
-def test_q4_1_blocks_load_unchanged(blocks, many_rows):
+def test_q4_1_blocks_load_unchanged(cpu_isa, blocks, many_rows):
     """GGUF Q4_1 bytes (f16 d, f16 m, 16 bytes of nibbles) give w = d * q + m exactly."""
     rng = np.random.default_rng(blocks)
     d = rng.uniform(0.01, 0.02, (3, blocks)).astype(np.float16)
@@ -272,7 +279,7 @@ def test_switched_off_by_the_environment():
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral_swa"])  # qkv bias; sliding window
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_fused_layers_equal_the_per_op_path(tiny_models, arch, cache_dtype, monkeypatch):
+def test_fused_layers_equal_the_per_op_path(cpu_isa, tiny_models, arch, cache_dtype, monkeypatch):
     """Steps of up to max_thin_rows tokens run each layer as native calls: one for a step of
     decodes, two around attention when prefill chunks are in the step."""
     calls = {"whole": 0, "halves": 0}
@@ -328,10 +335,6 @@ def test_fused_layers_equal_the_per_op_path(tiny_models, arch, cache_dtype, monk
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(
-    shutil.which("gcc") is not None and not native.prefill_attention_available(),
-    reason="the prefill kernel needs AVX-512",
-)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "cache_dtype", "window", "chunk", "context"),
     [
@@ -342,7 +345,7 @@ def test_fused_layers_equal_the_per_op_path(tiny_models, arch, cache_dtype, monk
     ],
 )
 def test_paged_prefill_attention_matches_the_reference(
-    heads, kv_heads, dim, cache_dtype, window, chunk, context
+    cpu_isa, heads, kv_heads, dim, cache_dtype, window, chunk, context
 ):
     block_size, num_blocks = 4, 64
     table = torch.from_numpy(np.random.default_rng(dim).permutation(num_blocks).astype(np.int32))
@@ -366,3 +369,50 @@ def test_paged_prefill_attention_matches_the_reference(
     )
     torch.testing.assert_close(out[1 : chunk + 1], expected, rtol=1e-4, atol=1e-5)
     assert out[0].isnan().all() and out[chunk + 1].isnan().all()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "cache_dtype", "window"),
+    [
+        (9, 3, 64, torch.bfloat16, None),  # SmolLM2's shape
+        (4, 1, 32, torch.float32, 9),  # sliding window
+        (6, 2, 24, torch.float32, None),  # head_dim not a multiple of 16
+    ],
+)
+def test_a_prefilled_token_has_the_bits_of_its_decode(
+    cpu_isa, heads, kv_heads, dim, cache_dtype, window
+):
+    """A request's greedy text must not depend on how its tokens were attended: in a whole
+    prompt, in chunks split anywhere (chunked prefill, a prefix-cache hit, the recomputation
+    after a preemption or a restart), or one at a time as decodes."""
+    block_size, num_blocks, context = 4, 16, 45
+    table = torch.from_numpy(np.random.default_rng(dim).permutation(num_blocks).astype(np.int32))
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(cache_dtype)
+    q = torch.randn(context, heads, dim)
+
+    def prefill(start: int, end: int) -> torch.Tensor:
+        out = torch.empty(context, heads, dim)
+        native.paged_prefill_attention(
+            q, k_cache, v_cache, start, end, end, table, 0.2, window, out
+        )
+        return out[start:end]
+
+    whole = prefill(0, context)
+    for cuts in ([0, 13, 31, context], [0, 1, 2, 40, context]):
+        chunks = [prefill(a, b) for a, b in itertools.pairwise(cuts)]
+        assert torch.equal(torch.cat(chunks), whole), cuts
+    for r in range(context):
+        alone = torch.empty(1, heads, dim)
+        native.paged_decode_attention(
+            q[r : r + 1],
+            k_cache,
+            v_cache,
+            torch.zeros(1, dtype=torch.int64),
+            table[None, :].contiguous(),
+            torch.tensor([r + 1], dtype=torch.int32),
+            0.2,
+            window,
+            alone,
+        )
+        assert torch.equal(alone[0], whole[r]), f"row {r}"
