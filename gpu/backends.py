@@ -261,6 +261,16 @@ def triton_kernels() -> Kernels:
     )
 
 
+def kernels_name(kernels: Kernels) -> str:
+    """What the logs, /version and /metrics call a kernel set: `torch`, `triton`, or the level
+    of the native CPU kernels (gpu/cpu_isa.py)."""
+    if kernels is TORCH_KERNELS:
+        return "torch"
+    if kernels is NATIVE_KERNELS:
+        return native.kernel_set()
+    return "triton"
+
+
 def kernels_for(device: str | torch.device, use_native: bool | None = None) -> Kernels:
     """Triton on CUDA; on CPU the native kernels where they build (unless `use_native` is
     False), else the torch path."""

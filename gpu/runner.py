@@ -16,7 +16,7 @@ import torch
 
 from gpu import memory
 from gpu.attention import AttentionInputs
-from gpu.backends import NATIVE_KERNELS, Kernels, kernels_for
+from gpu.backends import NATIVE_KERNELS, Kernels, kernels_for, kernels_name
 from gpu.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes
 from gpu.drafter import Drafter
 from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_block_bytes, num_blocks_for_budget
@@ -324,6 +324,7 @@ class ModelRunner:
             "model ready",
             architecture=model_config.architecture,
             device=str(device),
+            kernels=runner.kernels_name,
             dtype=config.dtype,
             random_weights=config.random_weights,
             kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
@@ -445,6 +446,11 @@ class ModelRunner:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    @property
+    def kernels_name(self) -> str:
+        """What runs the model's layers: `triton`, `torch` or a CPU kernel level."""
+        return kernels_name(self.model.kernels)
 
     @property
     def tracked_request_ids(self) -> frozenset[int]:

@@ -136,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also time each batch verifying K drafts per sequence (speculative decoding), in "
         "decode steps: the tokens per step drafting must emit to pay",
     )
+    model.add_argument(
+        "--cpu-isa",
+        metavar="LEVELS",
+        help="CPU kernel levels to measure in turn in one run, e.g. avx2,avx512_vnni (of "
+        "portable, avx2, avx512, avx512_vnni: those this CPU runs); default: PIPELINE_SERVE_CPU_ISA",
+    )
     model.add_argument("--json", dest="json_path")
 
     chaos = sub.add_parser(
@@ -536,6 +542,7 @@ def run_model_cli(args: argparse.Namespace) -> int:
             baseline=not args.no_baseline,
             tensor_parallel_size=args.tensor_parallel_size,
             verify_drafts=args.verify_drafts,
+            cpu_isa=tuple(level for level in (args.cpu_isa or "").split(",") if level),
         )
     )
     print(model_bench.format_table(report))

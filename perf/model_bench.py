@@ -12,6 +12,8 @@ the device's peak (--peak-bandwidth-gb-s, an H200's 4.8 TB/s by default).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import statistics
 import sys
 import time
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpu import native
 from gpu.backends import apply_rotary
 from gpu.model import CausalLM
 from gpu.runner import ForwardInputs, ModelRunner, RunnerConfig, StepBatch
@@ -55,6 +58,8 @@ class ModelBenchArgs:
     # > 0: also a step of each batch where every sequence verifies this many drafts (speculative
     # decoding), timed against the batch's decode step: what drafting costs at that load.
     verify_drafts: int = 0
+    # CPU kernel levels to measure in turn (gpu/cpu_isa.py); empty: PIPELINE_SERVE_CPU_ISA's
+    cpu_isa: tuple[str, ...] = ()
 
 
 H200_HBM_GB_S = 4800.0  # HBM3e, NVIDIA's figure
@@ -254,91 +259,102 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     baseline_decode: dict[int, float] = {}
     baseline_prefill = 0.0
-    for weights in args.weights:
-        dtype, quantization = WEIGHTS[weights]
-        element = 4 if dtype == "float32" else 2
-        config = RunnerConfig(
-            dtype=dtype,
-            quantization=quantization,
-            kv_cache_bytes=max(max_batch * per_seq, -(-args.prefill_tokens // 16) + 1)
-            * 16
-            * 2
-            * _kv_row_bytes(args.model_path, element),
-            threads=args.threads,
-            device=args.device,
-            random_weights=args.random_weights,
-            max_num_seqs=max_batch,
-            max_model_len=max(args.context + 1, args.prefill_tokens),
-        )
-        print(f"[{weights}] loading ...", file=sys.stderr, flush=True)
-        runner, share, close = _load(args, config)
-        c = runner.model_config
-        if args.baseline and weights == "fp32" and not cuda and args.tensor_parallel_size == 1:
-            print("[baseline] unpaged fp32 ...", file=sys.stderr, flush=True)
-            base = UnpagedBaseline(runner.model, 1, args.prefill_tokens + 1)
-            prompt = torch.from_numpy(rng.integers(0, c.vocab_size, (1, args.prefill_tokens)))
-            baseline_prefill = args.prefill_tokens / _median_time(
-                partial(base.forward, prompt, 0), 2
+    # Each CPU kernel level asked for (--cpu-isa) in turn, in this one process; else the one
+    # PIPELINE_SERVE_CPU_ISA chooses.
+    for level, weights in itertools.product(args.cpu_isa or (None,), args.weights):
+        with native.using_level(level) if level else contextlib.nullcontext():
+            dtype, quantization = WEIGHTS[weights]
+            element = 4 if dtype == "float32" else 2
+            config = RunnerConfig(
+                dtype=dtype,
+                quantization=quantization,
+                kv_cache_bytes=max(max_batch * per_seq, -(-args.prefill_tokens // 16) + 1)
+                * 16
+                * 2
+                * _kv_row_bytes(args.model_path, element),
+                threads=args.threads,
+                device=args.device,
+                random_weights=args.random_weights,
+                max_num_seqs=max_batch,
+                max_model_len=max(args.context + 1, args.prefill_tokens),
             )
-            for batch in args.batches:
-                base = UnpagedBaseline(runner.model, batch, args.context + 1)
-                token = torch.from_numpy(rng.integers(0, c.vocab_size, (batch, 1)))
-                baseline_decode[batch] = batch / _median_time(
-                    partial(base.forward, token, args.context), args.steps
+            print(f"[{weights}] loading ...", file=sys.stderr, flush=True)
+            runner, share, close = _load(args, config)
+            c = runner.model_config
+            if (
+                args.baseline
+                and weights == "fp32"
+                and not cuda
+                and args.tensor_parallel_size == 1
+                and not baseline_decode  # the unpaged torch model's: once for every level
+            ):
+                print("[baseline] unpaged fp32 ...", file=sys.stderr, flush=True)
+                base = UnpagedBaseline(runner.model, 1, args.prefill_tokens + 1)
+                prompt = torch.from_numpy(rng.integers(0, c.vocab_size, (1, args.prefill_tokens)))
+                baseline_prefill = args.prefill_tokens / _median_time(
+                    partial(base.forward, prompt, 0), 2
                 )
-        step = prefill_batch(runner, args.prefill_tokens, rng)
-        seconds = _median_time(partial(runner.step, step, share), 2)
-        runner.free([10_000])
-        rows.append(
-            {
-                "mode": "prefill",
-                "batch": 1,
-                "context": args.prefill_tokens,
-                "weights": weights,
-                "tok_per_s": args.prefill_tokens / seconds,
-                "baseline_tok_per_s": baseline_prefill,
-                "roofline_fraction": None,
-            }
-        )
-        print(
-            f"[{weights}] prefill {args.prefill_tokens}: {args.prefill_tokens / seconds:.0f} tok/s",
-            file=sys.stderr,
-        )
-        for batch in args.batches:
-            step = decode_batch(runner, batch, args.context, rng)
-            eager_seconds = None
-            if runner.graphs is not None:
-                eager_seconds, seconds = _eager_and_graphed(runner, step, args.steps)
-            else:
-                seconds = _median_time(partial(runner.step, step, share), args.steps)
-            runner.free(np.arange(batch))
-            kv_bytes = batch * (args.context + 1) * _kv_row_bytes(args.model_path, element) * 2
-            w_bytes = weight_bytes_read(runner.model, batch)
-            ideal = (w_bytes + kv_bytes) / (bandwidth * 1e9)
+                for batch in args.batches:
+                    base = UnpagedBaseline(runner.model, batch, args.context + 1)
+                    token = torch.from_numpy(rng.integers(0, c.vocab_size, (batch, 1)))
+                    baseline_decode[batch] = batch / _median_time(
+                        partial(base.forward, token, args.context), args.steps
+                    )
+            step = prefill_batch(runner, args.prefill_tokens, rng)
+            seconds = _median_time(partial(runner.step, step, share), 2)
+            runner.free([10_000])
             rows.append(
                 {
-                    "mode": "decode",
-                    "batch": batch,
-                    "context": args.context,
+                    "mode": "prefill",
+                    "kernels": runner.kernels_name,
+                    "batch": 1,
+                    "context": args.prefill_tokens,
                     "weights": weights,
-                    "tok_per_s": batch / seconds,
-                    "baseline_tok_per_s": baseline_decode.get(batch, 0.0),
-                    "roofline_fraction": ideal / seconds,
-                    "step_ms": seconds * 1e3,
-                    "bytes_per_step": w_bytes + kv_bytes,
-                    "eager_tok_per_s": None if eager_seconds is None else batch / eager_seconds,
+                    "tok_per_s": args.prefill_tokens / seconds,
+                    "baseline_tok_per_s": baseline_prefill,
+                    "roofline_fraction": None,
                 }
             )
             print(
-                f"[{weights}] decode batch {batch}: {batch / seconds:.0f} tok/s ({seconds * 1e3:.1f} ms/step)",
+                f"[{runner.kernels_name} {weights}] prefill {args.prefill_tokens}: {args.prefill_tokens / seconds:.0f} tok/s",
                 file=sys.stderr,
             )
-            if args.verify_drafts > 0:
-                rows.append(_verify_row(args, runner, share, weights, batch, rng))
-        close()
-        del runner
-        if cuda:
-            torch.cuda.empty_cache()
+            for batch in args.batches:
+                step = decode_batch(runner, batch, args.context, rng)
+                eager_seconds = None
+                if runner.graphs is not None:
+                    eager_seconds, seconds = _eager_and_graphed(runner, step, args.steps)
+                else:
+                    seconds = _median_time(partial(runner.step, step, share), args.steps)
+                runner.free(np.arange(batch))
+                kv_bytes = batch * (args.context + 1) * _kv_row_bytes(args.model_path, element) * 2
+                w_bytes = weight_bytes_read(runner.model, batch)
+                ideal = (w_bytes + kv_bytes) / (bandwidth * 1e9)
+                rows.append(
+                    {
+                        "mode": "decode",
+                        "kernels": runner.kernels_name,
+                        "batch": batch,
+                        "context": args.context,
+                        "weights": weights,
+                        "tok_per_s": batch / seconds,
+                        "baseline_tok_per_s": baseline_decode.get(batch, 0.0),
+                        "roofline_fraction": ideal / seconds,
+                        "step_ms": seconds * 1e3,
+                        "bytes_per_step": w_bytes + kv_bytes,
+                        "eager_tok_per_s": None if eager_seconds is None else batch / eager_seconds,
+                    }
+                )
+                print(
+                    f"[{runner.kernels_name} {weights}] decode batch {batch}: {batch / seconds:.0f} tok/s ({seconds * 1e3:.1f} ms/step)",
+                    file=sys.stderr,
+                )
+                if args.verify_drafts > 0:
+                    rows.append(_verify_row(args, runner, share, weights, batch, rng))
+            close()
+            del runner
+            if cuda:
+                torch.cuda.empty_cache()
     return {"bandwidth_gb_s": bandwidth, "device": args.device, "rows": rows}
 
 
@@ -369,6 +385,7 @@ def _verify_row(
     )
     return {
         "mode": f"verify{k}",
+        "kernels": runner.kernels_name,
         "batch": batch,
         "context": args.context,
         "weights": weights,
@@ -406,8 +423,8 @@ def format_table(report: dict[str, Any]) -> str:
     cuda = torch.device(report.get("device", "cpu")).type == "cuda"
     against = "eager" if cuda else "baseline"
     lines = [
-        f"{'mode':<8} {'weights':<7} {'batch':>5} {'ctx':>5} {'tok/s':>9} {against:>9} {'ratio':>7} {'ms/step':>8} {'roofline':>9}",
-        "-" * 75,
+        f"{'mode':<8} {'kernels':<11} {'weights':<7} {'batch':>5} {'ctx':>5} {'tok/s':>9} {against:>9} {'ratio':>7} {'ms/step':>8} {'roofline':>9}",
+        "-" * 87,
     ]
     for r in report["rows"]:
         other = r.get("eager_tok_per_s") if cuda else r["baseline_tok_per_s"]
@@ -415,7 +432,7 @@ def format_table(report: dict[str, Any]) -> str:
         roof = f"{r['roofline_fraction']:.0%}" if r["roofline_fraction"] is not None else "-"
         step = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
         lines.append(
-            f"{r['mode']:<8} {r['weights']:<7} {r['batch']:>5} {r['context']:>5} {r['tok_per_s']:>9.0f} "
+            f"{r['mode']:<8} {r['kernels']:<11} {r['weights']:<7} {r['batch']:>5} {r['context']:>5} {r['tok_per_s']:>9.0f} "
             f"{other or 0:>9.0f} {ratio:>6.2f}x {step:>8} {roof:>9}"
         )
     for r in report["rows"]:

@@ -224,7 +224,9 @@ async def openapi() -> Response:
 
 @routes.get("/version")
 async def server_version_route() -> Response:
-    return json_response({"version": server_version()})
+    # vLLM's document, and which kernels run the model (a CPU ISA level, torch or triton)
+    kernels = openai_serving().engine.model_info.kernels
+    return json_response({"version": server_version(), "kernels": kernels})
 
 
 # Both parse, check and (de)tokenize in a worker thread: a body of megabytes takes seconds.

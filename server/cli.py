@@ -28,6 +28,7 @@ import setproctitle
 import structlog
 import uvloop
 
+from pipeline.errors import ActorFailed
 from server.app import create_app
 from server.config import ServerConfig
 from server.drain import app_drain
@@ -794,7 +795,12 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Not
         with contextlib.suppress(asyncio.CancelledError):
             await starting
         return 0
-    engine = starting.result()
+    try:
+        engine = starting.result()
+    except ActorFailed as e:  # a stage that could not start: its reason, and no traceback
+        log.error("the engine failed to start", reason=str(e))
+        notifier.stopping("the engine failed to start")
+        return 1
     # An engine past its restart budget ends the server, so that systemd restarts the service.
     engine_down = asyncio.create_task(engine.down.wait())
     engine_down.add_done_callback(lambda _: shutdown.set())

@@ -260,6 +260,9 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     created: int  # Unix seconds the engine started
+    # What runs the model (a CPU kernel level of gpu/cpu_isa.py, `torch` or `triton`), as execute
+    # published it at start; None until then.
+    kernels: str | None = None
 
 
 class EngineClient(Protocol):

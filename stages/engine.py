@@ -56,6 +56,7 @@ from stages.config import (
 from stages.draft_vocab import check_draft_vocabulary
 from stages.kv_size import published_num_blocks
 from stages.lora import LoraError, read_adapter
+from stages.published import KERNELS, published
 from stages.rings import common, deltas, forward, plan, prompts, requests, results, tokens
 from stages.scheduler import GAUGES
 from stages.text.checkpoint import (
@@ -323,12 +324,14 @@ class Engine:
             except ValueError:
                 await self._stop_pipeline()
                 raise
+        self._info = dataclasses.replace(self._info, kernels=published(self.config, KERNELS))
         self._ready = True
         log.info(
             "engine ready",
             model=self._info.served_model_name,
             max_model_len=self.max_model_len,
             kv_blocks=self.num_blocks,
+            kernels=self._info.kernels,
         )
 
     async def _start_pipeline(self) -> None:
@@ -745,6 +748,8 @@ class Engine:
         stats["num_streams"] = len(self._flights)
         stats["num_requests_rejected_total"] = self.num_rejected  # 429: too many waiting
         stats["num_stage_recoveries_total"] = self.num_recoveries
+        if self._info.kernels is not None:  # an info gauge: which kernels run the model
+            stats[f"kernels_info{{kernels={self._info.kernels}}}"] = 1.0
         return stats
 
     # -- profiling -------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ import os
 
 from stages.config import EngineConfig
 
+KERNELS = "kernels"  # what runs the model: a CPU kernel level, `torch` or `triton`
+
 
 def _path(config: EngineConfig, name: str) -> str:
     return os.path.join(config.snapshot_dir, f"{name}.dp{config.data_parallel_rank}")

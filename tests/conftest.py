@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from pipeline.names import names_in_shm, pid_alive
-from tests.cpu_levels import NATIVE_LEVELS, native_level
+from tests.cpu_levels import NATIVE_LEVELS
 
 
 def _stray_children() -> list[psutil.Process]:
@@ -76,5 +76,7 @@ def smollm2_gguf() -> str:
 def cpu_isa(request) -> Iterator[str]:
     """Each CPU kernel level this host runs, built and loaded for the test
     (PIPELINE_SERVE_CPU_ISA; subprocesses the test starts inherit it)."""
-    with native_level(request.param) as level:
+    from gpu import native
+
+    with native.using_level(request.param) as level:
         yield level

@@ -19,6 +19,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -147,6 +149,7 @@ def load() -> ctypes.CDLL | None:
         function.argtypes = argtypes
         returns_int = name in _RETURNS_STATUS or name.endswith("_available")
         function.restype = ctypes.c_int if returns_int else None
+    log.info("CPU kernels loaded", isa=level, library=library._name)
     return library
 
 
@@ -156,10 +159,27 @@ def kernel_set() -> str:
 
 
 def reset() -> None:
-    """Forget the loaded library, so that the next call reads the environment again (how tests
-    run every level in one process; a model keeps the layout it was built with)."""
+    """Forget the loaded library, so that the next call reads the environment again."""
     load.cache_clear()
     gemm_available.cache_clear()
+
+
+@contextmanager
+def using_level(level: str) -> Iterator[str]:
+    """The kernels of `level` loaded for the block, and the level before it after: how the
+    tests and `pipeline-bench model --cpu-isa` run several levels in one process. A model keeps
+    the weight layout of the level it was built under, so build it inside."""
+    before = os.environ.get(ISA_ENV)
+    os.environ[ISA_ENV] = level
+    reset()
+    try:
+        yield chosen_level()
+    finally:
+        if before is None:
+            os.environ.pop(ISA_ENV, None)
+        else:
+            os.environ[ISA_ENV] = before
+        reset()
 
 
 def available() -> bool:

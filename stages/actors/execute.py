@@ -38,6 +38,7 @@ from stages.api import LoraRequest
 from stages.beam_group import scoring_sampling
 from stages.config import EngineConfig, num_kv_blocks, sized_from_device_memory
 from stages.kv_size import publish_num_blocks
+from stages.published import KERNELS, publish
 from stages.rings import plan, results
 from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
 from stages.rings.plan import PlannedStep
@@ -98,6 +99,8 @@ class ExecuteActor(SyncActor):
                 self.ctx.kept.get("weights") if keep else None,
                 tp,
             )
+        if config.snapshot_dir:  # what /version, /metrics and the engine's log name
+            publish(config, KERNELS, self.runner.kernels_name)
         if sized:
             if published is None:
                 publish_num_blocks(config, self.runner.num_kv_blocks)

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from pipeline.names import names_in_shm, pid_alive
+from tests.cpu_levels import NATIVE_LEVELS
 from tests.e2e.serving import http_get, running_server
 from tests.server.live import free_port
 from tests.stages.tiny import build_tiny_chat_model
@@ -29,10 +30,15 @@ def metric(port: int, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("logs") / "serve.log"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, server_log):
     model = build_tiny_chat_model(tmp_path_factory.mktemp("tiny"))
     port = free_port()
-    log_path = tmp_path_factory.mktemp("logs") / "serve.log"
+    log_path = server_log
     args = [
         str(model),
         "--served-model-name",
@@ -63,6 +69,25 @@ def chat(client, content="Hello world!", **kwargs):
     return client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": content}], **kwargs
     )
+
+
+def test_the_kernels_that_run_the_model_are_named(server, server_log):
+    """The startup log, /version and /metrics say which kernels run the model: the CPU kernels'
+    ISA level (gpu/cpu_isa.py) here, never a silent fallback to the torch path."""
+    port, _ = server
+    expected = NATIVE_LEVELS[-1] if NATIVE_LEVELS else "torch"
+    lines = [
+        json.loads(line) for line in server_log.read_text().splitlines() if line.startswith("{")
+    ]
+    ready = [line for line in lines if line.get("event") in ("model ready", "engine ready")]
+    assert {line["event"]: line["kernels"] for line in ready} == {
+        "model ready": expected,
+        "engine ready": expected,
+    }
+    _, version = http_get(port, "/version")
+    assert json.loads(version)["kernels"] == expected
+    _, text = http_get(port, "/metrics")
+    assert f'vllm:kernels_info{{kernels="{expected}",model_name="tiny"}} 1.0' in text
 
 
 def test_non_streaming_usage_and_metrics(client):

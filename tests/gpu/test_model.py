@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from gpu import native
 from gpu.attention import AttentionInputs
 from gpu.backends import NATIVE_KERNELS, TORCH_KERNELS, Kernels
 from gpu.kv_cache import KVCache
 from gpu.loader import iter_weights
 from gpu.model import CausalLM
 from stages.text.checkpoint import load_model_config
-from tests.cpu_levels import NATIVE_LEVELS, native_level
+from tests.cpu_levels import NATIVE_LEVELS
 from tests.gpu.paged import BlockPool, PagedSequence, StepBatch, build_step
 
 BLOCK_SIZE = 4
@@ -68,7 +69,7 @@ def kernels(request) -> Iterator[Kernels]:
     if request.param == "torch":
         yield TORCH_KERNELS
         return
-    with native_level(request.param):
+    with native.using_level(request.param):
         yield NATIVE_KERNELS
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from perf.cli import main
 from perf.model_bench import weight_bytes_read
+from tests.cpu_levels import NATIVE_LEVELS
 from tests.stages.tiny import build_tiny_chat_model
 
 
@@ -96,3 +99,21 @@ def test_verify_rows_time_steps_that_verify_drafts(tmp_path, capsys):
         runner.free(np.arange(4))
     got = runner.step(replace(step, input_ids=inputs.reshape(-1)))
     assert got.num_tokens.tolist() == [3, 3, 3, 3]  # both drafts accepted, and the bonus
+
+
+@pytest.mark.skipif(not NATIVE_LEVELS, reason="needs a C compiler")
+def test_model_bench_measures_each_cpu_kernel_level_in_one_run(tmp_path, capsys):
+    """--cpu-isa runs the same points at each level asked for, and every row names its level:
+    how AVX2 speed is measured on an AVX-512 machine."""
+    model = build_tiny_chat_model(tmp_path / "model")
+    out = tmp_path / "model.json"
+    levels = sorted({NATIVE_LEVELS[0], NATIVE_LEVELS[-1]})
+    argv = ["model", str(model), "--weights", "int4", "--batches", "2", "--context", "16"]
+    argv += ["--prefill-tokens", "16", "--steps", "1", "--no-baseline"]
+    assert main([*argv, "--cpu-isa", ",".join(levels), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["kernels"], r["mode"]) for r in rows) == sorted(
+        (level, mode) for level in levels for mode in ("prefill", "decode")
+    )
+    table = capsys.readouterr().out
+    assert all(f"decode   {level}" in table for level in levels)
