@@ -77,8 +77,8 @@ class RunnerConfig:
     quantization: str | None = None  # None, "int8" or "int4": weight-only, decoder linears
     quantized_compute_dtype: str = "bfloat16"  # what the quantized matmuls compute in
     # Inputs with more rows than this use a dense bf16 copy (faster once compute-bound); None:
-    # quantized matmuls for every input; "auto": 1024 on the native many-row int4 kernel (on this
-    # CPU it is 1.2-1.8x faster than dense bf16 from 32 to 512 rows), 8 on torch's packed ones.
+    # quantized matmuls for every input; "auto": 1024 on the native kernels (int4 and int8: a
+    # row's bits then do not depend on its batch), 8 on torch's packed ones.
     quantized_max_rows: int | str | None = "auto"
     # The C kernels of gpu/native on CPU (norms, RoPE + KV write, decode attention, GGUF-format
     # quantized matmuls with int8 activations); None: wherever they build. False: torch only.
@@ -249,11 +249,13 @@ class ModelRunner:
             use_native = model.kernels is NATIVE_KERNELS  # kernels_for made the choice
             max_rows = config.quantized_max_rows
             if max_rows == "auto":
-                # The native Q4 kernels serve every batch (int8 activations, llama.cpp's
-                # arithmetic), so a row's logits do not depend on how many rows share its step
-                # (a prefix-cache hit computes a prompt's tail as a short chunk).
-                many = use_native and config.quantization == "int4"
-                max_rows = 1024 if many else 8
+                # The native kernels serve every batch (int8 activations, llama.cpp's
+                # arithmetic), so a row's logits do not depend on how many rows share its step:
+                # a prefix-cache hit computes a prompt's tail as a short chunk, a recovery
+                # recomputes decoded tokens as a prefill, and both must give the bits they had.
+                # torch's dense GEMM rounds one row differently from many: only a step of more
+                # than 1024 rows (--max-num-batched-tokens above it) takes the dense copy.
+                max_rows = 1024 if use_native else 8
             quantize_linears(
                 model,
                 config.quantization,

@@ -273,7 +273,7 @@ class ScheduleActor(AsyncActor):
         step_id: int,
         emitted: list[tuple[Sequence, int]],
         result: results.StepResult | None = None,
-        result_rows: np.ndarray | None = None,  # [len(emitted)]: each token's row in result
+        result_rows: list[int] | None = None,  # [len(emitted)]: each token's row in result
         prompt_of: tuple[PromptLogprobs, list[Sequence]] | None = None,
     ) -> None:
         seqs = [seq for seq, _ in emitted]

@@ -11,9 +11,12 @@ from tests.server.live import free_port
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Count to five."]
 # Int8 activations round, and a partial sum summed in another order can move a rounding: where
-# the greedy token is a near tie that decides it (the first prompt's does). These prompts have
-# confident answers.
-CONFIDENT = ["Count to five.", "Repeat exactly: the quick brown fox jumps over the lazy dog."]
+# the greedy token is a near tie that decides it (the first prompt's does, and of seven short
+# prompts five did within 32 tokens on the kernels of 2026-12-06). These two have confident answers.
+CONFIDENT = [
+    "Repeat exactly: the quick brown fox jumps over the lazy dog.",
+    "List the days of the week.",
+]
 
 
 def greedy_texts(model: str, tp: int, quantization: str, tmp_path) -> list[str]:  # type: ignore[no-untyped-def]

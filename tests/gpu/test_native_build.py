@@ -110,6 +110,7 @@ def test_a_failed_build_is_an_error_and_is_not_retried(tmp_path, monkeypatch):
     compiler.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec gcc "$@"\n')
     compiler.chmod(0o755)
     monkeypatch.setattr(native, "SOURCE", source)
+    monkeypatch.delenv("PIPELINE_SERVE_NATIVE", raising=False)
     monkeypatch.setenv("CC", str(compiler))
     monkeypatch.setenv("PIPELINE_SERVE_CACHE", str(tmp_path / "cache"))
     native.reset()
@@ -144,6 +145,7 @@ def test_the_install_step_fails_on_a_broken_build(tmp_path):
     )
     cc.chmod(0o755)
     env = {**os.environ, "CC": str(cc), "PIPELINE_SERVE_CACHE": str(tmp_path / "cache")}
+    env.pop("PIPELINE_SERVE_NATIVE", None)
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run(
         [sys.executable, "-m", "gpu.native"], cwd=root, env=env, capture_output=True, text=True

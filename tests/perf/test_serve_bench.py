@@ -93,26 +93,21 @@ def test_measures_the_fake_servers_known_timings(fake_url, tmp_path):
     assert code == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["concurrency"] for r in runs] == [1, 4]
-    # The fake server sleeps for known times: a figure is never below its sleep (less 2 ms of
-    # clock granularity), and on a loaded machine it may run over, within bounds that still tell
-    # a wrong interval (ITL with the TTFT in it, seconds for milliseconds) from a late wake-up.
+    # The fake server sleeps for known times, so a figure is never below its sleep (less 2 ms of
+    # clock granularity): a figure in seconds, or one that left out an interval, fails. How far
+    # above it a figure lands depends on the machine's load, which no test bounds; the
+    # statistics over exact timings are test_summary_of_known_timings's.
     e2e = (TTFT_S + (TOKENS - 1) * ITL_S) * 1e3
-
-    def near(figure: float, slept_ms: float) -> bool:
-        return slept_ms - 2 <= figure <= 1.75 * slept_ms + 5
-
     for run in runs:
         assert run["completed"] == 8 and run["errors"] == 0
-        assert near(run["ttft_ms"]["p50"], TTFT_S * 1e3), run["ttft_ms"]
-        assert near(run["itl_ms"]["p50"], ITL_S * 1e3), run["itl_ms"]
-        assert near(run["tpot_ms"]["p50"], ITL_S * 1e3), run["tpot_ms"]
-        assert near(run["e2e_ms"]["p50"], e2e), run["e2e_ms"]
+        assert run["ttft_ms"]["p50"] >= TTFT_S * 1e3 - 2, run["ttft_ms"]
+        assert run["itl_ms"]["p50"] >= ITL_S * 1e3 - 2, run["itl_ms"]
+        assert run["tpot_ms"]["p50"] >= ITL_S * 1e3 - 2, run["tpot_ms"]
+        assert run["e2e_ms"]["p50"] >= e2e - 2, run["e2e_ms"]
+        assert run["itl_ms"]["p50"] < run["ttft_ms"]["p50"] < run["e2e_ms"]["p50"]
         assert run["mean_output_tokens"] == TOKENS and run["slo_attainment"] == 1.0
         assert run["request_stage_ms"]["render"]["mean"] == pytest.approx(1.5)
         assert run["request_stage_ms"]["decode"]["p50"] == pytest.approx(100.0)
-    # Four streams at a time finish about four times as many requests per second as one (the
-    # server only sleeps; never more than four times, and well over one time, on a loaded CPU).
-    assert 2.5 <= runs[1]["request_per_s"] / runs[0]["request_per_s"] <= 4.4
     assert {p.name for p in (tmp_path / "charts").iterdir()} == {
         "ttft_cdf.png",
         "itl_cdf.png",
@@ -167,6 +162,28 @@ def test_open_loop_and_errors_are_counted(fake_url, tmp_path):
     )
     run = json.loads(out.read_text())["runs"][0]
     assert run["request_rate"] == 50 and run["completed"] == 3 and run["errors"] == 3
+
+
+def test_summary_of_known_timings():
+    """Percentiles in milliseconds of each request's own intervals; throughput over the wall."""
+    results = [
+        RequestResult(
+            ok=True,
+            start_s=0,
+            ttft_s=0.05 * (i + 1),
+            e2e_s=0.05 * (i + 1) + 0.08,
+            itl_s=[0.02] * 4,
+            output_tokens=5,
+        )
+        for i in range(3)
+    ]
+    summary = summarize(results, wall_s=2.0, cpu_s=0.1, slo=None)
+    assert summary["completed"] == 3 and summary["request_per_s"] == pytest.approx(1.5)
+    assert summary["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert summary["itl_ms"]["p50"] == pytest.approx(20.0)
+    assert summary["tpot_ms"]["p50"] == pytest.approx(20.0)
+    assert summary["e2e_ms"]["p50"] == pytest.approx(180.0)
+    assert summary["output_tok_per_s"] == pytest.approx(7.5)
 
 
 def test_goodput_counts_only_requests_within_the_slo():
