@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install test test-fast serve bench lint format clean gpu-wheels
+.PHONY: install test test-fast test-torch-path serve bench lint format clean gpu-wheels
 
 install: $(STAMP)
 
@@ -25,6 +25,11 @@ test: install
 
 test-fast: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m 'not slow' tests
+
+# The model tests on the plain torch path (PIPELINE_SERVE_NATIVE=0), a supported configuration
+# that `make test` on a machine with a C compiler does not take.
+test-torch-path: install
+	PIPELINE_SERVE_NATIVE=0 TRITON_INTERPRET=1 $(PY) -m pytest -q -m 'not slow' tests/gpu
 
 serve: install
 	@if [ -f server/cli.py ]; then $(VENV)/bin/pipeline-serve --host $(HOST) --port $(PORT); \

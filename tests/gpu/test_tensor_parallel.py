@@ -10,6 +10,7 @@ import pytest
 
 from gpu.memory import DeviceMemory
 from gpu.runner import ModelRunner, RunnerConfig
+from tests.cpu_levels import NATIVE
 from tests.gpu.conftest import build_tiny_model
 from tests.gpu.tp_ranks import RUNNER, agree_on_blocks, load_peak, run_rank, script
 
@@ -133,6 +134,9 @@ def _q4_gguf(tmp_path) -> str:  # type: ignore[no-untyped-def]
     return write_gguf(hf, tmp_path / "tiny-q4_1.gguf", "llama", types)
 
 
+# The native kernels' int8 activations; the torch path's packed int4 computes in bfloat16, whose
+# rounding moves with the all-reduce's order by more than 1e-4.
+@pytest.mark.skipif(not NATIVE, reason="needs the native CPU kernels")
 @pytest.mark.parametrize("source", ["gguf", "safetensors"])
 def test_two_ranks_of_quantized_weights_give_the_logits_of_one(tmp_path, source):
     """int4 under tensor parallelism: each rank quantizes its shard as one process quantizes the
