@@ -20,16 +20,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m gpu.native  # build the CPU kernels for this CPU: a compiler that fails stops here
 	touch $(STAMP)
 
+# Two pytest workers (pytest-xdist), each test file on one of them so that a module's server
+# starts once: most tests wait on processes, servers or the model, and one worker leaves a core
+# idle.
+TEST_WORKERS ?= 2
+PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: install
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 test-fast: install
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m 'not slow' tests
+	$(PYTEST) -m 'not slow' tests
 
 # The model tests on the plain torch path (PIPELINE_SERVE_NATIVE=0), a supported configuration
 # that `make test` on a machine with a C compiler does not take.
 test-torch-path: install
-	PIPELINE_SERVE_NATIVE=0 TRITON_INTERPRET=1 $(PY) -m pytest -q -m 'not slow' tests/gpu
+	PIPELINE_SERVE_NATIVE=0 $(PYTEST) -m 'not slow' tests/gpu
 
 serve: install
 	@if [ -f server/cli.py ]; then $(VENV)/bin/pipeline-serve --host $(HOST) --port $(PORT); \

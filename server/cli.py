@@ -764,9 +764,9 @@ def _is_q4_1_gguf(model_path: str) -> bool:
     """True for a GGUF whose file type is "mostly Q4_1" (llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_1 = 3)."""
     if not (model_path.endswith(".gguf") and Path(model_path).is_file()):
         return False
-    import gguf
+    from stages.text.checkpoint import open_gguf  # the parse the tokenizer's load reuses
 
-    field = gguf.GGUFReader(model_path).fields.get("general.file_type")
+    field = open_gguf(model_path).fields.get("general.file_type")
     return field is not None and int(field.parts[field.data[0]][0]) == 3
 
 

@@ -111,6 +111,30 @@ def test_paged_decode_attention_matches_the_reference(
     assert out[3].isnan().all()  # rows that are not decodes are left alone
 
 
+def _decoded_alone(
+    q: torch.Tensor,  # [H, D] float32: one position's query
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,  # [max_blocks] int32
+    context_len: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:  # [H, D]: the position's attention as a decode step of one row gives it
+    out = torch.empty(1, *q.shape)
+    native.paged_decode_attention(
+        q[None].contiguous(),
+        k_cache,
+        v_cache,
+        torch.zeros(1, dtype=torch.int64),
+        table[None].contiguous(),
+        torch.tensor([context_len], dtype=torch.int32),
+        scale,
+        window,
+        out,
+    )
+    return out[0]
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "cache_dtype"),
     [
@@ -159,19 +183,8 @@ def test_decode_rows_of_one_sequence_share_an_item_and_keep_their_bits(
         q, k_cache, v_cache, index, block_tables, context_lens, 0.2, None, out
     )
     for r in range(rows):
-        alone = torch.empty(1, heads, dim)
-        native.paged_decode_attention(
-            q[r : r + 1],
-            k_cache,
-            v_cache,
-            torch.zeros(1, dtype=torch.int64),
-            block_tables[r : r + 1],
-            context_lens[r : r + 1],
-            0.2,
-            None,
-            alone,
-        )
-        assert torch.equal(out[r], alone[0]), f"row {r}"
+        alone = _decoded_alone(q[r], k_cache, v_cache, block_tables[r], lens[r], 0.2, None)
+        assert torch.equal(out[r], alone), f"row {r}"
     expected = reference.paged_attention(
         q,
         k_cache,
@@ -404,16 +417,5 @@ def test_a_prefilled_token_has_the_bits_of_its_decode(
         chunks = [prefill(a, b) for a, b in itertools.pairwise(cuts)]
         assert torch.equal(torch.cat(chunks), whole), cuts
     for r in range(context):
-        alone = torch.empty(1, heads, dim)
-        native.paged_decode_attention(
-            q[r : r + 1],
-            k_cache,
-            v_cache,
-            torch.zeros(1, dtype=torch.int64),
-            table[None, :].contiguous(),
-            torch.tensor([r + 1], dtype=torch.int32),
-            0.2,
-            window,
-            alone,
-        )
-        assert torch.equal(alone[0], whole[r]), f"row {r}"
+        alone = _decoded_alone(q[r], k_cache, v_cache, table, r + 1, 0.2, window)
+        assert torch.equal(alone, whole[r]), f"row {r}"
