@@ -31,14 +31,19 @@ TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegativeInt = Annotated[int, Meta(ge=0)]
-TopK = Annotated[int, Meta(ge=-1)]
-LogprobCount = Annotated[int, Meta(ge=0)]  # at most --max-logprobs: check_max_logprobs
+# Every integer has the stages' int64 range at most: one past it would pass the schema and then
+# fail to pack into the request record, a 500 instead of the 400 that names it.
+INT64_MAX = 2**63 - 1
+PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
+LogprobCount = Annotated[
+    int, Meta(ge=0, le=INT64_MAX)
+]  # at most --max-logprobs: check_max_logprobs
+TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 # vLLM's logprob_token_ids: 1 to 128 ids (its MAX_LOGPROB_TOKEN_IDS)
-LogprobTokenIds = Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1, max_length=128)]
+LogprobTokenIds = Annotated[list[TokenId], Meta(min_length=1, max_length=128)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
-TokenId = Annotated[int, Meta(ge=0)]
 Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]  # the stages carry it as int32
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # vLLM's range: the sampler's int64
 # vLLM's cache_salt: 1 to 128 characters, none of which a cache backend's key could trip on
@@ -84,7 +89,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     priority: Priority = 0
     prompt_logprobs: LogprobCount | None = None  # vLLM: top-k logprobs of every prompt token
     allowed_token_ids: list[TokenId] | None = None  # vLLM: sample only among these
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None  # keep the last k; -1: fit
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None  # -1: fit
     # vLLM: logprobs name tokens "token_id:N"; None: --return-tokens-as-token-ids
     return_tokens_as_token_ids: bool | None = None
     bad_words: list[str] | None = None  # vLLM: words the output must not contain
@@ -101,7 +106,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     early_stopping: bool | Literal["never"] = False
     # vLLM: tokens the reasoning may take before its end tag is forced (chat, with a reasoning
     # parser); -1: unlimited
-    thinking_token_budget: int | None = None
+    thinking_token_budget: Annotated[int, Meta(le=INT64_MAX)] | None = None
     # vLLM fields this server refuses (`_refuse_unsupported` says why)
     vllm_xargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None

@@ -34,7 +34,6 @@ log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 NATIVE_ENV = "PIPELINE_SERVE_NATIVE"
 FLAGS = ("-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-MAX_GROUP = 64  # query heads per KV head the attention kernel holds
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES: dict[str, tuple[object, ...]] = {
@@ -55,6 +54,7 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
     "q4_1_gemm_pack": (_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr),
     "q4_1_gemm": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
     "q4_1_gemm_available": (),
+    "attend_vectors": (),
     "q8_0_gemm_pack": (_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr),
     "q8_0_gemm": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr),
     "paged_prefill_attention": (
@@ -147,7 +147,9 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes = argtypes
-        returns_int = name in _RETURNS_STATUS or name.endswith("_available")
+        returns_int = (
+            name in _RETURNS_STATUS or name.endswith("_available") or name == "attend_vectors"
+        )
         function.restype = ctypes.c_int if returns_int else None
     log.info("CPU kernels loaded", isa=level, library=library._name)
     return library
@@ -162,6 +164,13 @@ def reset() -> None:
     """Forget the loaded library, so that the next call reads the environment again."""
     load.cache_clear()
     gemm_available.cache_clear()
+    max_group.cache_clear()
+
+
+@cache
+def max_group() -> int:
+    """Query heads per KV head the attention kernels hold (cpu_ops.c's ATTEND_VECTORS)."""
+    return int(_lib().attend_vectors())
 
 
 @contextmanager
@@ -282,8 +291,8 @@ def paged_decode_attention(
 ) -> None:
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads // num_kv_heads > MAX_GROUP:
-        raise ValueError(f"paged_decode_attention: more than {MAX_GROUP} query heads per KV head")
+    if num_heads // num_kv_heads > max_group():
+        raise ValueError(f"paged_decode_attention: more than {max_group()} query heads per KV head")
     if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
         raise ValueError("paged_decode_attention: q must be float32 rows of contiguous heads")
     cache_dtype = k_cache.dtype
@@ -589,8 +598,10 @@ def paged_prefill_attention(
 ) -> None:
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads // num_kv_heads > MAX_GROUP:
-        raise ValueError(f"paged_prefill_attention: more than {MAX_GROUP} query heads per KV head")
+    if num_heads // num_kv_heads > max_group():
+        raise ValueError(
+            f"paged_prefill_attention: more than {max_group()} query heads per KV head"
+        )
     if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != head_dim:
         raise ValueError("paged_prefill_attention: q must be float32 rows of contiguous heads")
     cache_dtype = k_cache.dtype

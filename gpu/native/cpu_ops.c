@@ -29,7 +29,7 @@
 #endif
 
 #define QK 32 /* weights per quantization block */
-#define ATTEND_VECTORS 64 /* query vectors one attention work item holds at most (MAX_GROUP in Python) */
+#define ATTEND_VECTORS 64 /* query vectors one attention work item holds at most (attend_vectors) */
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -87,6 +87,14 @@ static inline __m256 exp8(__m256 x) {
     const __m256i bits =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(kf), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* The sum of the 8 lanes. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 #endif
 
@@ -393,13 +401,6 @@ static inline __m256 load8(const void *cache, int64_t i, int bf16) {
 
 #define MAX_DIM_VECS 32 /* head_dim up to 256 */
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* One item (a sequence's KV head and its query group) on AVX2, for head_dim % 8 == 0 and
  * head_dim <= 256: scores, softmax and accumulation in float32, 8 lanes at a time. */
 static void attend_avx2(const float *q, const void *k_cache, const void *v_cache, int bf16,
@@ -613,13 +614,6 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
-
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #endif
 
 
@@ -810,7 +804,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(
         }
     }
     for (int r = 0; r < R; r++)
-        out[r * out_stride] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) + offset[r];
+        out[r * out_stride] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + offset[r];
 }
 #endif
 
@@ -863,7 +857,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(
                                       _mm256_set1_ps(d[b] * xd[r * blocks + b]), acc0[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r * out_stride] = hsum256(_mm256_add_ps(acc0[r], acc1[r]));
+    for (int r = 0; r < R; r++) out[r * out_stride] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
 }
 #endif
 
@@ -1472,3 +1466,6 @@ int paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, i
     free(lens);
     return status;
 }
+
+/* Query vectors (query heads per KV head) an attention work item holds at most. */
+int attend_vectors(void) { return ATTEND_VECTORS; }

@@ -521,6 +521,9 @@ def test_what_no_client_may_send_is_refused_and_the_server_keeps_serving(server,
         assert "--max-request-body-bytes" in json.loads(response.read())["error"]["message"]
     finally:
         connection.close()
+    for field in ("max_tokens", "max_completion_tokens", "top_k", "truncate_prompt_tokens"):
+        with pytest.raises(openai.BadRequestError, match=field):  # past int64: not a 500
+            chat(client, extra_body={field: 2**64 + 1})
     assert process.poll() is None
     ok = chat(client, max_tokens=2, extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 2

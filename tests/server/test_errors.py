@@ -26,6 +26,7 @@ def completion(**fields: Any) -> dict[str, Any]:
     return {"model": "fake-model", "prompt": "hello there", **fields}
 
 
+BIG_INT_FIELDS = ("max_tokens", "top_k", "truncate_prompt_tokens", "min_tokens", "n")
 BAD_REQUESTS = [
     # (route, body, status, param)
     (CHAT, chat(temperature=2.5), 400, "temperature"),
@@ -102,6 +103,15 @@ BAD_REQUESTS = [
     (CHAT, chat(stream=True, messages=[{"role": "user", "content": "w " * 80}]), 400, "messages"),
     (CHAT, chat(seed="x"), 400, "seed"),
     (CHAT, chat(priority=2**40), 400, "priority"),  # past int32 it would crash render
+    # past int64 they would fail to pack into the request record: a 500
+    *(
+        (route, body(**{field: 2**64 + 1}), 400, field)
+        for route, body, fields in (
+            (CHAT, chat, (*BIG_INT_FIELDS, "max_completion_tokens", "thinking_token_budget")),
+            (COMPLETIONS, completion, BIG_INT_FIELDS),
+        )
+        for field in fields
+    ),
     (CHAT, chat(continue_final_message=True), 400, "continue_final_message"),
     (CHAT, {"model": "fake-model"}, 400, None),
     (CHAT, chat(messages=[]), 400, "messages"),
