@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -254,108 +254,129 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
         bandwidth = H200_HBM_GB_S if cuda else read_bandwidth_gb_s()
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s", file=sys.stderr)
     rng = np.random.default_rng(0)
-    max_batch = max(args.batches)
-    per_seq = -(-(args.context + 1) // 16) + 1
     rows: list[dict[str, Any]] = []
-    baseline_decode: dict[int, float] = {}
-    baseline_prefill = 0.0
+    baseline = _Baseline()
     # Each CPU kernel level asked for (--cpu-isa) in turn, in this one process; else the one
     # PIPELINE_SERVE_CPU_ISA chooses.
     for level, weights in itertools.product(args.cpu_isa or (None,), args.weights):
         with native.using_level(level) if level else contextlib.nullcontext():
-            dtype, quantization = WEIGHTS[weights]
-            element = 4 if dtype == "float32" else 2
-            config = RunnerConfig(
-                dtype=dtype,
-                quantization=quantization,
-                kv_cache_bytes=max(max_batch * per_seq, -(-args.prefill_tokens // 16) + 1)
-                * 16
-                * 2
-                * _kv_row_bytes(args.model_path, element),
-                threads=args.threads,
-                device=args.device,
-                random_weights=args.random_weights,
-                max_num_seqs=max_batch,
-                max_model_len=max(args.context + 1, args.prefill_tokens),
-            )
-            print(f"[{weights}] loading ...", file=sys.stderr, flush=True)
-            runner, share, close = _load(args, config)
-            c = runner.model_config
-            if (
-                args.baseline
-                and weights == "fp32"
-                and not cuda
-                and args.tensor_parallel_size == 1
-                and not baseline_decode  # the unpaged torch model's: once for every level
-            ):
-                print("[baseline] unpaged fp32 ...", file=sys.stderr, flush=True)
-                base = UnpagedBaseline(runner.model, 1, args.prefill_tokens + 1)
-                prompt = torch.from_numpy(rng.integers(0, c.vocab_size, (1, args.prefill_tokens)))
-                baseline_prefill = args.prefill_tokens / _median_time(
-                    partial(base.forward, prompt, 0), 2
-                )
-                for batch in args.batches:
-                    base = UnpagedBaseline(runner.model, batch, args.context + 1)
-                    token = torch.from_numpy(rng.integers(0, c.vocab_size, (batch, 1)))
-                    baseline_decode[batch] = batch / _median_time(
-                        partial(base.forward, token, args.context), args.steps
-                    )
-            step = prefill_batch(runner, args.prefill_tokens, rng)
-            seconds = _median_time(partial(runner.step, step, share), 2)
-            runner.free([10_000])
-            rows.append(
-                {
-                    "mode": "prefill",
-                    "kernels": runner.kernels_name,
-                    "batch": 1,
-                    "context": args.prefill_tokens,
-                    "weights": weights,
-                    "tok_per_s": args.prefill_tokens / seconds,
-                    "baseline_tok_per_s": baseline_prefill,
-                    "roofline_fraction": None,
-                }
-            )
-            print(
-                f"[{runner.kernels_name} {weights}] prefill {args.prefill_tokens}: {args.prefill_tokens / seconds:.0f} tok/s",
-                file=sys.stderr,
-            )
-            for batch in args.batches:
-                step = decode_batch(runner, batch, args.context, rng)
-                eager_seconds = None
-                if runner.graphs is not None:
-                    eager_seconds, seconds = _eager_and_graphed(runner, step, args.steps)
-                else:
-                    seconds = _median_time(partial(runner.step, step, share), args.steps)
-                runner.free(np.arange(batch))
-                kv_bytes = batch * (args.context + 1) * _kv_row_bytes(args.model_path, element) * 2
-                w_bytes = weight_bytes_read(runner.model, batch)
-                ideal = (w_bytes + kv_bytes) / (bandwidth * 1e9)
-                rows.append(
-                    {
-                        "mode": "decode",
-                        "kernels": runner.kernels_name,
-                        "batch": batch,
-                        "context": args.context,
-                        "weights": weights,
-                        "tok_per_s": batch / seconds,
-                        "baseline_tok_per_s": baseline_decode.get(batch, 0.0),
-                        "roofline_fraction": ideal / seconds,
-                        "step_ms": seconds * 1e3,
-                        "bytes_per_step": w_bytes + kv_bytes,
-                        "eager_tok_per_s": None if eager_seconds is None else batch / eager_seconds,
-                    }
-                )
-                print(
-                    f"[{runner.kernels_name} {weights}] decode batch {batch}: {batch / seconds:.0f} tok/s ({seconds * 1e3:.1f} ms/step)",
-                    file=sys.stderr,
-                )
-                if args.verify_drafts > 0:
-                    rows.append(_verify_row(args, runner, share, weights, batch, rng))
-            close()
-            del runner
-            if cuda:
-                torch.cuda.empty_cache()
+            rows += _weights_rows(args, weights, bandwidth, rng, baseline)
     return {"bandwidth_gb_s": bandwidth, "device": args.device, "rows": rows}
+
+
+@dataclass(slots=True)
+class _Baseline:
+    """The unpaged fp32 model's figures (CPU), measured once for every level and format."""
+
+    prefill_tok_per_s: float = 0.0
+    decode_tok_per_s: dict[int, float] = field(default_factory=dict)  # by batch
+
+
+def _weights_rows(
+    args: ModelBenchArgs,
+    weights: str,
+    bandwidth: float,
+    rng: np.random.Generator,
+    baseline: _Baseline,
+) -> list[dict[str, Any]]:
+    """Prefill, and each batch's decode step (and verification), on one weight format."""
+    cuda = torch.device(args.device).type == "cuda"
+    max_batch = max(args.batches)
+    per_seq = -(-(args.context + 1) // 16) + 1
+    rows: list[dict[str, Any]] = []
+    dtype, quantization = WEIGHTS[weights]
+    element = 4 if dtype == "float32" else 2
+    config = RunnerConfig(
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_bytes=max(max_batch * per_seq, -(-args.prefill_tokens // 16) + 1)
+        * 16
+        * 2
+        * _kv_row_bytes(args.model_path, element),
+        threads=args.threads,
+        device=args.device,
+        random_weights=args.random_weights,
+        max_num_seqs=max_batch,
+        max_model_len=max(args.context + 1, args.prefill_tokens),
+    )
+    print(f"[{weights}] loading ...", file=sys.stderr, flush=True)
+    runner, share, close = _load(args, config)
+    c = runner.model_config
+    if (
+        args.baseline
+        and weights == "fp32"
+        and not cuda
+        and args.tensor_parallel_size == 1
+        and not baseline.decode_tok_per_s  # the unpaged torch model's: once for every level
+    ):
+        print("[baseline] unpaged fp32 ...", file=sys.stderr, flush=True)
+        base = UnpagedBaseline(runner.model, 1, args.prefill_tokens + 1)
+        prompt = torch.from_numpy(rng.integers(0, c.vocab_size, (1, args.prefill_tokens)))
+        baseline.prefill_tok_per_s = args.prefill_tokens / _median_time(
+            partial(base.forward, prompt, 0), 2
+        )
+        for batch in args.batches:
+            base = UnpagedBaseline(runner.model, batch, args.context + 1)
+            token = torch.from_numpy(rng.integers(0, c.vocab_size, (batch, 1)))
+            baseline.decode_tok_per_s[batch] = batch / _median_time(
+                partial(base.forward, token, args.context), args.steps
+            )
+    step = prefill_batch(runner, args.prefill_tokens, rng)
+    seconds = _median_time(partial(runner.step, step, share), 2)
+    runner.free([10_000])
+    rows.append(
+        {
+            "mode": "prefill",
+            "kernels": runner.kernels_name,
+            "batch": 1,
+            "context": args.prefill_tokens,
+            "weights": weights,
+            "tok_per_s": args.prefill_tokens / seconds,
+            "baseline_tok_per_s": baseline.prefill_tok_per_s,
+            "roofline_fraction": None,
+        }
+    )
+    print(
+        f"[{runner.kernels_name} {weights}] prefill {args.prefill_tokens}: {args.prefill_tokens / seconds:.0f} tok/s",
+        file=sys.stderr,
+    )
+    for batch in args.batches:
+        step = decode_batch(runner, batch, args.context, rng)
+        eager_seconds = None
+        if runner.graphs is not None:
+            eager_seconds, seconds = _eager_and_graphed(runner, step, args.steps)
+        else:
+            seconds = _median_time(partial(runner.step, step, share), args.steps)
+        runner.free(np.arange(batch))
+        kv_bytes = batch * (args.context + 1) * _kv_row_bytes(args.model_path, element) * 2
+        w_bytes = weight_bytes_read(runner.model, batch)
+        ideal = (w_bytes + kv_bytes) / (bandwidth * 1e9)
+        rows.append(
+            {
+                "mode": "decode",
+                "kernels": runner.kernels_name,
+                "batch": batch,
+                "context": args.context,
+                "weights": weights,
+                "tok_per_s": batch / seconds,
+                "baseline_tok_per_s": baseline.decode_tok_per_s.get(batch, 0.0),
+                "roofline_fraction": ideal / seconds,
+                "step_ms": seconds * 1e3,
+                "bytes_per_step": w_bytes + kv_bytes,
+                "eager_tok_per_s": None if eager_seconds is None else batch / eager_seconds,
+            }
+        )
+        print(
+            f"[{runner.kernels_name} {weights}] decode batch {batch}: {batch / seconds:.0f} tok/s ({seconds * 1e3:.1f} ms/step)",
+            file=sys.stderr,
+        )
+        if args.verify_drafts > 0:
+            rows.append(_verify_row(args, runner, share, weights, batch, rng))
+    close()
+    del runner
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
 
 
 def _verify_row(

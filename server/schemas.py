@@ -37,9 +37,8 @@ INT64_MAX = 2**63 - 1
 PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 NonNegativeInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
-LogprobCount = Annotated[
-    int, Meta(ge=0, le=INT64_MAX)
-]  # at most --max-logprobs: check_max_logprobs
+# at most --max-logprobs: check_max_logprobs
+LogprobCount = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 # vLLM's logprob_token_ids: 1 to 128 ids (its MAX_LOGPROB_TOKEN_IDS)
 LogprobTokenIds = Annotated[list[TokenId], Meta(min_length=1, max_length=128)]

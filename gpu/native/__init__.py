@@ -143,7 +143,8 @@ def load() -> ctypes.CDLL | None:
             isa=level,
         )
         return None
-    library = ctypes.CDLL(str(_build(compiler, level)))
+    path = _build(compiler, level)
+    library = ctypes.CDLL(str(path))
     for name, argtypes in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes = argtypes
@@ -151,7 +152,7 @@ def load() -> ctypes.CDLL | None:
             name in _RETURNS_STATUS or name.endswith("_available") or name == "attend_vectors"
         )
         function.restype = ctypes.c_int if returns_int else None
-    log.info("CPU kernels loaded", isa=level, library=library._name)
+    log.info("CPU kernels loaded", isa=level, library=str(path))
     return library
 
 
