@@ -92,7 +92,7 @@ RECENT_ABORTS = 4096
 def pipeline_layout(
     config: EngineConfig,
 ) -> tuple[list[RingSpec | BroadcastSpec], list[ActorSpec]]:
-    """The rings and actors of DESIGN.md's drawing."""
+    """The rings and actors of docs/ARCHITECTURE.md's drawing ("Processes and rings")."""
     step_bytes = 256 * 1024 + 64 * config.max_num_seqs * 64  # block tables grow with context
     rings: list[RingSpec | BroadcastSpec] = [
         RingSpec("requests", requests.REQUESTS, n_slots=64, slot_bytes=64 * 1024),
