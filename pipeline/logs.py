@@ -9,10 +9,14 @@ from typing import Any
 import structlog
 
 
-def _stderr_logger(*args: Any) -> structlog.PrintLogger:
+def _stderr_logger(*args: Any) -> structlog.WriteLogger:
     """A logger on whatever sys.stderr is when the line is written (it may be swapped, by pytest
-    or by a daemon's redirection, after logging was configured)."""
-    return structlog.PrintLogger(sys.stderr)
+    or by a daemon's redirection, after logging was configured).
+
+    Each line is one write, its newline included: the stages share one stderr, and under
+    PYTHONUNBUFFERED (set by most container images) PrintLogger's print() writes a line and its
+    newline separately, so two processes' lines could run together into one that is not JSON."""
+    return structlog.WriteLogger(sys.stderr)
 
 
 def configure_logging(log_format: str = "auto", level: str = "info", **bound: Any) -> None:

@@ -12,10 +12,14 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from pipeline.names import names_in_shm
 from tests.e2e.serving import http_get, running_server
 from tests.server.live import free_port
+
+# Two replicas behind a server: `make test` runs it, `make test-fast` not
+pytestmark = pytest.mark.slow
 
 PROMPT = "A long shared preamble about the history of the printing press. " * 12
 

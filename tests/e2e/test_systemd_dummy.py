@@ -16,9 +16,13 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.e2e.serving import ROOT, http_get
 from tests.server.live import free_port
+
+# A server under a service manager: `make test` runs it, `make test-fast` not
+pytestmark = pytest.mark.slow
 
 START_TIMEOUT_S = 180.0
 WATCHDOG_S = 1.0

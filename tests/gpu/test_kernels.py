@@ -439,6 +439,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_cuda_without_a_gpu(tmp_path: Path) -> None:
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

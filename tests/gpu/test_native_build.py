@@ -51,6 +51,7 @@ def _compile(compiler: str, target: list[str]) -> str | None:
     return None if result.returncode == 0 else (result.stderr or result.stdout)[-1500:]
 
 
+@pytest.mark.slow
 @needs_gcc
 def test_every_x86_branch_compiles_with_warnings_as_errors():
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
@@ -60,6 +61,7 @@ def test_every_x86_branch_compiles_with_warnings_as_errors():
     assert not broken, "\n\n".join(f"[{name}]\n{message}" for name, message in broken.items())
 
 
+@pytest.mark.slow
 def test_the_portable_branch_compiles_for_aarch64():
     """No x86 intrinsic outside its guard: the kernels build on other architectures (.ci/run
     installs Debian's gcc-aarch64-linux-gnu)."""

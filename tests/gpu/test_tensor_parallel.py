@@ -14,6 +14,9 @@ from tests.cpu_levels import NATIVE
 from tests.gpu.conftest import build_tiny_model
 from tests.gpu.tp_ranks import RUNNER, agree_on_blocks, load_peak, run_rank, script
 
+# Each case starts a group of rank processes: `make test` runs them, `make test-fast` not
+pytestmark = pytest.mark.slow
+
 SPAWN = multiprocessing.get_context("spawn")
 
 

@@ -22,6 +22,9 @@ from stages.data_parallel import DataParallelEngine
 from stages.router import Route
 from tests.stages.conftest import LoopThread
 
+# Replicas start a pipeline each: `make test` runs them, `make test-fast` not
+pytestmark = pytest.mark.slow
+
 # 700 bytes in common, about 44 blocks of 16 tokens: worth routing to where it is cached
 SHARED = "The following is a report on the migration of arctic terns across the oceans. " * 9
 

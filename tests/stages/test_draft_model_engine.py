@@ -207,6 +207,7 @@ def test_a_draft_with_another_vocabulary_is_refused_at_start(tiny_chat_model, tm
         Engine(_draft_config(tiny_chat_model, str(other)))
 
 
+@pytest.mark.slow
 def test_execute_killed_mid_speculation_resumes_with_plain_decodings_text(engines):
     """The draft model and its cache die with execute; the resumed requests recompute their KV in
     both models, and a greedy and a seeded one write what plain decoding writes."""

@@ -12,6 +12,7 @@ import signal
 
 import pytest
 
+from gpu import native
 from pipeline.clock import now_ns
 from stages.api import GenerateRequest, SamplingParams, TextPrompt
 from stages.config import EngineConfig
@@ -60,10 +61,21 @@ async def _run(engine: Engine, name: str, indices: list[int], on_token=None):
     return await asyncio.gather(*(one(i) for i in indices))
 
 
+# The level the server picks runs in `make test-fast`; the lower ones, in `make test`
+LEVELS = [
+    pytest.param(level, marks=() if level == NATIVE_LEVELS[-1] else pytest.mark.slow)
+    for level in NATIVE_LEVELS
+]
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_greedy_tokens_and_logprobs_do_not_depend_on_the_path(
-    cpu_isa, quantization, tiny_chat_model
-):
+def test_greedy_tokens_and_logprobs_do_not_depend_on_the_path(level, quantization, tiny_chat_model):
+    with native.using_level(level):
+        _check_every_path(quantization, tiny_chat_model)
+
+
+def _check_every_path(quantization: str, tiny_chat_model) -> None:
     runner = LoopThread()
     config = EngineConfig(
         model_path=tiny_chat_model,

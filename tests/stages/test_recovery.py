@@ -98,6 +98,7 @@ def wait_ready(engine: Engine, timeout_s: float = 60) -> None:
     assert engine.ready
 
 
+@pytest.mark.slow
 def test_chaos_streams_outlive_random_stage_kills_with_the_text_of_an_uninterrupted_run(pipeline):
     """Greedy and seeded streams, with a stop string and a character-level parser state in
     play; SIGKILL of random stages at random moments: every stream completes with exactly the
@@ -144,6 +145,7 @@ def test_chaos_streams_outlive_random_stage_kills_with_the_text_of_an_uninterrup
     assert left == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["render", "detokenize"])
 def test_render_or_detokenize_killed_under_streams_restarts_alone_and_nothing_is_lost(
     pipeline, stage
@@ -209,6 +211,7 @@ def test_render_or_detokenize_killed_under_streams_restarts_alone_and_nothing_is
     assert names_in_shm(namespace) == []
 
 
+@pytest.mark.slow
 def test_an_execute_restart_maps_the_weights_the_first_execute_kept(pipeline):
     """The first execute writes its prepared model to a kept file (anonymous memory that the
     engine's supervisors hand on) and runs on the file's pages. Killed mid-stream, it is
@@ -252,6 +255,7 @@ def rounded(logprobs: list) -> list:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["render", "detokenize"])
 def test_a_kill_before_any_output_resubmits_the_request_whole(pipeline, stage):
     engine, runner = pipeline()
@@ -345,6 +349,7 @@ def test_beyond_max_waiting_requests_a_429_with_retry_after_and_nothing_admitted
     assert engine.stats()["num_requests_rejected_total"] == 3
 
 
+@pytest.mark.slow
 def test_a_request_that_crashes_a_stage_each_time_fails_alone(pipeline):
     """A priority past int32 (the server's schema refuses it) crashes render whenever it is
     rendered: after three failures in a row with no token between (the last with it in flight alone), it is failed and the others go

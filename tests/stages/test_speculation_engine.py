@@ -288,6 +288,7 @@ def test_suffix_decoding_keeps_greedy_tokens_and_drafts_from_earlier_outputs(
     assert _wait_idle(suffix_engine)["kv_cache_usage_perc"] == 0
 
 
+@pytest.mark.slow
 def test_a_stage_killed_mid_speculation_resumes_with_the_tokens_of_a_plain_run(engines):
     import os
     import signal

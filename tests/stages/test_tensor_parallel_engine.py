@@ -21,6 +21,9 @@ from stages.speculation import SpeculativeConfig
 from tests.stages.conftest import LoopThread
 from tests.stages.test_recovery import config, request, run_all, wait_ready
 
+# Rank groups over gloo start many processes: `make test` runs them, `make test-fast` not
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def engines(tiny_chat_model, monkeypatch):
