@@ -144,10 +144,13 @@ def _q4_gguf(tmp_path) -> str:  # type: ignore[no-untyped-def]
 def test_two_ranks_of_quantized_weights_give_the_logits_of_one(tmp_path, source):
     """int4 under tensor parallelism: each rank quantizes its shard as one process quantizes the
     whole (a GGUF's own Q4_1 and Q8_0 blocks cut to the rank's rows and input blocks, or float
-    weights quantized per block), so TP=2 logits equal TP=1's within 1e-4, over prefill,
-    chunked prefill and decodes, through the quantized kernels and the 8-bit LM head. (The
-    activations go in as int8: the all-reduce adds the partial sums in another order, which can
-    move a later rounding; on this model and script none moves.)"""
+    weights quantized per block), so TP=2 logits equal TP=1's over prefill, chunked prefill and
+    decodes, through the quantized kernels and the 8-bit LM head. Not every row to 1e-4: the
+    activations go in as int8, and the all-reduce adds the row-parallel partial sums in another
+    order than one process does, which can move a later int8 rounding and, with it, that row
+    (on the AVX2 kernels 11 of this script's 39 rows, by up to 0.0055; on AVX-512, none). So:
+    every row within 1e-2, and most within 1e-4 (a rank that quantized anything its own way
+    would move every row)."""
     from dataclasses import replace
 
     path = (
@@ -166,8 +169,12 @@ def test_two_ranks_of_quantized_weights_give_the_logits_of_one(tmp_path, source)
     # Quantization shows in the logits: ranks that ran float weights would not match.
     assert not np.allclose(plain, expected[0], atol=1e-3)
 
+    rows_equal = rows = 0
     for ours, theirs in zip(rank0_logits(path, steps, config), expected, strict=True):
-        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(ours, theirs, atol=1e-2, rtol=0)
+        rows_equal += int((np.abs(ours - theirs).max(axis=1) <= 1e-4).sum())
+        rows += len(ours)
+    assert rows_equal >= rows / 2, f"only {rows_equal} of {rows} rows equal TP=1's within 1e-4"
 
 
 def test_a_shard_whose_inputs_split_a_quantization_block_is_refused_with_the_reason(tmp_path):
