@@ -106,7 +106,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     # vLLM: tokens the reasoning may take before its end tag is forced (chat, with a reasoning
     # parser); -1: unlimited
     thinking_token_budget: Annotated[int, Meta(le=INT64_MAX)] | None = None
-    # vLLM fields this server refuses (`_refuse_unsupported` says why)
+    # Fields this server refuses (`_refuse_unsupported` says why): OpenAI's best_of, vLLM's
+    best_of: PositiveInt | None = None
     vllm_xargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -145,6 +146,12 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             raise APIError(
                 "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
                 param="thinking_token_budget",
+            )
+        if self.best_of is not None and self.best_of != 1:
+            raise APIError(
+                "best_of is not supported: this server does not rank candidates by likelihood; "
+                "use n for several choices, or use_beam_search for the most likely ones",
+                param="best_of",
             )
         if self.vllm_xargs:
             raise APIError(
@@ -414,6 +421,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
                     "each tool must be {'type': 'function', 'function': {'name': ...}}",
                     param=f"tools[{index}]",
                 )
+            _check_function_fields(function, f"tools[{index}].function")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
         if self.tool_choice is None or self.tool_choice in ("none", "auto", "required"):
@@ -697,12 +705,32 @@ def _check_message(index: int, message: dict[str, Any]) -> None:
 
 
 def _check_tool_call_arguments(calls: Any, param: str) -> None:
-    """An assistant's tool-call arguments are JSON text, which the chat template gets parsed."""
+    """An assistant's tool-call arguments are JSON text, which the chat template gets parsed
+    (as vLLM parses them: text that is not JSON is a 400)."""
     for index, call in enumerate(calls if isinstance(calls, list) else ()):
         function = call.get("function") if isinstance(call, dict) else None
         arguments = function.get("arguments") if isinstance(function, dict) else None
-        if isinstance(arguments, str):
-            check_json_depth(arguments, f"{param}.tool_calls[{index}].function.arguments")
+        if isinstance(arguments, str) and arguments:
+            where = f"{param}.tool_calls[{index}].function.arguments"
+            check_json_depth(arguments, where)
+            try:
+                json.loads(arguments)
+            except json.JSONDecodeError as error:
+                raise APIError(f"{where} is not valid JSON: {error}", param=where) from error
+
+
+def _check_function_fields(function: dict[str, Any], param: str) -> None:
+    """A tool's parameters are a JSON Schema object, its description text, as vLLM's
+    FunctionDefinition has them."""
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise APIError(
+            f"{param}.parameters must be a JSON Schema object, got {type(parameters).__name__}",
+            param=f"{param}.parameters",
+        )
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise APIError(f"{param}.description must be a string", param=f"{param}.description")
 
 
 def _parameters_schema(function: dict[str, Any]) -> dict[str, Any]:

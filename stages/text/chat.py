@@ -85,11 +85,13 @@ def _normalise(message: Mapping[str, Any], as_parts: bool) -> dict[str, Any]:
 
 
 def _with_parsed_arguments(call: Any) -> Any:
+    """The call with its arguments parsed (the server has checked that they are JSON), and no
+    arguments as {} (vLLM's reading of "")."""
     function = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(function, Mapping) or not isinstance(function.get("arguments"), str):
         return call
     try:
-        arguments = json.loads(function["arguments"])
+        arguments = json.loads(function["arguments"]) if function["arguments"] else {}
     except ValueError:
         return call
     return {**call, "function": {**function, "arguments": arguments}}

@@ -28,6 +28,17 @@ pytestmark = pytest.mark.anyio
 TOOL = {"type": "function", "function": {"name": "f"}}
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
+
+def _tool_turn(arguments: str) -> list[dict[str, Any]]:
+    """A conversation whose assistant called a tool with `arguments`."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "done", "tool_call_id": "c1"},
+    ]
+
+
 REFUSED = [
     # (route, body, param, words the message must say)
     # Beam search ranks beams on the model's own distribution: what reshapes it is refused.
@@ -47,6 +58,26 @@ REFUSED = [
     (CHAT, chat(thinking_token_budget=-2), "thinking_token_budget", "non-negative integer"),
     (COMPLETIONS, completion(thinking_token_budget=0), "thinking_token_budget", "not supported"),
     (CHAT, chat(vllm_xargs={"k": 1}), "vllm_xargs", "not supported"),
+    (CHAT, chat(best_of=2), "best_of", "best_of is not supported"),
+    (COMPLETIONS, completion(best_of=3, n=2), "best_of", "best_of is not supported"),
+    (
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": 5}}]),
+        "tools[0].function.parameters",
+        "JSON Schema object",
+    ),
+    (
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f", "description": ["x"]}}]),
+        "tools[0].function.description",
+        "string",
+    ),
+    (
+        CHAT,
+        chat(messages=_tool_turn("{city: Paris}")),
+        "messages[1].tool_calls[0].function.arguments",
+        "not valid JSON",
+    ),
     (CHAT, chat(kv_transfer_params={"do_remote_decode": True}), "kv_transfer_params", "KV"),
     (COMPLETIONS, completion(suffix="!"), "suffix", "suffix is not currently supported"),
     (CHAT, chat(tools=[], tool_choice="auto"), "tools", "must not be an empty array"),
@@ -116,6 +147,9 @@ async def test_refused_fields_are_openai_400s(
         {"kv_transfer_params": {}},
         {"use_beam_search": False},
         {"cache_salt": "s" * 128},
+        {"best_of": 1},  # one candidate a choice: what every request gets
+        {"messages": _tool_turn('{"city": "Paris"}')},
+        {"messages": _tool_turn("")},  # vLLM: no arguments, as {}
     ],
 )
 async def test_the_values_vllm_reads_as_nothing_are_accepted(
