@@ -37,13 +37,16 @@ from pipeline.clock import now_ns
 from pipeline.control import ActorState, ControlBlock, ControlHandle
 from pipeline.errors import ActorFailed
 from pipeline.kept import KeptFile
-from pipeline.names import new_namespace, sweep_stale
+from pipeline.names import new_namespace, pid_alive, sweep_stale
 from pipeline.ring import Consumer, Producer, RingHandle, RingSpec
 from pipeline.trace import TraceBuffer, TraceHandle
 
 log = structlog.get_logger("pipeline.supervisor")
 
 OWNER = "owner"
+# How long an actor that ended because a peer died waits to be named the failure while that
+# peer is still being torn down (a large process's memory can take a second to unmap)
+CAUSE_GRACE_S = 10.0
 """The name under which the supervising process's own ring ends are declared."""
 
 
@@ -94,6 +97,7 @@ class Supervisor:
         self.consumers: dict[str, Consumer] = {}
         self.producers: dict[str, Producer] = {}
         self._failure: ActorFailed | None = None
+        self._consequence_seen_ns: int | None = None  # when a peer-died exit was first seen
         self._stopped = False
 
     def _check_topology(self) -> None:
@@ -266,6 +270,7 @@ class Supervisor:
         self.traces[actor] = self._traces[actor].attach()
         self._control.reset(index)
         self._failure = None
+        self._consequence_seen_ns = None
         self._procs[index] = self._spawn(index, spec, {r: self._handles[r] for r in fresh})
         for ring in fresh:
             if ring in self._owner_inboxes:
@@ -359,7 +364,7 @@ class Supervisor:
         """The first failure seen (a dead child, a failed start, a stale heartbeat), else None.
 
         An actor that ended only because a peer died names the failure only when no other is
-        dead: the one that died first is the cause the owner reports and acts on.
+        dead or dying: the one that died first is the cause the owner reports and acts on.
         """
         if self._failure is not None or self._control is None:
             return self._failure
@@ -382,11 +387,27 @@ class Supervisor:
                         spec.name, f"no heartbeat for {age_s:.1f} s (pid {proc.pid})"
                     )
                     break
-        if self._failure is None:
+        if self._failure is None and consequence is not None:
+            if self._cause_still_dying():
+                return None
             self._failure = consequence
         if self._failure is not None:
             log.error("actor failed", actor=self._failure.actor, reason=self._failure.reason)
         return self._failure
+
+    def _cause_still_dying(self) -> bool:
+        """True while an actor whose end a peer saw die is not yet reaped, for at most
+        CAUSE_GRACE_S: /proc shows a killed process's main thread dead (what the peer reads)
+        while its other threads still tear down, and only then can it be waited for."""
+        now = now_ns()
+        if self._consequence_seen_ns is None:
+            self._consequence_seen_ns = now
+        if (now - self._consequence_seen_ns) / 1e9 > CAUSE_GRACE_S:
+            return False
+        return any(
+            proc.pid is not None and proc.exitcode is None and not pid_alive(proc.pid)
+            for proc in self._procs
+        )
 
     def _death_reason(self, i: int, proc: multiprocessing.process.BaseProcess) -> str:
         assert self._control is not None

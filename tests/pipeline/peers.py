@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
+import platform
 import random
+import signal
+import threading
 import time
 import zlib
 
@@ -91,6 +95,26 @@ class Doubler(AsyncActor):
             with await inbox.recv_async() as msg:
                 meta, data = msg["meta"].copy(), (msg["data"].astype(np.uint16) * 2 % 256)
             await outbox.send_async(BLOB, {"meta": meta, "data": data.astype(np.uint8)})
+
+
+class DyingDoubler(AsyncActor):
+    """An actor whose main thread ends and whose process is killed a second later, as a killed
+    process with busy threads dies: its peers see it dead (/proc shows the main thread a
+    zombie) a second before the supervisor can reap it."""
+
+    async def run(self) -> None:
+        def kill_later() -> None:
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=kill_later, daemon=True).start()
+        await asyncio.sleep(0.3)
+        # the exit system call, not exit_group: only the calling (main) thread ends
+        ctypes.CDLL(None).syscall(SYS_EXIT, 0)
+
+
+# The exit system call's number (ends one thread; exit_group ends the process)
+SYS_EXIT = {"x86_64": 60, "aarch64": 93}.get(platform.machine(), 60)
 
 
 class Incrementer(SyncActor):

@@ -125,6 +125,30 @@ def test_the_killed_actor_is_the_failure_not_the_peer_that_ended_because_of_it()
     assert failure is not None and failure.actor == "doubler" and "SIGKILL" in failure.reason
 
 
+def test_a_peer_that_sees_the_cause_die_first_is_not_named_for_it():
+    """The doubler's main thread ends a second before its process can be reaped (as a killed
+    process with busy threads dies): the incrementer sees it dead and exits first, yet the
+    failure the watch reports is the doubler's kill."""
+    from pipeline.actor import PEER_DIED_EXIT_CODE
+
+    rings = [RingSpec(n, VOCAB, 8, 4096) for n in ("in", "mid", "out")]
+    actors = [
+        ActorSpec(
+            "incrementer", "tests.pipeline.peers:Incrementer", inboxes=("mid",), outboxes=("out",)
+        ),
+        ActorSpec(
+            "doubler", "tests.pipeline.peers:DyingDoubler", inboxes=("in",), outboxes=("mid",)
+        ),
+    ]
+    config = SupervisorConfig(log_format="json")
+    failures: list[ActorFailed] = []
+    with Supervisor(rings, actors, config, owner_inboxes=("out",), owner_outboxes=("in",)) as sup:
+        asyncio.run(asyncio.wait_for(sup.watch(failures.append), 10))
+        incrementer = sup._procs[0]
+    assert incrementer.exitcode == PEER_DIED_EXIT_CODE  # it ended first, because of the doubler
+    assert failures[0].actor == "doubler" and "SIGKILL" in failures[0].reason
+
+
 def roundtrip(sup: Supervisor, seq: int) -> None:
     data = np.arange(seq % 50, dtype=np.uint8)
     sup.producers["in"].send(BLOB, {"meta": np.array([seq, 0, 0], np.int64), "data": data})
