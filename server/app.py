@@ -47,6 +47,7 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
     # Generation streams for as long as it takes; Quart's default cuts responses at 60 s.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_body_bytes
+    app.config["BODY_TIMEOUT"] = config.request_body_timeout_s
     drain = Drain(config.shutdown_timeout_s)
     app.extensions[EXTENSION] = OpenAIServing(engine, config, drain)
     if config.allowed_origins is not None:

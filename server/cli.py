@@ -32,7 +32,11 @@ from pipeline.errors import ActorFailed
 from server.app import create_app
 from server.config import ServerConfig
 from server.drain import app_drain
-from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.limits import (
+    DEFAULT_MAX_BODY_READS_PER_CLIENT,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+)
 from server.logs import configure_server_logging
 from server.serve import serve_app
 from server.systemd import Notifier, PipelineState, monitor, status_line
@@ -339,6 +343,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="larger request bodies are refused with a 413: 4MiB (the default), 16MiB, 1000000",
     )
     parser.add_argument(
+        "--request-body-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long a request body may take to arrive; a slower one is a 408 and its "
+        "connection is closed (default %(default)g)",
+    )
+    parser.add_argument(
+        "--max-body-reads-per-client",
+        type=_positive_int,
+        default=DEFAULT_MAX_BODY_READS_PER_CLIENT,
+        help="requests one client address may have sending their bodies at once; past it, a 429 "
+        "(a client trickling bodies cannot hold every connection; default %(default)d)",
+    )
+    parser.add_argument(
         "--enable-per-request-metrics",
         action="store_true",
         help="add timing and speculative-decoding `metrics` to each response",
@@ -587,6 +606,8 @@ def parse_args(
         served_model_aliases=tuple(served_model_names[1:]),
         api_key=args.api_key,
         max_request_body_bytes=args.max_request_body_bytes,
+        request_body_timeout_s=args.request_body_timeout,
+        max_body_reads_per_client=args.max_body_reads_per_client,
         enable_per_request_metrics=args.enable_per_request_metrics,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_format=args.log_format,

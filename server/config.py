@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from server.limits import (
+    DEFAULT_MAX_BODY_READS_PER_CLIENT,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+)
 from stages.lora import LoraModule
 
 
@@ -23,6 +27,8 @@ class ServerConfig:
     log_format: str = "auto"  # auto (JSON unless stderr is a terminal) | json | console
     log_level: str = "info"
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies are a 413
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S  # slower bodies are a 408
+    max_body_reads_per_client: int = DEFAULT_MAX_BODY_READS_PER_CLIENT  # more at once: 429
     # --shutdown-timeout: on SIGTERM, how long requests in flight get to finish before they are
     # ended with a 503 (an SSE error event when streaming); new ones get 503 meanwhile.
     shutdown_timeout_s: float = 30.0

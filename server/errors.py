@@ -16,10 +16,12 @@ _TYPE_BY_STATUS = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
     415: "UnsupportedMediaTypeError",
     422: "UnprocessableEntityError",
     429: "RateLimitError",
+    431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }

@@ -1,7 +1,12 @@
-"""What a request body may be: how many bytes, and how deeply its JSON nests. Both are checked
-before the body is parsed, so that neither a huge body nor a deep one costs more than a look."""
+"""What a request body may be: how many bytes, how deeply its JSON nests, how long it may take
+to arrive and how many one client may send at once. Size and depth are checked before the body
+is parsed, so that neither a huge body nor a deep one costs more than a look."""
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -13,6 +18,11 @@ from server.errors import APIError
 # limit, whose RecursionError would otherwise be a 500.
 MAX_JSON_DEPTH = 64
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+# A body must arrive within this many seconds (the largest, 4 MiB, needs 1.2 Mbit/s), and one
+# client address may send this many at once: a client sending bodies a byte at a time holds at
+# most that many connections (descriptors), each for at most the timeout.
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_BODY_READS_PER_CLIENT = 64
 
 # What nesting depends on: brackets and (unescaped) quotes; the rest of the text is dropped.
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
@@ -58,3 +68,30 @@ def body_too_large(limit: int, size: int | None = None) -> APIError:
         "(--max-request-body-bytes)",
         status=413,
     )
+
+
+class BodyReads:
+    """The requests of each client address still sending their bodies. A client past
+    `limit` of them at once gets a 429 for the next, its body unread (Hypercorn then closes the
+    connection), so a slow-body client cannot hold the server's descriptors."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._reading: Counter[str] = Counter()
+
+    @contextmanager
+    def reading(self, client: str) -> Iterator[None]:
+        if self._reading[client] >= self.limit:
+            raise APIError(
+                f"{self.limit} requests from {client} are still sending their bodies, the most "
+                "one client may send at once (--max-body-reads-per-client)",
+                status=429,
+                retry_after_s=1.0,
+            )
+        self._reading[client] += 1
+        try:
+            yield
+        finally:
+            self._reading[client] -= 1
+            if not self._reading[client]:
+                del self._reading[client]

@@ -19,12 +19,12 @@ import anyio.to_thread
 import msgspec
 import structlog
 from quart import Response, current_app, request
-from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 
 from server.config import ServerConfig
 from server.drain import Drain
 from server.errors import APIError
-from server.limits import body_too_large, check_json_depth
+from server.limits import BodyReads, body_too_large, check_json_depth
 from server.lora import LoraAdapters
 from server.metrics import ServerMetrics
 from server.render import token_in_request
@@ -80,14 +80,22 @@ async def read_body() -> bytes:
             status=415,
             code="unsupported_media_type",
         )
-    limit = openai_serving().config.max_request_body_bytes
+    serving = openai_serving()
+    limit = serving.config.max_request_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise body_too_large(limit, request.content_length)
-    try:
-        # Quart cuts a chunked body off at the limit too.
-        return await request.get_data(cache=False, as_text=False, parse_form_data=False)
-    except RequestEntityTooLarge:
-        raise body_too_large(limit) from None
+    with serving.body_reads.reading(request.remote_addr or "an unknown address"):
+        try:
+            # Quart cuts a chunked body off at the limit too, and at the body timeout.
+            return await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        except RequestEntityTooLarge:
+            raise body_too_large(limit) from None
+        except RequestTimeout:
+            raise APIError(
+                f"The request body did not arrive within {serving.config.request_body_timeout_s:g}"
+                " s (--request-body-timeout)",
+                status=408,
+            ) from None
 
 
 class UnknownFields:
@@ -140,6 +148,7 @@ class OpenAIServing:
         "_workers",
         "api_key",
         "beam_groups",
+        "body_reads",
         "config",
         "drain",
         "engine",
@@ -155,6 +164,7 @@ class OpenAIServing:
         self.engine = engine
         self.config = config
         self.drain = drain
+        self.body_reads = BodyReads(config.max_body_reads_per_client)
         self.served_model_name = config.served_model_name or engine.model_info.served_model_name
         self.served_model_names = (self.served_model_name, *config.served_model_aliases)
         self.lora_adapters = LoraAdapters.of(

@@ -5,14 +5,19 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from itertools import chain
 
+import h11
+import msgspec
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.typing import ASGIFramework, ASGIReceiveCallable, ASGISendCallable, Scope
 from quart import Quart
 
 from server.config import ServerConfig
 from server.drain import app_drain
+from server.errors import error_body, error_type_for
 
 # After the drain, how long the responses it ended get to write their error and [DONE], and
 # idle keep-alive connections to close, before Hypercorn cancels what is left.
@@ -33,6 +38,40 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+# What Hypercorn refuses before the app sees a request, and why
+_REFUSED_BEFORE_THE_APP = {
+    400: "The request is not valid HTTP/1.1",
+    431: "The request's header block is too large: this server holds at most {limit} bytes of "
+    "one still arriving",
+}
+
+
+async def _send_openai_error_response(self: H11Protocol, status_code: int) -> None:
+    """Hypercorn's answer to a request h11 refuses (its header block too large: 431, or not
+    HTTP: 400), with the OpenAI error body the app gives every other error in place of
+    Hypercorn's empty one."""
+    message = _REFUSED_BEFORE_THE_APP.get(status_code, "The request was refused").format(
+        limit=self.config.h11_max_incomplete_size
+    )
+    body = msgspec.json.encode(error_body(message, error_type_for(status_code)))
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await self._send_h11_event(
+        h11.Response(
+            status_code=status_code,
+            headers=list(chain(headers, self.config.response_headers("h11"))),
+        )
+    )
+    await self._send_h11_event(h11.Data(data=body))
+    await self._send_h11_event(h11.EndOfMessage())
+
+
+H11Protocol._send_error_response = _send_openai_error_response  # type: ignore[method-assign]
 
 
 def hypercorn_config(listening_fd: int, config: ServerConfig) -> HypercornConfig:
