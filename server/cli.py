@@ -46,6 +46,7 @@ from stages.lora import SUPPORTED_RANKS, LoraConfig, LoraError, LoraModule, read
 from stages.speculation import SpeculativeConfig
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from stages.text.random_model import PRESETS, write_random_checkpoint
+from stages.text.template_sandbox import DEFAULT_MEMORY_BYTES, DEFAULT_TIMEOUT_S
 
 log = structlog.get_logger("server")
 
@@ -388,8 +389,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--trust-request-chat-template",
         action="store_true",
-        help="render a chat request's own chat_template (in the same sandbox as the model's); "
-        "without it such a request is a 400",
+        help="render a chat request's own chat_template (in the same sandbox as the model's, in a "
+        "child process with the two limits below); without it such a request is a 400",
+    )
+    parser.add_argument(
+        "--chat-template-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a request's own chat template that renders longer is a 400 (default %(default)g)",
+    )
+    parser.add_argument(
+        "--chat-template-memory",
+        type=parse_bytes,
+        default=DEFAULT_MEMORY_BYTES,
+        help="the address space a request's own chat template may render in; one that needs "
+        "more is a 400: 512MiB (the default), 1GiB",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -702,6 +717,8 @@ def parse_args(
         log_level=args.log_level,
         dummy=dummy,
         chat_template_content_format=args.chat_template_content_format,
+        chat_template_timeout_s=args.chat_template_timeout,
+        chat_template_memory_bytes=args.chat_template_memory,
         **{name: value for name, value in engine_overrides.items() if value is not None},
     )
     return config, engine_config

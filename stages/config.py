@@ -16,6 +16,7 @@ from stages.text.checkpoint import (
     resolve_kv_cache_dtype,
 )
 from stages.text.snapshot import model_config_of
+from stages.text.template_sandbox import DEFAULT_MEMORY_BYTES, DEFAULT_TIMEOUT_S
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -43,6 +44,11 @@ class EngineConfig:
     # (text parts joined), "openai" (a list of {"type": "text", "text": ...}) or "auto" (what
     # the template reads, stages.text.chat_template.detect_content_format).
     chat_template_content_format: str = "auto"
+    # A request's own chat template (--trust-request-chat-template) renders in a child process
+    # of render's with these limits (stages.text.template_sandbox): --chat-template-timeout,
+    # --chat-template-memory (address space).
+    chat_template_timeout_s: float = DEFAULT_TIMEOUT_S
+    chat_template_memory_bytes: int = DEFAULT_MEMORY_BYTES
     # max_tokens of a request that sets none (the generation config's max_new_tokens; a text
     # completion's default is 16 instead, as its field's is in vLLM); it is capped by the room
     # the prompt leaves, as vLLM caps it. None: all that room.

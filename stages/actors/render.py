@@ -2,8 +2,9 @@
 
 A request that cannot be rendered becomes an `error` record back to the server (a clear 400) and
 never reaches the scheduler. A request whose rendering may take long (a grammar to compile, a
-prompt of more than INLINE_PROMPT_CHARS) renders in a worker thread, and is sent on when it is
-done, while the requests behind it go on as before; the rest render on the loop, in order. Aborts
+prompt of more than INLINE_PROMPT_CHARS, a template of its own, which renders in a child process
+with a time and a memory limit: stages.text.template_sandbox) renders in a worker thread, and is
+sent on when it is done, while the requests behind it go on as before; the rest render on the loop, in order. Aborts
 pass through in order, so an abort never overtakes its request (one still rendering is dropped),
 and so do prefix-cache resets. A render-only request (the /render endpoints) renders the same way
 and its result goes back to the server on `errors` instead of on to schedule.
@@ -22,7 +23,7 @@ import numpy as np
 from pipeline.actor import AsyncActor
 from pipeline.clock import now_ns
 from stages import spans
-from stages.api import EngineError, GenerateRequest
+from stages.api import ChatPrompt, EngineError, GenerateRequest
 from stages.config import EngineConfig, resolve_max_model_len
 from stages.rings import common, prompts, requests
 from stages.rings.common import Resume, encoder
@@ -39,6 +40,7 @@ from stages.text.prompts import (
 )
 from stages.text.snapshot import tokenizer_of
 from stages.text.structured import GRAMMAR_STACK_BYTES, compile_grammar
+from stages.text.template_sandbox import TemplateSandbox
 from stages.text.thinking import ThinkingBudget
 
 INLINE_PROMPT_CHARS = 32 * 1024  # about 8k tokens: milliseconds to template and tokenize
@@ -51,6 +53,10 @@ class RenderActor(AsyncActor):
         self.bundle = tokenizer_of(config)
         self.max_model_len = resolve_max_model_len(config)
         self.length_bound = LengthBound.of(self.bundle, self.max_model_len)
+        # requests' own templates: children started at the first, killed past their limits
+        self.sandbox = TemplateSandbox(
+            config.chat_template_timeout_s, config.chat_template_memory_bytes
+        )
         self.eos_ids = tuple(self.bundle.eos_token_ids)
         # The worker threads, started later, can compile any grammar compile_grammar lets by.
         threading.stack_size(GRAMMAR_STACK_BYTES)
@@ -180,7 +186,11 @@ class RenderActor(AsyncActor):
         # refused before it is tokenized.
         bound = self.length_bound if s.truncate_prompt_tokens is None else None
         ids = prompt_token_ids(
-            self.bundle, request.prompt, bound, self.ctx.config.chat_template_content_format
+            self.bundle,
+            request.prompt,
+            bound,
+            self.ctx.config.chat_template_content_format,
+            self.sandbox,
         )
         if s.truncate_prompt_tokens is not None:
             # vLLM's truncation: k of the prompt's tokens (-1: as many as the model takes)
@@ -270,7 +280,11 @@ class RenderActor(AsyncActor):
 
 def _slow_to_render(request: GenerateRequest) -> bool:
     """Whether rendering may take longer than a normal request's: a grammar to compile (up to
-    seconds), or a long prompt to template and tokenize."""
-    return request.sampling.structured is not None or (
-        prompt_size(request.prompt) > INLINE_PROMPT_CHARS
+    seconds), a long prompt to template and tokenize, or a template of the request's own (up to
+    --chat-template-timeout, in the sandbox)."""
+    prompt = request.prompt
+    return (
+        request.sampling.structured is not None
+        or prompt_size(prompt) > INLINE_PROMPT_CHARS
+        or (isinstance(prompt, ChatPrompt) and prompt.chat_template is not None)
     )

@@ -10,6 +10,7 @@ from typing import Any
 from stages.api import EngineError
 from stages.text.chat_template import ChatTemplateError, resolve_content_format
 from stages.text.chat_template import render_chat as render_template
+from stages.text.template_sandbox import TemplateSandbox
 
 
 def render_chat(
@@ -23,12 +24,14 @@ def render_chat(
     bos_token: str | None = None,
     eos_token: str | None = None,
     content_format: str = "auto",
+    sandbox: TemplateSandbox | None = None,
 ) -> str:
     """The prompt text for these messages; EngineError (400) for anything the request got wrong.
 
     `content_format` is --chat-template-content-format: a message's content reaches the
     template as a string (text parts joined by newlines), as OpenAI's list of text parts
-    ("openai"), or as the template reads it ("auto")."""
+    ("openai"), or as the template reads it ("auto"). A `sandbox` renders it in a child process,
+    with its time and memory limits (a request's own template)."""
     if template is None:
         raise EngineError("this model has no chat template; use /v1/completions", param="messages")
     if continue_final_message and add_generation_prompt:
@@ -44,7 +47,7 @@ def render_chat(
     extra = {k: v for k, v in (template_kwargs or {}).items() if k not in reserved}
     as_parts = resolve_content_format(content_format, template) == "openai"
     try:
-        text = render_template(
+        text = (sandbox.render if sandbox is not None else render_template)(
             template,
             [_normalise(m, as_parts) for m in messages],
             add_generation_prompt=add_generation_prompt,

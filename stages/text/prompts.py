@@ -10,6 +10,7 @@ from typing import Any
 
 from stages.api import ChatPrompt, EngineError, Prompt, TextPrompt, TokensPrompt
 from stages.text.chat import render_chat
+from stages.text.template_sandbox import TemplateSandbox
 from stages.text.tokenizer import TokenizerBundle
 
 # Normalizers that never shorten text, and those that shorten it by at most a factor of three
@@ -97,10 +98,12 @@ def prompt_token_ids(
     prompt: Prompt,
     bound: LengthBound | None = None,
     content_format: str = "auto",
+    sandbox: TemplateSandbox | None = None,
 ) -> list[int]:
     """The prompt's token ids (the chat template applied, message content passed to it as
     `content_format` says: stages.text.chat.render_chat); EngineError for a bad prompt, and for
-    text past `bound` (which is then not tokenized)."""
+    text past `bound` (which is then not tokenized). A request's own chat template renders in
+    `sandbox` where one is given."""
     if isinstance(prompt, ChatPrompt):
         text = render_chat(
             prompt.chat_template or bundle.chat_template,
@@ -112,6 +115,8 @@ def prompt_token_ids(
             bos_token=bundle.bos_token,
             eos_token=bundle.eos_token,
             content_format=content_format,
+            # a request's own template renders in the sandbox, the model's in this process
+            sandbox=sandbox if prompt.chat_template is not None else None,
         )
         if bound is not None:
             bound.check(text, "messages")

@@ -46,6 +46,8 @@ def test_every_flag(tmp_path: Path) -> None:
             "--max-request-body-bytes", "16MiB",
             "--request-body-timeout", "12.5",
             "--max-body-reads-per-client", "8",
+            "--chat-template-timeout", "2",
+            "--chat-template-memory", "1GiB",
             "--enable-per-request-metrics",
             "--enable-prompt-tokens-details",
             "--log-format", "json",
@@ -89,6 +91,8 @@ def test_every_flag(tmp_path: Path) -> None:
         log_format="json",
         log_level="debug",
         enable_prefix_caching=False,
+        chat_template_timeout_s=2.0,
+        chat_template_memory_bytes=2**30,
     )
 
 

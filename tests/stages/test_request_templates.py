@@ -1,0 +1,81 @@
+"""A request's own chat template (--trust-request-chat-template) renders in a child process of
+render's, with --chat-template-timeout and --chat-template-memory: a template that loops for
+minutes, or builds a gigabyte string, is a 400 for its request alone. Render goes on serving the
+others meanwhile, is never restarted for it, and the next request's template renders as before."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pipeline.clock import now_ns
+from stages.api import ChatPrompt, EngineError, GenerateRequest, SamplingParams
+from stages.engine import Engine
+from tests.stages.conftest import LoopThread
+from tests.stages.test_recovery import config, request
+
+TIMEOUT_S = 1.5
+MESSAGES = [{"role": "user", "content": "hello there"}]
+LOOP = "{% for i in range(100000) %}{% for j in range(30000) %}{% endfor %}{% endfor %}"
+STRING = "{{ ('%999999999s' % 'a')|length }}"
+OWN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+
+
+def _templated(name: str, template: str) -> GenerateRequest:
+    prompt = ChatPrompt(MESSAGES, chat_template=template)
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    return GenerateRequest(name, prompt, sampling, arrival_ns=now_ns())
+
+
+async def _outcome(engine, req: GenerateRequest) -> tuple[float, str | EngineError]:
+    """When it ended (monotonic s), and its text or its error."""
+    text = ""
+    try:
+        async for out in engine.generate(req):
+            text += out.text
+    except EngineError as error:
+        return time.monotonic(), error
+    return time.monotonic(), text
+
+
+@pytest.fixture
+def engine(tiny_chat_model):
+    runner = LoopThread()
+    limits = {"chat_template_timeout_s": TIMEOUT_S, "chat_template_memory_bytes": 256 << 20}
+    engine = Engine(config(tiny_chat_model, **limits))
+    runner.run(engine.start())
+    yield engine, runner
+    runner.run(engine.stop())
+    runner.close()
+
+
+def test_a_template_past_its_limits_is_a_400_and_the_others_are_served_meanwhile(engine):
+    engine, runner = engine
+    render_pid = engine.supervisor.pids()["render"]
+
+    async def attack(template: str) -> tuple[float, float, object, list[float]]:
+        started = time.monotonic()
+        bomb = asyncio.create_task(_outcome(engine, _templated("bomb", template)))
+        # plain requests one after another while the template runs
+        served = []
+        for i in range(3):
+            ended, text = await _outcome(engine, request(i, max_tokens=4))
+            assert isinstance(text, str) and text
+            served.append(ended - started)
+        ended, answer = await bomb
+        return started, ended, answer, served
+
+    for template, words in ((LOOP, "--chat-template-timeout"), (STRING, "--chat-template-memory")):
+        started, ended, answer, served = runner.run(attack(template), 60)
+        assert isinstance(answer, EngineError) and answer.status == 400, answer
+        assert words in answer.message
+        assert served[-1] < ended - started  # all three were served before the template ended
+        if template == LOOP:
+            assert TIMEOUT_S * 0.9 < ended - started < TIMEOUT_S + 5
+    # the next template renders (in a fresh child), and render was never restarted
+    _, text = runner.run(_outcome(engine, _templated("own", OWN)), 60)
+    assert isinstance(text, str) and text
+    assert engine.supervisor.pids()["render"] == render_pid
+    assert engine.stats()["num_stage_recoveries_total"] == 0
