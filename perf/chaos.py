@@ -5,7 +5,9 @@ once, greedy, with no failure; then `--streams` closed-loop workers cycle throug
 while a killer SIGKILLs a random stage every so often. Each completed request's text must equal
 its prompt's reference; the report counts requests, kills, lost requests (an error instead of a
 completion) and wrong texts, and the recovery time per stage that died, from the kill to the
-engine taking requests again.
+engine taking requests again. With `--template-bombs N`, N requests bring chat templates of
+their own that loop for minutes or build a gigabyte string, spread over the run: each must be a
+400 that names the limit it passed, and the streams beside them must not notice.
 
 With a baseline (`run_chaos_ab`) the same run goes on the baseline tree's code and on this tree's,
 each pass in a process of its own (this file run as a script on the tree's import path), the sides
@@ -43,6 +45,19 @@ class ChaosArgs:
     num_prompts: int = 16
     seed: int = 0
     threads: int = 0
+    template_bombs: int = 0
+
+
+# Chat templates a request may bring (--trust-request-chat-template) that render for minutes or
+# take a gigabyte, and the limit each must be refused by
+BOMBS = (
+    (
+        "{% for i in range(100000) %}{% for j in range(30000) %}{% endfor %}{% endfor %}",
+        "--chat-template-timeout",
+    ),
+    ("{{ ('%999999999s' % 'a')|length }}", "--chat-template-memory"),
+)
+BOMB_TIMEOUT_S = 1.0
 
 
 def _prompts(count: int) -> list[str]:
@@ -69,6 +84,7 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
             log_level="error",
             # Every kill is a failure the engine must survive: the budget is not under test here.
             max_stage_restarts=args.kills + 1,
+            chat_template_timeout_s=BOMB_TIMEOUT_S,
         )
     )
     await engine.start()
@@ -87,7 +103,7 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
 
     namespaces = {engine.supervisor.namespace}
     kills: list[dict[str, Any]] = []
-    completed = lost = wrong = 0
+    completed = lost = wrong = bombs_refused = 0
     errors: list[str] = []
     try:
         reference = [await text_of(request(i, f"ref-{i}")) for i in range(len(prompts))]
@@ -112,6 +128,32 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
                     wrong += text != reference[i]
                 i = (i + 1) % len(prompts)
 
+        async def bomber() -> None:
+            """Each bomb a 400 naming its limit (a 503 at the door during a restart is sent
+            again); anything else is counted lost."""
+            nonlocal bombs_refused, lost
+            rng = random.Random(args.seed + 1)
+            span_s = args.kills * args.kill_interval_s
+            for n in range(args.template_bombs):
+                await asyncio.sleep(rng.uniform(0.5, 1.5) * span_s / max(args.template_bombs, 1))
+                template, limit = BOMBS[n % len(BOMBS)]
+                prompt = ChatPrompt([{"role": "user", "content": "hi"}], chat_template=template)
+                sampling = SamplingParams(temperature=0.0, max_tokens=4)
+                while True:
+                    bomb = GenerateRequest(f"bomb-{n}", prompt, sampling, arrival_ns=now_ns())
+                    try:
+                        await text_of(bomb)
+                    except EngineError as error:
+                        if error.status == 503:
+                            await asyncio.sleep(0.05)
+                            continue
+                        if error.status == 400 and limit in error.message:
+                            bombs_refused += 1
+                            break
+                        errors.append(error.message)
+                    lost += 1
+                    break
+
         async def killer() -> None:
             rng = random.Random(args.seed)
             for _ in range(args.kills):
@@ -135,7 +177,7 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
             done.set()
 
         started = time.monotonic()
-        await asyncio.gather(killer(), *(worker(w) for w in range(args.streams)))
+        await asyncio.gather(killer(), bomber(), *(worker(w) for w in range(args.streams)))
         duration = time.monotonic() - started
         # Schedule publishes its gauges after it has sent the last tokens on: let them settle.
         deadline = time.monotonic() + 10
@@ -161,6 +203,8 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
         "lost": lost,
         "wrong_text": wrong,
         "kills": len(kills),
+        "template_bombs": args.template_bombs,
+        "template_bombs_refused": bombs_refused,
         "in_flight_at_kill": [k["in_flight"] for k in kills],
         "recovery_ms": recovery,
         "kill_log": kills,
@@ -180,6 +224,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"text differing from the uninterrupted run {report['wrong_text']}, "
         f"KV blocks held after {report['kv_blocks_held_after']}, "
         f"shared-memory names left {len(report['shm_names_left'])}",
+        f"template bombs {report.get('template_bombs', 0)}, refused with a 400 naming their "
+        f"limit {report.get('template_bombs_refused', 0)}",
         "",
         f"{'stage':<12}{'kills':>6}{'recovery p50 ms':>17}{'p99 ms':>10}",
     ]

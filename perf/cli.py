@@ -161,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--max-tokens", type=int, default=48)
     chaos.add_argument("--seed", type=int, default=0)
     chaos.add_argument("--threads", type=int, default=0)
+    chaos.add_argument(
+        "--template-bombs",
+        type=int,
+        default=0,
+        help="requests with chat templates that loop for minutes or take a gigabyte, spread over "
+        "the run; each must be a 400 naming its limit",
+    )
     chaos.add_argument("--json", dest="json_path")
     chaos.add_argument(
         "--baseline",
@@ -500,6 +507,7 @@ def run_chaos_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         max_tokens=args.max_tokens,
         seed=args.seed,
         threads=args.threads,
+        template_bombs=args.template_bombs,
     )
     print(f"chaos: {args.kills} kills under {args.streams} streams ...", file=sys.stderr)
     if args.baseline:
@@ -515,7 +523,8 @@ def run_chaos_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
-    return 0 if report["lost"] == report["wrong_text"] == 0 and report["kills"] else 1
+    bombs_ok = report["template_bombs_refused"] == report["template_bombs"]
+    return 0 if report["lost"] == report["wrong_text"] == 0 and report["kills"] and bombs_ok else 1
 
 
 def run_model_cli(args: argparse.Namespace) -> int:
