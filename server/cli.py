@@ -40,7 +40,12 @@ from server.limits import (
 from server.logs import configure_server_logging
 from server.serve import serve_app
 from server.systemd import Notifier, PipelineState, monitor, status_line
-from stages.config import EngineConfig, default_model_path, generation_defaults
+from stages.config import (
+    DEFAULT_MAX_UNREAD_TOKENS,
+    EngineConfig,
+    default_model_path,
+    generation_defaults,
+)
 from stages.device import DEVICE_CHOICES, default_dtype, resolve_device
 from stages.lora import SUPPORTED_RANKS, LoraConfig, LoraError, LoraModule, read_adapter
 from stages.speculation import SpeculativeConfig
@@ -282,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_int,
         help="requests that may wait beyond --max-num-seqs running ones; more are answered 429 "
         "with Retry-After (default: --max-num-seqs, so a newcomer waits about one request's time)",
+    )
+    parser.add_argument(
+        "--max-unread-tokens",
+        type=_positive_int,
+        default=DEFAULT_MAX_UNREAD_TOKENS,
+        help="output tokens a streaming client may leave unread (each top logprob counts as one "
+        "more) before its request is aborted and its KV blocks freed (default %(default)d)",
     )
     parser.add_argument(
         "--max-stage-restarts",
@@ -701,6 +713,7 @@ def parse_args(
         "master_port": args.master_port,
         "seed": args.seed,
         "max_waiting_requests": args.max_waiting_requests,
+        "max_unread_tokens": args.max_unread_tokens,
         "speculative": args.speculative_config,
         "lora": lora,
         "max_stage_restarts": args.max_stage_restarts,

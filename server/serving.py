@@ -265,20 +265,23 @@ async def gather_choices(
 
 
 _END = object()
+# Pieces of each choice's stream held for a client that reads slower than they come: past it a
+# choice waits, and its output waits in the engine (which bounds it: --max-unread-tokens).
+INTERLEAVED_PIECES = 8
 
 
 async def _interleave(streams: Sequence[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
     """The pieces of several streams as each is ready (one per choice when n > 1)."""
-    queue: asyncio.Queue[Any] = asyncio.Queue()
+    queue: asyncio.Queue[Any] = asyncio.Queue(INTERLEAVED_PIECES * len(streams))
 
     async def pump(stream: AsyncIterator[bytes]) -> None:
+        # a cancellation (the response ended) goes through: nothing waits for this queue then
         try:
             async for piece in stream:
-                queue.put_nowait(piece)
+                await queue.put(piece)
         except Exception as error:
-            queue.put_nowait(error)
-        finally:
-            queue.put_nowait(_END)
+            await queue.put(error)
+        await queue.put(_END)
 
     tasks = [asyncio.create_task(pump(stream)) for stream in streams]
     try:

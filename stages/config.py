@@ -18,6 +18,8 @@ from stages.text.checkpoint import (
 from stages.text.snapshot import model_config_of
 from stages.text.template_sandbox import DEFAULT_MEMORY_BYTES, DEFAULT_TIMEOUT_S
 
+DEFAULT_MAX_UNREAD_TOKENS = 16384  # EngineConfig.max_unread_tokens
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -102,6 +104,10 @@ class EngineConfig:
     # None: max_num_seqs, one batch's worth, which bounds a newcomer's TTFT to about one
     # request's time in the batch.
     max_waiting_requests: int | None = None
+    # Output a request's client may leave unread (tokens, each of its top logprobs counted as
+    # one more) before the request is aborted with a logged reason: a client that stops reading
+    # a stream cannot make the server hold its outputs without bound.
+    max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
     # Stage failures survived (each: a fresh pipeline, requests resumed) within the window;
     # one more and the engine gives up, so that the service manager restarts the server.
     # Speculative decoding (--speculative-config); None: off.

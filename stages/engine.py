@@ -208,6 +208,7 @@ class _Flight:
     failures_without_progress: int = 0  # failures of one stage it was in since its last token
     failed_stage: str = ""  # the stage those failures were of
     probe_sent_s: float = 0.0  # monotonic time it was last resubmitted alone, as a suspect
+    unread: int = 0  # what its queue holds that the client has not read, in _unread_cost units
     submitted: bool = False  # sent to the current pipeline (or to be sent by a recovery)
     suspect: bool = False  # held back until the suspects before it have made progress
 
@@ -269,6 +270,7 @@ class Engine:
         self._probe_wake = asyncio.Event()  # a suspect made progress or left
         self._aborts: asyncio.Queue[int] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self.num_aborted_unread = 0  # requests aborted because their client stopped reading
         self._ready = False
         self._failure: ActorFailed | None = None
         self.last_output_ns = 0
@@ -648,6 +650,7 @@ class Engine:
                         )
             while True:
                 item = await queue.get()
+                flight.unread -= _unread_cost(item)
                 # A reader slower than the engine gets what piled up as one output (as vLLM does).
                 while (
                     not queue.empty()
@@ -658,6 +661,7 @@ class Engine:
                     if isinstance(following, EngineError):
                         queue.put_nowait(following)  # yield what came before the error first
                         break
+                    flight.unread -= _unread_cost(following)
                     item = _merge(item, following)
                 if isinstance(item, EngineError):
                     finished = True
@@ -747,6 +751,8 @@ class Engine:
                 )
         stats["num_streams"] = len(self._flights)
         stats["num_requests_rejected_total"] = self.num_rejected  # 429: too many waiting
+        # aborted because their client left more than --max-unread-tokens unread
+        stats["num_requests_aborted_unread_total"] = self.num_aborted_unread
         stats["num_stage_recoveries_total"] = self.num_recoveries
         if self._info.kernels is not None:  # an info gauge: which kernels run the model
             stats[f"kernels_info{{kernels={self._info.kernels}}}"] = 1.0
@@ -826,7 +832,33 @@ class Engine:
                         if not flight.output_ids:
                             flight.first_token_ns = now_ns()
                         flight.output_ids.append(token)
-                    flight.queue.put_nowait(_output(flight.request.request_id, batch, row))
+                    output = _output(flight.request.request_id, batch, row)
+                    flight.queue.put_nowait(output)
+                    flight.unread += _unread_cost(output)
+                    if flight.unread > self.config.max_unread_tokens:
+                        self._abort_unread(handle, flight)
+
+    def _abort_unread(self, handle: int, flight: _Flight) -> None:
+        """Abort a request whose client stopped reading: what it has not read stays queued (it
+        gets it, then the error, if it reads again); nothing more is added."""
+        log.warning(
+            "request aborted: its client is not reading",
+            request_id=flight.request.request_id,
+            unread_tokens=flight.unread,
+            limit=self.config.max_unread_tokens,
+        )
+        self.num_aborted_unread += 1
+        del self._flights[handle]
+        self._aborts.put_nowait(handle)
+        self._probe_wake.set()
+        flight.queue.put_nowait(
+            EngineError(
+                f"the request was aborted: its client left more than "
+                f"{self.config.max_unread_tokens} tokens unread (--max-unread-tokens)",
+                status=408,
+                type="RequestTimeoutError",
+            )
+        )
 
 
 def _process_title(config: EngineConfig) -> str:
@@ -880,6 +912,14 @@ def _prompt_logprobs(
     if rows and rows[0].rank == 0:
         return tuple(r.token_id for r in rows), (None, *rows[1:])
     return None, (None, *rows)
+
+
+def _unread_cost(item: RequestOutput | EngineError) -> int:
+    """What an output holds, in tokens, each of their top logprobs counted as one more (its
+    prompt logprobs, which come once and are bounded by the prompt, are not counted)."""
+    if isinstance(item, EngineError):
+        return 0
+    return len(item.token_ids) + sum(len(lp.top) for lp in item.logprobs or ())
 
 
 def _merge(first: RequestOutput, second: RequestOutput) -> RequestOutput:

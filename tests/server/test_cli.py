@@ -48,6 +48,7 @@ def test_every_flag(tmp_path: Path) -> None:
             "--max-body-reads-per-client", "8",
             "--chat-template-timeout", "2",
             "--chat-template-memory", "1GiB",
+            "--max-unread-tokens", "4096",
             "--enable-per-request-metrics",
             "--enable-prompt-tokens-details",
             "--log-format", "json",
@@ -93,6 +94,7 @@ def test_every_flag(tmp_path: Path) -> None:
         enable_prefix_caching=False,
         chat_template_timeout_s=2.0,
         chat_template_memory_bytes=2**30,
+        max_unread_tokens=4096,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -203,3 +204,23 @@ async def test_prompt_logprobs_in_vllm_shape(app: Quart, engine: FakeEngine) -> 
     response = await client.post("/v1/chat/completions", json={**body, "stream": True})
     assert response.status_code == 400
     assert (await response.get_json())["error"]["param"] == "prompt_logprobs"
+
+
+async def test_choices_wait_for_a_client_that_stops_reading() -> None:
+    """n > 1: the choices' streams are pulled only as far as a few pieces ahead of the client,
+    so one that stops reading leaves their output in the engine, which bounds it."""
+    from server.serving import INTERLEAVED_PIECES, _interleave
+
+    pulled = [0, 0, 0]
+
+    async def endless(i: int):
+        while True:
+            pulled[i] += 1
+            yield b"piece"
+            await asyncio.sleep(0)
+
+    pieces = _interleave([endless(i) for i in range(3)])
+    assert await anext(pieces) == b"piece"
+    await asyncio.sleep(0.3)  # the client reads nothing: thousands of pieces' time
+    assert max(pulled) <= INTERLEAVED_PIECES * 3 + 2
+    await pieces.aclose()
