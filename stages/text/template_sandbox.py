@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from stages.text.chat_template import ChatTemplateError, render_chat
@@ -92,14 +93,20 @@ class TemplateSandbox:
         self.memory_bytes = memory_bytes
         self._idle: list[_Child] = []
         self._lock = threading.Lock()
+        # The kernel's parent-death signal follows the thread that started a child, not its
+        # process: children are started from this one thread, which lives as long as render.
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="chat-template-spawner")
         self.num_replaced = 0  # children killed for their template (time) or lost to it
 
     def render(self, template: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         """As chat_template.render_chat; ChatTemplateError also for a template past a limit."""
         with self._lock:
             child = self._idle.pop() if self._idle else None
+        if child is not None and child.process.poll() is not None:  # it died idle
+            child.close()
+            child = None
         if child is None:
-            child = _Child(self.memory_bytes)
+            child = self._spawner.submit(_Child, self.memory_bytes).result()
         try:
             child.connection.send((template, messages, kwargs))
             finished = child.connection.poll(self.timeout_s)
@@ -136,6 +143,7 @@ class TemplateSandbox:
             children, self._idle = self._idle, []
         for child in children:
             child.close()
+        self._spawner.shutdown()
 
 
 if __name__ == "__main__":
@@ -143,4 +151,5 @@ if __name__ == "__main__":
     # for the server.
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.nice(19)  # a template that loops until its timeout takes what the model leaves
     _serve(multiprocessing.connection.Connection(int(sys.argv[1])), int(sys.argv[2]))
