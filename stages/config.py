@@ -18,7 +18,7 @@ from stages.text.checkpoint import (
 from stages.text.snapshot import model_config_of
 from stages.text.template_sandbox import DEFAULT_MEMORY_BYTES, DEFAULT_TIMEOUT_S
 
-DEFAULT_MAX_UNREAD_TOKENS = 16384  # EngineConfig.max_unread_tokens
+DEFAULT_MAX_UNREAD_TOKENS = 2048  # EngineConfig.max_unread_tokens
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
