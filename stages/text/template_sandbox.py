@@ -56,20 +56,17 @@ def _serve(connection: multiprocessing.connection.Connection, memory_bytes: int)
 class _Child:
     """One child process and its end of a socket pair; replaced when it is killed or dies.
 
-    A plain `python -m` of this module, not multiprocessing's spawn: that would import the
+    A plain interpreter that imports this module from where render imported it (not whatever
+    the environment's path finds first), not multiprocessing's spawn: that would import the
     server's main module (and so quart) into every child."""
 
     def __init__(self, memory_bytes: int) -> None:
         self.connection, child_end = multiprocessing.Pipe()
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join((_ROOT, os.environ.get("PYTHONPATH", ""))),
-        }
+        start = f"import sys; sys.path.insert(0, {_ROOT!r}); import {__name__} as m; m.child_main()"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(child_end.fileno()), str(memory_bytes)],
+            [sys.executable, "-c", start, str(child_end.fileno()), str(memory_bytes)],
             pass_fds=(child_end.fileno(),),
             stdin=subprocess.DEVNULL,
-            env=env,
         )
         child_end.close()
 
@@ -146,7 +143,8 @@ class TemplateSandbox:
         self._spawner.shutdown()
 
 
-if __name__ == "__main__":
+def child_main() -> None:
+    """A child's start (`_Child`): its socket's descriptor and memory limit are its arguments."""
     # Ended with render: the kernel sends SIGKILL when the parent dies, and a terminal's ^C is
     # for the server.
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
