@@ -144,6 +144,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     model.add_argument("--json", dest="json_path")
 
+    long_prompt = sub.add_parser(
+        "long-prompt", help="streams' tok/s before, during and after one long prompt's prefill"
+    )
+    long_prompt.add_argument(
+        "model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)"
+    )
+    long_prompt.add_argument(
+        "--shares",
+        default="0.33,1",
+        help="--long-prefill-share values to compare (1: no limit), each on its own engine",
+    )
+    long_prompt.add_argument("--streams", type=int, default=8)
+    long_prompt.add_argument("--prompt-tokens", type=int, default=4000)
+    long_prompt.add_argument(
+        "--threshold", type=int, default=512, help="--long-prefill-token-threshold"
+    )
+    long_prompt.add_argument("--settle", type=float, default=5.0, help="seconds before and after")
+    long_prompt.add_argument("--threads", type=int, default=0)
+    long_prompt.add_argument("--rounds", type=int, default=1)
+    long_prompt.add_argument("--json", dest="json_path")
+
     chaos = sub.add_parser(
         "chaos", help="streams under random SIGKILLs of stages: lost requests, recovery times"
     )
@@ -279,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_offline_cli(args)
     if args.mode == "chaos":
         return run_chaos_cli(args, parser)
+    if args.mode == "long-prompt":
+        return run_long_prompt_cli(args)
     if args.mode == "serve":
         return run_serve_cli(args, parser)
     if args.mode == "broadcast":
@@ -479,6 +502,36 @@ def run_lora_cli(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as work_dir:
         report = lora_bench.run_lora_bench(bench_args, work_dir)
     print(lora_bench.format_table(report))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def run_long_prompt_cli(args: argparse.Namespace) -> int:
+    import json
+
+    from perf import long_prompt_bench as bench
+    from pipeline.logs import configure_logging
+    from stages.config import default_model_path
+
+    configure_logging("console", "error")
+    bench_args = bench.LongPromptArgs(
+        model_path=args.model or default_model_path(),
+        shares=tuple(float(s) for s in args.shares.split(",") if s),
+        streams=args.streams,
+        prompt_tokens=args.prompt_tokens,
+        settle_s=args.settle,
+        long_prefill_token_threshold=args.threshold,
+        threads=args.threads,
+        rounds=args.rounds,
+    )
+    print(
+        f"long-prompt: {args.prompt_tokens} tokens beside {args.streams} streams ...",
+        file=sys.stderr,
+    )
+    report = bench.run_long_prompt_bench(bench_args)
+    print(bench.format_table(report))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)

@@ -183,6 +183,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens a step may carry beside running decodes (bounds their ITL); "
         "alone, a prompt gets the whole --max-num-batched-tokens (default 64)",
     )
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=_non_negative_int,
+        help="a prompt with more tokens than this left to prefill is long: it takes at most this "
+        "many a step, and beside running decodes only its --long-prefill-share of the time "
+        "(0: no prompt is long; default 512)",
+    )
+    parser.add_argument(
+        "--max-long-partial-prefills",
+        type=_positive_int,
+        help="long prompts prefilling at once; shorter ones are admitted past the rest (default 1)",
+    )
+    parser.add_argument(
+        "--max-num-partial-prefills",
+        type=_non_negative_int,
+        help="prompts partly prefilled at once (default 0: no bound)",
+    )
+    parser.add_argument(
+        "--long-prefill-share",
+        type=_fraction,
+        help="the share of the time of steps beside running decodes that long prompts' chunks "
+        "may take: the streams keep the rest (default 0.33; 1: no limit)",
+    )
     parser.add_argument("--block-size", type=_positive_int)
     parser.add_argument(
         "--enable-prefix-caching",
@@ -686,6 +709,10 @@ def parse_args(
         args.master_addr is not None or args.master_port is not None
     ):
         parser.error("--master-addr and --master-port need --tensor-parallel-size above 1")
+    if args.max_num_partial_prefills and (args.max_long_partial_prefills or 1) > (
+        args.max_num_partial_prefills
+    ):
+        parser.error("--max-long-partial-prefills cannot exceed --max-num-partial-prefills")
     if (args.tensor_parallel_size or 1) > 1 and dummy:
         parser.error("--tensor-parallel-size needs a model; the dummy execute has none")
     engine_overrides: dict[str, Any] = {
@@ -693,6 +720,10 @@ def parse_args(
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold,
+        "max_long_partial_prefills": args.max_long_partial_prefills,
+        "max_num_partial_prefills": args.max_num_partial_prefills,
+        "long_prefill_share": args.long_prefill_share,
         "enable_prefix_caching": args.enable_prefix_caching,
         "block_size": args.block_size,
         "kv_cache_bytes": args.kv_cache_memory,

@@ -65,6 +65,13 @@ class EngineConfig:
     # Bounds ITL when prompts arrive during decodes. SmolLM2 int4 at 32 streams on 2 cores: 64 gave
     # 347-364 out tok/s and ITL p99 168-185 ms; 96 gave 292 and 245; 128 gave 318 and 245 ms.
     max_prefill_tokens_while_decoding: int = 64
+    # Long prompts (stages.scheduler.SchedulerConfig): vLLM's --long-prefill-token-threshold,
+    # --max-long-partial-prefills and --max-num-partial-prefills, and the share of the decoding
+    # steps' time long prefills may take (--long-prefill-share).
+    long_prefill_token_threshold: int = 512
+    max_long_partial_prefills: int = 1
+    max_num_partial_prefills: int = 0
+    long_prefill_share: float = 1 / 3
     block_size: int = 16
     # Automatic prefix caching (on by default, as in vLLM): prompts that start like an earlier
     # one reuse its KV blocks (shared system prompts, multi-turn chats).

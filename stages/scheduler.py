@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ GAUGES = (
 # Steps apart from a result, a plan made without waiting counts as overlapped (no gap observed).
 _SYNC_PLAN_WITHIN_NS = 5_000_000
 _MAX_GAP_S = 0.02
+# The window over which long prefills' share of the decoding steps' time is measured
+LONG_SHARE_WINDOW_S = 5.0
 
 
 class Status(enum.IntEnum):
@@ -177,6 +180,8 @@ class Step:
     planned_after_result: bool = False  # planned at once on the previous step's results
     # (source, destination) KV blocks execute copies before the step: beams' copy on write
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    beside_decodes: bool = False  # it carries decodes: its time counts in the long-prefill share
+    carries_long_prefill: bool = False  # a chunk of a long prompt (long_prefill_token_threshold)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +193,16 @@ class SchedulerConfig:
     block_size: int
     # Prefill tokens a step may carry beside decodes (the whole budget when none run).
     max_prefill_tokens_while_decoding: int = 64
+    # vLLM's levers for long prompts. A prompt with more than long_prefill_token_threshold tokens
+    # left to compute is long (0: none is): it takes at most that many a step, at most
+    # max_long_partial_prefills of them prefill at once (shorter ones are admitted past them),
+    # and while decodes run, steps carrying their chunks take at most long_prefill_share of the
+    # time, so the streams keep the rest. max_num_partial_prefills bounds all prompts partly
+    # prefilled at once (0: no bound).
+    long_prefill_token_threshold: int = 512
+    max_long_partial_prefills: int = 1
+    max_num_partial_prefills: int = 0
+    long_prefill_share: float = 1 / 3
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
     # --max-loras: adapters the running requests may use at once (execute's weight slots, so
@@ -227,6 +242,10 @@ class Scheduler:
             if spec is not None and spec.suffix is not None
             else None
         )
+        # Time of recent steps beside decodes, and of those carrying a long prompt's chunk, with
+        # exponential forgetting over LONG_SHARE_WINDOW_S: their ratio is the long prefills' share.
+        self._decoding_s = 0.0
+        self._long_prefill_s = 0.0
         self._completed_at_ns = 0  # when the last result was applied (monotonic)
         self._last_end_ns = 0  # when the last completed step ended in execute
         self._last_step_id = -1
@@ -334,6 +353,14 @@ class Scheduler:
             rows = self._plan_beams(leader, budget, taken, copies)
             planned.extend(rows)
             budget -= len(rows)
+        decoding = bool(decodes or searches)
+        hold_long = decoding and self._long_prefill_s > self.config.long_prefill_share * (
+            self._decoding_s
+        )
+        carries_long = False
+        # prompts partly prefilled after this step (those this step finishes are not counted)
+        partial = len(prefills)
+        partial_long = sum(1 for seq, _ in prefills if self._is_long(seq))
         for group in (decodes, prefills):
             if group is prefills and planned:
                 budget = min(budget, self.config.max_prefill_tokens_while_decoding)
@@ -342,10 +369,16 @@ class Scheduler:
                     break
                 if seq.status != Status.RUNNING:
                     continue  # preempted while making room for an earlier one
+                long = group is prefills and self._is_long(seq)
+                if long and hold_long:
+                    continue  # the streams' share of time: this step is theirs
                 draft = drafts.get(seq.handle)
                 if draft is not None and len(draft) >= budget:
                     draft = draft[: budget - 1] if budget > 1 else None
                 count = min(left, budget) + (0 if draft is None else len(draft))
+                if long:
+                    count = min(count, self.config.long_prefill_token_threshold)
+                    carries_long = True
                 need = seq.num_computed + count
                 # Most steps stay inside the last block: only a crossing asks for room.
                 if need > len(seq.blocks) * capacity and not self._make_room(
@@ -353,6 +386,8 @@ class Scheduler:
                 ):
                     continue
                 planned.append(self._plan(seq, count, count >= left, draft))
+                if group is prefills and count >= left:
+                    partial -= 1
                 if left > 1 or seq.num_computed == seq.num_prompt:  # a prefill chunk
                     self._register_prefix(seq)
                 taken.add(seq.handle)
@@ -368,12 +403,21 @@ class Scheduler:
             # A preempted request waits for its steps in flight before it is recomputed; one
             # whose adapter would make the running requests' more than --max-loras waits for
             # the requests of one of theirs to finish (vLLM's rule), and the next may go first.
+            # A long prompt waits while the long ones prefilling are as many as allowed, or while
+            # the streams are owed time; shorter ones are admitted past it (vLLM's rule).
+            long_closed = hold_long or partial_long >= self.config.max_long_partial_prefills
+            if (
+                self.config.max_num_partial_prefills
+                and partial >= self.config.max_num_partial_prefills
+            ):
+                break
             admit = next(
                 (
                     s
                     for s in self.waiting
                     if s.steps_in_flight == 0
                     and (not s.lora_id or s.lora_id in loras or len(loras) < self.config.max_loras)
+                    and not (long_closed and self._is_long(s))
                 ),
                 None,
             )
@@ -384,6 +428,12 @@ class Scheduler:
                 break  # (a search wider than max_num_seqs runs alone)
             cached = self._take_cached_prefix(admit)
             count = min(admit.num_tokens - admit.num_computed, budget)
+            if self._is_long(admit):
+                count = min(count, self.config.long_prefill_token_threshold)
+                carries_long = True
+                partial_long += 1
+            if admit.num_computed + count < admit.num_tokens:
+                partial += 1
             if not self.blocks.grow(admit.blocks, admit.num_computed + count):
                 if cached:  # it stays waiting: give the cached blocks back
                     self.blocks.free(admit.blocks)
@@ -407,11 +457,25 @@ class Scheduler:
         after_result = (
             not self.in_flight and now_ns() - self._completed_at_ns < _SYNC_PLAN_WITHIN_NS
         )
-        step = Step(self._next_step, planned, new, self._to_free, after_result, copies)
+        step = Step(
+            self._next_step,
+            planned,
+            new,
+            self._to_free,
+            after_result,
+            copies,
+            beside_decodes=decoding,
+            carries_long_prefill=carries_long,
+        )
         self._to_free = []
         self._next_step += 1
         self.in_flight.append(step)
         return step
+
+    def _is_long(self, seq: Sequence) -> bool:
+        """More of its prompt left to compute than long_prefill_token_threshold (0: never)."""
+        threshold = self.config.long_prefill_token_threshold
+        return bool(threshold) and seq.num_prompt - seq.num_computed > threshold
 
     def _running_loras(self) -> set[int]:
         """The adapters of the running requests (at most --max-loras)."""
@@ -788,6 +852,11 @@ class Scheduler:
         before it when it was planned on its predecessor's results."""
         if not t_end_ns or t_end_ns <= t_start_ns:
             return
+        if step.beside_decodes:
+            seconds = (t_end_ns - t_start_ns) / 1e9
+            keep = math.exp(-seconds / LONG_SHARE_WINDOW_S)
+            self._decoding_s = keep * self._decoding_s + seconds
+            self._long_prefill_s = keep * self._long_prefill_s + seconds * step.carries_long_prefill
         # Drafts are decode rows: fit on steps of decode rows only (a prefill chunk's tokens run
         # on kernels several times cheaper per token, and would make drafts look cheap).
         if all(s.num_tokens == 1 + s.num_draft for s in step.seqs):

@@ -49,6 +49,10 @@ class ScheduleActor(AsyncActor):
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_long_partial_prefills=config.max_long_partial_prefills,
+                max_num_partial_prefills=config.max_num_partial_prefills,
+                long_prefill_share=config.long_prefill_share,
                 max_model_len=resolve_max_model_len(config),
                 # sized from device memory: once execute has loaded the model and published them
                 num_blocks=planned_num_blocks(config, config.startup_timeout_s),

@@ -49,6 +49,10 @@ def test_every_flag(tmp_path: Path) -> None:
             "--chat-template-timeout", "2",
             "--chat-template-memory", "1GiB",
             "--max-unread-tokens", "4096",
+            "--long-prefill-token-threshold", "256",
+            "--max-long-partial-prefills", "2",
+            "--max-num-partial-prefills", "4",
+            "--long-prefill-share", "0.5",
             "--enable-per-request-metrics",
             "--enable-prompt-tokens-details",
             "--log-format", "json",
@@ -95,6 +99,10 @@ def test_every_flag(tmp_path: Path) -> None:
         chat_template_timeout_s=2.0,
         chat_template_memory_bytes=2**30,
         max_unread_tokens=4096,
+        long_prefill_token_threshold=256,
+        max_long_partial_prefills=2,
+        max_num_partial_prefills=4,
+        long_prefill_share=0.5,
     )
 
 
@@ -306,3 +314,11 @@ def test_a_draft_model_speculative_config(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["m", "--speculative-config", missing])
     assert "not a model directory or a .gguf file" in capsys.readouterr().err
+
+
+def test_more_long_partial_prefills_than_partial_prefills_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(
+            ["/m/x.gguf", "--max-num-partial-prefills", "1", "--max-long-partial-prefills", "2"]
+        )
+    assert "cannot exceed --max-num-partial-prefills" in capsys.readouterr().err

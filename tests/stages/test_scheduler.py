@@ -359,3 +359,82 @@ def test_running_requests_use_at_most_max_loras_adapters():
     run_step(s)  # 1, 2, 4 and 5 reach max_tokens: adapter 13 may run now
     step, _ = run_step(s)
     assert [x.seq.handle for x in step.seqs] == [3]
+
+
+def _timed_step(s: Scheduler, clock: list[int], seconds):
+    """A step that took seconds(step) in execute, on a clock of ns kept in clock[0]."""
+    step = s.schedule()
+    assert step is not None
+    handles = np.array([x.seq.handle for x in step.seqs])
+    tokens = np.array([7 if x.sample else -1 for x in step.seqs])
+    start = clock[0]
+    clock[0] += int(seconds(step) * 1e9)
+    s.complete(step.step_id, handles, tokens, t_start_ns=start, t_end_ns=clock[0])
+    return step
+
+
+def test_a_long_prompt_beside_decodes_takes_at_most_its_share_of_the_time():
+    """Steps carrying a long prompt's chunk take 20x a decode step; the streams keep 2/3 of the
+    time, and the prompt goes on in the rest."""
+    config = SchedulerConfig(
+        8, 64, 4096, 1024, 4, max_prefill_tokens_while_decoding=16, long_prefill_token_threshold=100
+    )
+    s = Scheduler(config)
+    for handle in (1, 2):
+        s.add(seq(handle, 3, max_tokens=10_000))
+    clock = [1]
+
+    def chunk_of(step) -> int:
+        return {x.seq.handle: x.num_tokens for x in step.seqs}.get(3, 0)
+
+    _timed_step(s, clock, lambda step: 0.01)  # both prefilled: two streams decode from now on
+    s.add(seq(3, 2000, max_tokens=5))
+    long_s = decodes_s = 0.0
+    for _ in range(600):
+        step = _timed_step(s, clock, lambda step: 0.2 if chunk_of(step) else 0.01)
+        assert {x.seq.handle for x in step.seqs} >= {1, 2}  # the streams are in every step
+        assert chunk_of(step) <= 16
+        if chunk_of(step):
+            long_s += 0.2
+        else:
+            decodes_s += 0.01
+    share = long_s / (long_s + decodes_s)
+    assert 0.25 < share < 0.4, share  # about a third, give or take a step
+    assert s.by_handle[3].num_computed >= 16 * 12  # the prompt moved meanwhile: ~3 s of 9
+
+
+def test_long_prompts_prefill_one_at_a_time_and_shorter_ones_go_past():
+    config = SchedulerConfig(8, 64, 4096, 1024, 4, long_prefill_token_threshold=100)
+    s = Scheduler(config)
+    s.add(seq(1, 300))
+    s.add(seq(2, 300))
+    s.add(seq(3, 20))
+    step, _ = run_step(s)
+    # alone: the first long prompt's chunk (at most the threshold), the short one past the second
+    assert {x.seq.handle: x.num_tokens for x in step.seqs} == {1: 64}
+    step, _ = run_step(s)
+    assert 2 not in {x.seq.handle for x in step.seqs}
+
+
+def test_the_threshold_caps_a_long_prompts_chunk_and_zero_turns_the_rule_off():
+    s = Scheduler(SchedulerConfig(8, 64, 4096, 1024, 4, long_prefill_token_threshold=40))
+    s.add(seq(1, 300))
+    step, _ = run_step(s)
+    assert [x.num_tokens for x in step.seqs] == [40]  # vLLM's long_prefill_token_threshold
+    s = Scheduler(SchedulerConfig(8, 64, 4096, 1024, 4, long_prefill_token_threshold=0))
+    s.add(seq(1, 300))
+    s.add(seq(2, 300))
+    step, _ = run_step(s)
+    assert {x.seq.handle: x.num_tokens for x in step.seqs} == {1: 64}
+    step, _ = run_step(s)
+    assert {x.seq.handle: x.num_tokens for x in step.seqs} == {1: 64}
+
+
+def test_max_num_partial_prefills_bounds_the_prompts_in_progress():
+    s = Scheduler(SchedulerConfig(8, 32, 4096, 1024, 4, max_num_partial_prefills=1))
+    s.add(seq(1, 50))
+    s.add(seq(2, 10))
+    step, _ = run_step(s)
+    assert {x.seq.handle: x.num_tokens for x in step.seqs} == {1: 32}  # 2 waits for 1's prefill
+    step, _ = run_step(s)
+    assert {x.seq.handle: x.num_tokens for x in step.seqs} == {1: 18, 2: 10}
