@@ -7,7 +7,9 @@ its prompt's reference; the report counts requests, kills, lost requests (an err
 completion) and wrong texts, and the recovery time per stage that died, from the kill to the
 engine taking requests again. With `--template-bombs N`, N requests bring chat templates of
 their own that loop for minutes or build a gigabyte string, spread over the run: each must be a
-400 that names the limit it passed, and the streams beside them must not notice.
+400 that names the limit it passed, and the streams beside them must not notice. With
+`--non-readers N`, N streams are read once and then left unread: each must be aborted once it
+leaves --max-unread-tokens unread (NON_READER_LIMIT here), its KV blocks freed.
 
 With a baseline (`run_chaos_ab`) the same run goes on the baseline tree's code and on this tree's,
 each pass in a process of its own (this file run as a script on the tree's import path), the sides
@@ -46,6 +48,7 @@ class ChaosArgs:
     seed: int = 0
     threads: int = 0
     template_bombs: int = 0
+    non_readers: int = 0
 
 
 # Chat templates a request may bring (--trust-request-chat-template) that render for minutes or
@@ -58,6 +61,7 @@ BOMBS = (
     ("{{ ('%999999999s' % 'a')|length }}", "--chat-template-memory"),
 )
 BOMB_TIMEOUT_S = 1.0
+NON_READER_LIMIT = 256  # --max-unread-tokens in the run: a non-reader is aborted in seconds
 
 
 def _prompts(count: int) -> list[str]:
@@ -85,6 +89,7 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
             # Every kill is a failure the engine must survive: the budget is not under test here.
             max_stage_restarts=args.kills + 1,
             chat_template_timeout_s=BOMB_TIMEOUT_S,
+            max_unread_tokens=NON_READER_LIMIT,
         )
     )
     await engine.start()
@@ -103,7 +108,7 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
 
     namespaces = {engine.supervisor.namespace}
     kills: list[dict[str, Any]] = []
-    completed = lost = wrong = bombs_refused = 0
+    completed = lost = wrong = bombs_refused = non_readers_aborted = 0
     errors: list[str] = []
     try:
         reference = [await text_of(request(i, f"ref-{i}")) for i in range(len(prompts))]
@@ -154,6 +159,35 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
                     lost += 1
                     break
 
+        async def non_reader() -> None:
+            """Streams read once and then not at all, one after another: each must be aborted
+            (the engine's count of such aborts goes up) while the others go on."""
+            nonlocal non_readers_aborted
+            rng = random.Random(args.seed + 2)
+            span_s = args.kills * args.kill_interval_s
+            for n in range(args.non_readers):
+                await asyncio.sleep(rng.uniform(0.5, 1.5) * span_s / max(args.non_readers, 1))
+                while not engine.ready:
+                    await asyncio.sleep(0.05)
+                before = engine.stats()["num_requests_aborted_unread_total"]
+                # all the room the model leaves: far more than the limit lets it leave unread
+                sampling = SamplingParams(temperature=0.0, ignore_eos=True, logprobs=5)
+                prompt = request(n % len(prompts), "x").prompt
+                req = GenerateRequest(f"unread-{n}", prompt, sampling, arrival_ns=now_ns())
+                outputs = engine.generate(req)
+                try:
+                    await anext(outputs)
+                    deadline = time.monotonic() + 60
+                    while time.monotonic() < deadline:
+                        if engine.stats()["num_requests_aborted_unread_total"] > before:
+                            non_readers_aborted += 1
+                            break
+                        await asyncio.sleep(0.05)
+                except EngineError as error:  # refused or failed before its first output
+                    errors.append(f"non-reader: {error.message}")
+                finally:
+                    await outputs.aclose()
+
         async def killer() -> None:
             rng = random.Random(args.seed)
             for _ in range(args.kills):
@@ -177,7 +211,9 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
             done.set()
 
         started = time.monotonic()
-        await asyncio.gather(killer(), bomber(), *(worker(w) for w in range(args.streams)))
+        await asyncio.gather(
+            killer(), bomber(), non_reader(), *(worker(w) for w in range(args.streams))
+        )
         duration = time.monotonic() - started
         # Schedule publishes its gauges after it has sent the last tokens on: let them settle.
         deadline = time.monotonic() + 10
@@ -205,6 +241,8 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
         "kills": len(kills),
         "template_bombs": args.template_bombs,
         "template_bombs_refused": bombs_refused,
+        "non_readers": args.non_readers,
+        "non_readers_aborted": non_readers_aborted,
         "in_flight_at_kill": [k["in_flight"] for k in kills],
         "recovery_ms": recovery,
         "kill_log": kills,
@@ -225,7 +263,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"KV blocks held after {report['kv_blocks_held_after']}, "
         f"shared-memory names left {len(report['shm_names_left'])}",
         f"template bombs {report.get('template_bombs', 0)}, refused with a 400 naming their "
-        f"limit {report.get('template_bombs_refused', 0)}",
+        f"limit {report.get('template_bombs_refused', 0)}; streams left unread "
+        f"{report.get('non_readers', 0)}, aborted {report.get('non_readers_aborted', 0)}",
         "",
         f"{'stage':<12}{'kills':>6}{'recovery p50 ms':>17}{'p99 ms':>10}",
     ]

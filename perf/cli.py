@@ -189,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         help="requests with chat templates that loop for minutes or take a gigabyte, spread over "
         "the run; each must be a 400 naming its limit",
     )
+    chaos.add_argument(
+        "--non-readers",
+        type=int,
+        default=0,
+        help="streams read once and then left unread, spread over the run; each must be aborted",
+    )
     chaos.add_argument("--json", dest="json_path")
     chaos.add_argument(
         "--baseline",
@@ -561,6 +567,7 @@ def run_chaos_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         seed=args.seed,
         threads=args.threads,
         template_bombs=args.template_bombs,
+        non_readers=args.non_readers,
     )
     print(f"chaos: {args.kills} kills under {args.streams} streams ...", file=sys.stderr)
     if args.baseline:
@@ -576,7 +583,9 @@ def run_chaos_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)
-    bombs_ok = report["template_bombs_refused"] == report["template_bombs"]
+    bombs_ok = report["template_bombs_refused"] == report["template_bombs"] and (
+        report["non_readers_aborted"] == report["non_readers"]
+    )
     return 0 if report["lost"] == report["wrong_text"] == 0 and report["kills"] and bombs_ok else 1
 
 
