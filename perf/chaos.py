@@ -199,11 +199,13 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
                 os.kill(engine.supervisor.pids()[stage], signal.SIGKILL)
                 while engine.ready:
                     await asyncio.sleep(0.005)
+                failure = engine.failure  # the stage the engine blames, while it restarts
                 while not engine.ready:
                     await asyncio.sleep(0.005)
                 kills.append(
                     {
                         "stage": stage,
+                        "named": failure.actor if failure is not None else "",
                         "recovery_s": time.monotonic() - started,
                         "in_flight": in_flight,
                     }
@@ -239,6 +241,8 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
         "lost": lost,
         "wrong_text": wrong,
         "kills": len(kills),
+        # kills the engine blamed on another stage than the one killed (issue 37, item 3)
+        "misnamed_kills": sum(k["named"] != k["stage"] for k in kills),
         "template_bombs": args.template_bombs,
         "template_bombs_refused": bombs_refused,
         "non_readers": args.non_readers,
@@ -261,7 +265,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"completed {report['completed']}, lost {report['lost']}, "
         f"text differing from the uninterrupted run {report['wrong_text']}, "
         f"KV blocks held after {report['kv_blocks_held_after']}, "
-        f"shared-memory names left {len(report['shm_names_left'])}",
+        f"shared-memory names left {len(report['shm_names_left'])}, "
+        f"kills blamed on another stage {report.get('misnamed_kills', 0)}",
         f"template bombs {report.get('template_bombs', 0)}, refused with a 400 naming their "
         f"limit {report.get('template_bombs_refused', 0)}; streams left unread "
         f"{report.get('non_readers', 0)}, aborted {report.get('non_readers_aborted', 0)}",

@@ -586,7 +586,8 @@ def run_chaos_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     bombs_ok = report["template_bombs_refused"] == report["template_bombs"] and (
         report["non_readers_aborted"] == report["non_readers"]
     )
-    return 0 if report["lost"] == report["wrong_text"] == 0 and report["kills"] and bombs_ok else 1
+    clean = report["lost"] == report["wrong_text"] == report["misnamed_kills"] == 0
+    return 0 if clean and report["kills"] and bombs_ok else 1
 
 
 def run_model_cli(args: argparse.Namespace) -> int:

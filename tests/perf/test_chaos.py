@@ -29,6 +29,7 @@ def test_template_bombs_are_refused_beside_streams_under_kills(tmp_path):
     )
     report = asyncio.run(run_chaos(args))
     assert report["kills"] == 2 and report["completed"] > 0
+    assert report["misnamed_kills"] == 0  # each kill blamed on the stage killed
     assert (report["lost"], report["wrong_text"]) == (0, 0), report["errors"]
     assert report["template_bombs_refused"] == 2
     assert report["non_readers_aborted"] == 2
