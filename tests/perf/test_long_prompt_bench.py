@@ -15,9 +15,9 @@ def test_each_share_reports_the_streams_and_the_long_prompt(tmp_path):
         model_path=str(build_tiny_chat_model(tmp_path / "model")),
         shares=(0.33, 1.0),
         streams=2,
-        prompt_tokens=400,
+        prompt_tokens=300,
         stream_tokens=8,
-        settle_s=2.0,
+        settle_s=1.5,
         long_prefill_token_threshold=64,
         threads=1,
     )
