@@ -61,3 +61,24 @@ def engine_loop(tiny_chat_model):
     yield engine, runner
     runner.run(engine.stop())
     runner.close()
+
+
+@pytest.fixture
+def pipeline(tiny_chat_model):
+    """Starts engines on the tiny model (tests/stages/test_recovery.py:config with the given
+    overrides), each on a loop thread of its own; stops them after the test."""
+    from tests.stages.test_recovery import config
+
+    started: list[tuple[Engine, LoopThread]] = []
+
+    def start(**overrides) -> tuple[Engine, LoopThread]:
+        runner = LoopThread()
+        engine = Engine(config(tiny_chat_model, **overrides))
+        runner.run(engine.start())
+        started.append((engine, runner))
+        return engine, runner
+
+    yield start
+    for engine, runner in started:
+        runner.run(engine.stop())
+        runner.close()

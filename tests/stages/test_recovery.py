@@ -17,7 +17,6 @@ from pipeline.names import names_in_shm
 from stages.api import EngineError, GenerateRequest, SamplingParams, TextPrompt
 from stages.config import EngineConfig
 from stages.engine import Engine
-from tests.stages.conftest import LoopThread
 
 STAGES = ("render", "schedule", "execute", "detokenize")
 PROMPTS = [f"Tell me about the number {i} and why it matters." for i in range(6)]
@@ -63,24 +62,6 @@ async def run_all(engine: Engine, requests: list[GenerateRequest], on_token=None
         return ids, text, last
 
     return await asyncio.gather(*(one(r) for r in requests))
-
-
-@pytest.fixture
-def pipeline(tiny_chat_model):
-    """Starts an engine of the given config on a loop thread; stops it after the test."""
-    started: list[tuple[Engine, LoopThread]] = []
-
-    def start(**overrides) -> tuple[Engine, LoopThread]:
-        runner = LoopThread()
-        engine = Engine(config(tiny_chat_model, **overrides))
-        runner.run(engine.start())
-        started.append((engine, runner))
-        return engine, runner
-
-    yield start
-    for engine, runner in started:
-        runner.run(engine.stop())
-        runner.close()
 
 
 def wait_recovered(engine: Engine, recoveries: int, timeout_s: float = 60) -> None:

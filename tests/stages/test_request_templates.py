@@ -12,9 +12,7 @@ import pytest
 
 from pipeline.clock import now_ns
 from stages.api import ChatPrompt, EngineError, GenerateRequest, SamplingParams
-from stages.engine import Engine
-from tests.stages.conftest import LoopThread
-from tests.stages.test_recovery import config, request
+from tests.stages.test_recovery import request
 
 TIMEOUT_S = 1.5
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -41,14 +39,8 @@ async def _outcome(engine, req: GenerateRequest) -> tuple[float, str | EngineErr
 
 
 @pytest.fixture
-def engine(tiny_chat_model):
-    runner = LoopThread()
-    limits = {"chat_template_timeout_s": TIMEOUT_S, "chat_template_memory_bytes": 256 << 20}
-    engine = Engine(config(tiny_chat_model, **limits))
-    runner.run(engine.start())
-    yield engine, runner
-    runner.run(engine.stop())
-    runner.close()
+def engine(pipeline):
+    return pipeline(chat_template_timeout_s=TIMEOUT_S, chat_template_memory_bytes=256 << 20)
 
 
 def test_a_template_past_its_limits_is_a_400_and_the_others_are_served_meanwhile(engine):

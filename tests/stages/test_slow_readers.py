@@ -12,21 +12,14 @@ import pytest
 import structlog
 
 from stages.api import EngineError
-from stages.engine import Engine
-from tests.stages.conftest import LoopThread
-from tests.stages.test_recovery import config, request
+from tests.stages.test_recovery import request
 
 LIMIT = 30  # a token and its two top logprobs count 3: about ten tokens unread
 
 
 @pytest.fixture
-def engine(tiny_chat_model):
-    runner = LoopThread()
-    engine = Engine(config(tiny_chat_model, max_unread_tokens=LIMIT))
-    runner.run(engine.start())
-    yield engine, runner
-    runner.run(engine.stop())
-    runner.close()
+def engine(pipeline):
+    return pipeline(max_unread_tokens=LIMIT)
 
 
 def test_a_stream_left_unread_is_aborted_and_frees_its_blocks(engine):
