@@ -43,6 +43,7 @@ def engine(pipeline):
     return pipeline(chat_template_timeout_s=TIMEOUT_S, chat_template_memory_bytes=256 << 20)
 
 
+@pytest.mark.slow  # the sandbox's own tests (tests/stages/text) run in make test-fast
 def test_a_template_past_its_limits_is_a_400_and_the_others_are_served_meanwhile(engine):
     engine, runner = engine
     render_pid = engine.supervisor.pids()["render"]

@@ -26,6 +26,16 @@ def test_a_stream_left_unread_is_aborted_and_frees_its_blocks(engine):
     engine, runner = engine
     stats = engine.stats
 
+    async def read_all():
+        tokens = []
+        async for out in engine.generate(request(1, max_tokens=120, logprobs=2)):
+            tokens += out.token_ids
+        return tokens
+
+    # a client that reads gets every token under the same limit
+    assert len(runner.run(read_all(), 60)) == 120
+    assert stats()["num_requests_aborted_unread_total"] == 0
+
     async def stalled_then_read():
         outputs = engine.generate(request(0, max_tokens=200, logprobs=2))
         first = await anext(outputs)
@@ -48,16 +58,3 @@ def test_a_stream_left_unread_is_aborted_and_frees_its_blocks(engine):
     assert 3 <= len(tokens) < 200  # it was stopped well before max_tokens
     assert error.status == 408 and "--max-unread-tokens" in error.message
     assert any(line["event"] == "request aborted: its client is not reading" for line in logs)
-
-
-def test_a_client_that_reads_gets_every_token_under_the_same_limit(engine):
-    engine, runner = engine
-
-    async def read_all():
-        tokens = []
-        async for out in engine.generate(request(1, max_tokens=120, logprobs=2)):
-            tokens += out.token_ids
-        return tokens
-
-    assert len(runner.run(read_all(), 60)) == 120
-    assert engine.stats()["num_requests_aborted_unread_total"] == 0
