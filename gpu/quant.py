@@ -267,7 +267,8 @@ class NativeQ4Linear(nn.Module):
     The activations are quantized per 32 to int8 on the way in, as llama.cpp does, and the dot
     products run on integer SIMD: about a quarter of the bytes of bf16 and no dequantized copy.
     The codes are stored in the layout of this build's kernel: 16 output channels per vector
-    with AVX-512 VNNI (`native.q4_1_gemm_pack`), row by row otherwise (`native.q4_1_pack`).
+    with AVX2 and up (`native.q4_1_gemm_pack`), row by row in the portable build
+    (`native.q4_1_pack`).
     """
 
     def __init__(
@@ -286,7 +287,7 @@ class NativeQ4Linear(nn.Module):
             minimums.half().contiguous(),
         )
         if many_rows and not native.gemm_available():
-            raise ValueError("the many-row Q4_1 kernel needs AVX-512 VNNI")
+            raise ValueError("the many-row Q4_1 kernel needs AVX2 (this build is portable)")
         self.many_rows = native.gemm_available() if many_rows is None else many_rows
         if self.many_rows:
             codes, scales, minimums = native.q4_1_gemm_pack(nibbles, scales, minimums)
@@ -346,7 +347,7 @@ class NativeQ4Linear(nn.Module):
 class NativeQ8Linear(nn.Module):
     """GGUF Q8_0 weights (w = d * q, per 32) on the native CPU kernels; the LM head's format.
 
-    Stored like NativeQ4Linear: 16 output channels per vector with AVX-512 VNNI
+    Stored like NativeQ4Linear: 16 output channels per vector with AVX2 and up
     (`native.q8_0_gemm_pack`), row by row otherwise.
     """
 
@@ -360,7 +361,7 @@ class NativeQ8Linear(nn.Module):
         self.out_features, self.in_features = codes.shape
         codes, scales = codes.contiguous(), scales.half().contiguous()
         if many_rows and not native.gemm_available():
-            raise ValueError("the many-row Q8_0 kernel needs AVX-512 VNNI")
+            raise ValueError("the many-row Q8_0 kernel needs AVX2 (this build is portable)")
         self.many_rows = native.gemm_available() if many_rows is None else many_rows
         self.register_buffer("corrections", None)
         if self.many_rows:

@@ -499,7 +499,8 @@ def q4_layer_attn_out(
 
 @cache
 def gemm_available() -> bool:
-    """Whether this build has the many-row Q4_1 kernel (it needs AVX-512 VNNI)."""
+    """Whether this build has the many-row Q4_1/Q8_0 kernels and their 16-channel layout (every
+    level from avx2 up; the portable build keeps the row layout)."""
     return load() is not None and bool(_lib().q4_1_gemm_available())
 
 

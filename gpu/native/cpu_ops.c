@@ -589,6 +589,28 @@ void quantize_rows_q8(const float *x, int8_t *xq, float *xd, float *xs, int64_t 
         _mm_storeu_si128((__m128i *)(xq + b * QK), _mm512_cvtsepi32_epi8(qlo));
         _mm_storeu_si128((__m128i *)(xq + b * QK + 16), _mm512_cvtsepi32_epi8(qhi));
         const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#elif defined(CPU_AVX2)
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(src + 8 * i);
+        const __m256 m8 = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        __m256i q[4]; /* rounded to nearest even, as lrintf */
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+        /* the packs interleave 128-bit lanes: 4-byte groups come out as 0 4 1 5 2 6 3 7 */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                 _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + b * QK),
+                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        const int sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
 #else
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(src[i]));
@@ -658,6 +680,13 @@ void q4_1_pack(const uint8_t *gguf, uint8_t *packed, int64_t rows, int64_t block
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512VL__)
 #define Q4_ZMM 1
+#endif
+
+/* The many-row kernels' 16-channel layout (q4_1_gemm_pack, q8_0_gemm_pack): 512-bit VNNI
+ * tiles with AVX-512 VNNI, two 8-channel halves of 256-bit tiles with AVX2. Only the portable
+ * build keeps the row layout (q4_1_pack). */
+#if defined(Q4_ZMM) || defined(CPU_AVX2)
+#define GEMM_LAYOUT 1
 #endif
 
 #if defined(CPU_AVX2)
@@ -1122,11 +1151,11 @@ static void lora_add(const float *at, const float *b, int64_t width, const decod
 int q4_1_gemm(const float *x, int64_t rows, const uint8_t *codes, const uint16_t *d,
               const uint16_t *m, int64_t n_out, int64_t k, float *out);
 
-/* The Q4_1 matmul of this build's weight layout: many-row (q4_1_gemm_pack) with AVX-512 VNNI,
- * row-at-a-time (q4_1_pack) otherwise. */
+/* The Q4_1 matmul of this build's weight layout: many-row (q4_1_gemm_pack) with AVX2 and up,
+ * row-at-a-time (q4_1_pack) in the portable build. */
 static int q4_linear(const float *x, int64_t rows, const uint8_t *codes, const uint16_t *d,
                      const uint16_t *m, int64_t n_out, int64_t k, float *out) {
-#if defined(Q4_ZMM)
+#if defined(GEMM_LAYOUT)
     return q4_1_gemm(x, rows, codes, d, m, n_out, k, out);
 #else
     return q4_1_matmul(x, rows, codes, d, m, n_out, k, out);
@@ -1244,7 +1273,7 @@ void q4_1_gemm_pack(const uint8_t *gguf, const uint16_t *d, const uint16_t *m, i
 }
 
 int q4_1_gemm_available(void) { /* 1: the weight layout is q4_1_gemm_pack's */
-#if defined(Q4_ZMM)
+#if defined(GEMM_LAYOUT)
     return 1;
 #else
     return 0;
@@ -1297,13 +1326,79 @@ static inline __attribute__((always_inline)) void q4_gemm_tile(
     const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * n_out + n0, mask, acc[r]);
 }
+#elif defined(CPU_AVX2)
+#define WEIGHT_PREFETCH 16 /* blocks ahead */
+#define GEMM_ROWS 4 /* rows per tile: 4 accumulators beside a half's 8 code vectors */
+
+/* Rows n0 + 8 h .. n0 + 8 h + 7 of out (of those below n_out), from the half's acc. */
+static inline __attribute__((always_inline)) void store_half(float *out, int64_t left,
+                                                             __m256 acc) {
+    if (left >= 8) {
+        _mm256_storeu_ps(out, acc);
+    } else {
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_maskstore_ps(out, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), lanes), acc);
+    }
+}
+
+/* The AVX2 form of the tile above: a 256-bit vector holds 8 of the group's 16 channels (bytes
+ * [32 h, 32 h + 32) of each 64-byte vector z are channels 8 h .. 8 h + 7), so each half is a
+ * pass over the group's blocks (the second from L1/L2). Per block and row, 8 vpmaddubsw (8
+ * channels x 4 weights each, codes 0..15 against 4 activation bytes broadcast) are summed in
+ * int16 (|sum| <= 8 * 2 * 15 * 127 = 30480: exact) and widened once by vpmaddwd. The integer
+ * dot and the float steps after it are those of the VNNI tile: the same bits at every level. */
+static inline __attribute__((always_inline)) void q4_gemm_tile(
+    const int R, const int8_t *xq, const float *xd, const float *xs, int64_t k, int64_t blocks,
+    const uint8_t *codes, const uint16_t *d, const uint16_t *m, float *out, int64_t n_out,
+    int64_t n0) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2 && n0 + 8 * h < n_out; h++) {
+        __m256 acc[GEMM_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *wb = codes + b * 256 + h * 32;
+            if (h == 0) { /* the first pass brings the group's lines; the second finds them */
+                for (int z = 0; z < 4; z++)
+                    _mm_prefetch((const char *)(wb + WEIGHT_PREFETCH * 256 + z * 64), _MM_HINT_T1);
+                if ((b & 1) == 0) {
+                    _mm_prefetch((const char *)(d + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(m + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
+                }
+            }
+            /* One 64-byte vector's two code vectors at a time against every row: the rows'
+             * int16 sums, not 8 unpacked code vectors, are what stays in registers. */
+            __m256i sum[GEMM_ROWS];
+            for (int z = 0; z < 4; z++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + z * 64));
+                const __m256i lo = _mm256_and_si256(raw, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int32_t *x = (const int32_t *)(xq + r * k + b * QK);
+                    const __m256i p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[z])),
+                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[z + 4])));
+                    sum[r] = z ? _mm256_add_epi16(sum[r], p) : p;
+                }
+            }
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16 + h * 8)));
+            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * 16 + h * 8)));
+            for (int r = 0; r < R; r++) {
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
+                acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * blocks + b])),
+                                         acc[r]);
+                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * blocks + b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) store_half(out + r * n_out + n0 + 8 * h, n_out - n0 - 8 * h, acc[r]);
+    }
+}
 #endif
 
 /* out [rows, N] = x [rows, K] @ W.T with W packed by q4_1_gemm_pack. -1: out of memory or no
- * AVX-512 VNNI in this build (q4_1_gemm_available). */
+ * many-row layout in this build (q4_1_gemm_available). */
 int q4_1_gemm(const float *x, int64_t rows, const uint8_t *codes, const uint16_t *d,
               const uint16_t *m, int64_t n_out, int64_t k, float *out) {
-#if defined(Q4_ZMM)
+#if defined(GEMM_LAYOUT)
     if (quantize_scratch(x, rows, k)) return -1;
     const int64_t blocks = k / QK, groups = (n_out + 15) / 16;
     const int8_t *xq = scratch_q;
@@ -1321,7 +1416,9 @@ int q4_1_gemm(const float *x, int64_t rows, const uint8_t *codes, const uint16_t
             switch (left >= GEMM_ROWS ? GEMM_ROWS : left) {
 #define Q4_TILE_CASE(R) \
     case R: q4_gemm_tile(R, xr, dr, sr, k, blocks, cg, dg, mg, o, n_out, g * 16); break;
+#if GEMM_ROWS == 8
                 Q4_TILE_CASE(8) Q4_TILE_CASE(7) Q4_TILE_CASE(6) Q4_TILE_CASE(5)
+#endif
                 Q4_TILE_CASE(4) Q4_TILE_CASE(3) Q4_TILE_CASE(2) Q4_TILE_CASE(1)
 #undef Q4_TILE_CASE
             }
@@ -1397,13 +1494,62 @@ static inline __attribute__((always_inline)) void q8_gemm_tile(
     const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * n_out + n0, mask, acc[r]);
 }
+#elif defined(CPU_AVX2)
+/* The AVX2 form, in halves as q4_gemm_tile's. vpmaddubsw wants one unsigned operand: the
+ * weights' magnitudes, against the activations with the weights' signs (vpsignb), as llama.cpp
+ * does; pairs reach 2 * 128 * 127, so each is widened at once. That dot is exactly the VNNI
+ * tile's (which subtracts corr), so the bits are the same; corr is unused here. */
+static inline __attribute__((always_inline)) void q8_gemm_tile(
+    const int R, const int8_t *xq, const float *xd, int64_t k, int64_t blocks,
+    const int8_t *codes, const uint16_t *d, const int32_t *corr, float *out, int64_t n_out,
+    int64_t n0) {
+    (void)corr;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2 && n0 + 8 * h < n_out; h++) {
+        __m256 acc[GEMM_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const int8_t *wb = codes + b * 512 + h * 32;
+            if (h == 0) {
+                for (int z = 0; z < 8; z++)
+                    _mm_prefetch((const char *)(wb + WEIGHT_PREFETCH * 512 + z * 64), _MM_HINT_T1);
+                if ((b & 1) == 0)
+                    _mm_prefetch((const char *)(d + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
+            }
+            __m256i w[8], a[8];
+            for (int z = 0; z < 8; z++) {
+                w[z] = _mm256_loadu_si256((const __m256i *)(wb + z * 64));
+                a[z] = _mm256_abs_epi8(w[z]);
+            }
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16 + h * 8)));
+            for (int r = 0; r < R; r++) {
+                const int32_t *x = (const int32_t *)(xq + r * k + b * QK);
+                __m256i p[4];
+                for (int j = 0; j < 4; j++)
+                    p[j] = _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                              a[2 * j], _mm256_sign_epi8(_mm256_set1_epi32(x[2 * j]), w[2 * j])),
+                                          ones),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                              a[2 * j + 1],
+                                              _mm256_sign_epi8(_mm256_set1_epi32(x[2 * j + 1]), w[2 * j + 1])),
+                                          ones));
+                const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]),
+                                                     _mm256_add_epi32(p[2], p[3]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                         _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * blocks + b])), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) store_half(out + r * n_out + n0 + 8 * h, n_out - n0 - 8 * h, acc[r]);
+    }
+}
 #endif
 
 /* out [rows, N] = x [rows, K] @ W.T with W packed by q8_0_gemm_pack. -1: out of memory or no
- * AVX-512 VNNI in this build. */
+ * many-row layout in this build. */
 int q8_0_gemm(const float *x, int64_t rows, const int8_t *codes, const uint16_t *d,
               const int32_t *corr, int64_t n_out, int64_t k, float *out) {
-#if defined(Q4_ZMM)
+#if defined(GEMM_LAYOUT)
     if (quantize_scratch(x, rows, k)) return -1;
     const int64_t blocks = k / QK, groups = (n_out + 15) / 16;
     const int8_t *xq = scratch_q;
@@ -1422,7 +1568,9 @@ int q8_0_gemm(const float *x, int64_t rows, const int8_t *codes, const uint16_t 
             switch (left >= GEMM_ROWS ? GEMM_ROWS : left) {
 #define Q8_TILE_CASE(R) \
     case R: q8_gemm_tile(R, xr, sr, k, blocks, cg, dg, kg, o, n_out, g * 16); break;
+#if GEMM_ROWS == 8
                 Q8_TILE_CASE(8) Q8_TILE_CASE(7) Q8_TILE_CASE(6) Q8_TILE_CASE(5)
+#endif
                 Q8_TILE_CASE(4) Q8_TILE_CASE(3) Q8_TILE_CASE(2) Q8_TILE_CASE(1)
 #undef Q8_TILE_CASE
             }

@@ -214,7 +214,7 @@ LAYOUTS = [
     *(
         pytest.param(level, True, id=f"{level}-16-channel-layout")
         for level in NATIVE_LEVELS
-        if level == "avx512_vnni"
+        if level != "portable"
     ),
 ]
 LEVEL_LAYOUT = ("cpu_isa", "many_rows")
@@ -272,6 +272,28 @@ def test_q4_1_blocks_load_unchanged(cpu_isa, blocks, many_rows):
     torch.testing.assert_close(
         _weights_of(linear), torch.from_numpy(expected.reshape(3, blocks * 32))
     )
+
+
+GEMM_LEVELS = [level for level in NATIVE_LEVELS if level != "portable"]
+
+
+@pytest.mark.skipif(len(GEMM_LEVELS) < 2, reason="needs two levels with the many-row kernels")
+def test_the_many_row_kernels_give_the_same_bits_at_every_level():
+    """Weights in the 16-channel layout give the same outputs to the bit at avx2 as at
+    avx512_vnni (the same integer dots, the same float steps after them), so a model's tokens do
+    not depend on which of a fleet's CPUs served them."""
+    generator = torch.Generator().manual_seed(0)
+    w4, x4 = torch.randn(70, 608, generator=generator) * 0.05, torch.randn(9, 608, generator=generator)
+    w8, x8 = torch.randn(300, 160, generator=generator), torch.randn(9, 160, generator=generator)
+    outputs = []
+    for level in GEMM_LEVELS:
+        with native.using_level(level):
+            q4, q8 = NativeQ4Linear.from_float(w4, True), NativeQ8Linear.from_float(w8, True)
+            outputs.append((level, q4(x4), q8(x8)))
+    first, q4_first, q8_first = outputs[0]
+    for level, q4_out, q8_out in outputs[1:]:
+        assert torch.equal(q4_out, q4_first), f"Q4_1 at {level} differs from {first}"
+        assert torch.equal(q8_out, q8_first), f"Q8_0 at {level} differs from {first}"
 
 
 def test_kernel_choice():
