@@ -213,16 +213,7 @@ void rope_write_kv(float *qkv, int64_t tokens, const float *cos_t, const float *
 
 /* ---------------------------------------------------------------- paged decode attention */
 
-#if defined(__AVX512F__)
-/* 16 cache values at index i as float32. */
-static inline __m512 load16(const void *cache, int64_t i, int bf16) {
-    if (bf16) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-    return _mm512_loadu_ps((const float *)cache + i);
-}
-
+#if defined(CPU_AVX2)
 #define KV_PREFETCH 16 /* positions ahead */
 
 static inline void prefetch_row(const void *cache, int64_t index, int64_t dim, int bf16) {
@@ -236,6 +227,18 @@ static inline void prefetch_row_l2(const void *cache, int64_t index, int64_t dim
     const char *row = (const char *)cache + index * (bf16 ? 2 : 4);
     for (int64_t off = 0; off < dim * (bf16 ? 2 : 4); off += 64)
         _mm_prefetch(row + off, _MM_HINT_T1);
+}
+
+#endif
+
+#if defined(__AVX512F__)
+/* 16 cache values at index i as float32. */
+static inline __m512 load16(const void *cache, int64_t i, int bf16) {
+    if (bf16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)cache + i);
 }
 
 /* acc[g][c] = sum_p probs[g][p] * V[p][c0 + c] for GN query vectors and CN 16-wide chunks of
@@ -399,41 +402,142 @@ static inline __m256 load8(const void *cache, int64_t i, int bf16) {
     return _mm256_loadu_ps((const float *)cache + i);
 }
 
-#define MAX_DIM_VECS 32 /* head_dim up to 256 */
+/* acc[g][c] = sum_p probs[g][p] * V[p][c0 + c] for GN query vectors and CN 8-wide chunks of
+ * the head dimension, as pv_tile with 8 lanes (GN * CN <= 8 accumulators beside the loads). */
+static inline __attribute__((always_inline)) void pv_tile8(
+    const int GN, const int CN, const float *probs, int64_t probs_stride, const void *v_cache,
+    int bf16, const int64_t *rows, int64_t n, int64_t c0, float *const *outs, int64_t dim,
+    const float *inv) {
+    __m256 acc[4][2];
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < CN; c++) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        if (j + KV_PREFETCH < n) prefetch_row(v_cache, rows[j + KV_PREFETCH] + c0, 8 * CN, bf16);
+        if (c0 == 0 && j + KV_PREFETCH_FAR < n)
+            prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
+        __m256 v[2];
+        for (int c = 0; c < CN; c++) v[c] = load8(v_cache, rows[j] + c0 + 8 * c, bf16);
+        for (int g = 0; g < GN; g++) {
+            const __m256 w = _mm256_set1_ps(probs[g * probs_stride + j]);
+            for (int c = 0; c < CN; c++) acc[g][c] = _mm256_fmadd_ps(w, v[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < CN; c++)
+            _mm256_storeu_ps(outs[g] + c0 + 8 * c, _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
+}
 
-/* One item (a sequence's KV head and its query group) on AVX2, for head_dim % 8 == 0 and
- * head_dim <= 256: scores, softmax and accumulation in float32, 8 lanes at a time. */
-static void attend_avx2(const float *q, const void *k_cache, const void *v_cache, int bf16,
-                        const int64_t *rows, int64_t n, int64_t group, int64_t dim, float scale,
-                        float *probs, int64_t stride, float *out) {
-    const int64_t vecs = dim / 8;
-    for (int64_t g = 0; g < group; g++) {
-        const float *qg = q + g * dim;
-        float *pg = probs + g * stride, mx = -INFINITY;
-        __m256 qv[MAX_DIM_VECS];
-        for (int64_t v = 0; v < vecs; v++) qv[v] = _mm256_loadu_ps(qg + 8 * v);
-        for (int64_t j = 0; j < n; j++) {
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            int64_t v = 0;
-            for (; v + 1 < vecs; v += 2) {
-                acc0 = _mm256_fmadd_ps(qv[v], load8(k_cache, rows[j] + 8 * v, bf16), acc0);
-                acc1 = _mm256_fmadd_ps(qv[v + 1], load8(k_cache, rows[j] + 8 * v + 8, bf16), acc1);
+#define PV8_CASE(G, C)                                                                        \
+    case (G) * 8 + (C):                                                                       \
+        pv_tile8(G, C, probs + v0 * stride, stride, v_cache, bf16, rows, upto, c0, outs + v0, \
+                 dim, inv + v0);                                                              \
+        break;
+
+/* The sums of 8 vectors as one: lane r of the result is the sum of a[r]'s lanes. */
+static inline __m256 transpose_sum8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Scores of one query vector against 8 keys held as float32 rows in `keys` (CN chunks of 8). */
+static inline __attribute__((always_inline)) __m256 scores8(const int CN, const float *qg,
+                                                            const float *keys) {
+    __m256 acc[8];
+    for (int r = 0; r < 8; r++) {
+        const float *key = keys + r * 8 * CN;
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(key));
+        for (int c = 1; c < CN; c++)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(key + 8 * c), a);
+        acc[r] = a;
+    }
+    return transpose_sum8(acc);
+}
+
+/* One work item on AVX2, for head_dim % 8 == 0: attend_avx512 with 8 lanes. Keys are taken 8
+ * at a time, converted once to float32 in `keys` (L1) and scored against every query vector
+ * of the item (a KV head's query group, at one or more positions of a sequence): each key block
+ * is read once for the group and for a prefill chunk's rows. A vector's arithmetic does not
+ * depend on what else the item holds, so a prefilled token gets its decode's bits. */
+static void attend_avx2(const float *const *qs, float *const *outs, const int64_t *seen,
+                        int64_t nv, const void *k_cache, const void *v_cache, int bf16,
+                        const int64_t *rows, int64_t dim, float scale, float *probs,
+                        int64_t stride, float *keys) {
+    const int64_t chunks = dim / 8;
+    int64_t n = 0;
+    for (int64_t i = 0; i < nv; i++) n = seen[i] > n ? seen[i] : n;
+    float inv[ATTEND_VECTORS];
+    __m256 top[ATTEND_VECTORS];
+    for (int64_t i = 0; i < nv; i++) top[i] = _mm256_set1_ps(-INFINITY);
+    const __m256 vscale = _mm256_set1_ps(scale), lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const int64_t m = n - j0 < 8 ? n - j0 : 8;
+        for (int64_t r = 0; r < 8; r++) {
+            float *dst = keys + r * dim;
+            if (r >= m) {
+                for (int64_t c = 0; c < chunks; c++) _mm256_storeu_ps(dst + 8 * c, _mm256_setzero_ps());
+                continue;
             }
-            if (v < vecs) acc0 = _mm256_fmadd_ps(qv[v], load8(k_cache, rows[j] + 8 * v, bf16), acc0);
-            pg[j] = hsum8(_mm256_add_ps(acc0, acc1)) * scale;
-            mx = pg[j] > mx ? pg[j] : mx;
+            const int64_t j = j0 + r;
+            if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
+            if (j + KV_PREFETCH_FAR < n) {
+                prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
+            } else if (j + KV_PREFETCH_FAR - n < n) {
+                prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
+            }
+            for (int64_t c = 0; c < chunks; c++)
+                _mm256_storeu_ps(dst + 8 * c, load8(k_cache, rows[j] + 8 * c, bf16));
         }
-        const float sum = exp_shifted(pg, pg, n, mx), inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        __m256 ov[MAX_DIM_VECS];
-        for (int64_t v = 0; v < vecs; v++) ov[v] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
-            const __m256 p = _mm256_set1_ps(pg[j]);
-            for (int64_t v = 0; v < vecs; v++)
-                ov[v] = _mm256_fmadd_ps(p, load8(v_cache, rows[j] + 8 * v, bf16), ov[v]);
+        for (int64_t i = 0; i < nv; i++) {
+            if (seen[i] <= j0) continue;
+            const int64_t mi = seen[i] - j0 < 8 ? seen[i] - j0 : 8;
+            const __m256 valid = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)mi), _CMP_LT_OQ);
+            const float *qg = qs[i];
+            __m256 sc;
+            switch (chunks) {
+                case 8: sc = scores8(8, qg, keys); break;
+                case 16: sc = scores8(16, qg, keys); break;
+                case 4: sc = scores8(4, qg, keys); break;
+                case 12: sc = scores8(12, qg, keys); break;
+                default: {
+                    __m256 acc[8];
+                    for (int r = 0; r < 8; r++) {
+                        __m256 a = _mm256_setzero_ps();
+                        for (int64_t c = 0; c < chunks; c++)
+                            a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c),
+                                                _mm256_loadu_ps(keys + r * dim + 8 * c), a);
+                        acc[r] = a;
+                    }
+                    sc = transpose_sum8(acc);
+                }
+            }
+            sc = _mm256_mul_ps(sc, vscale);
+            _mm256_maskstore_ps(probs + i * stride + j0, _mm256_castps_si256(valid), sc);
+            top[i] = _mm256_max_ps(top[i], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, valid));
         }
-        float *og = out + g * dim;
-        const __m256 scale_out = _mm256_set1_ps(inv);
-        for (int64_t v = 0; v < vecs; v++) _mm256_storeu_ps(og + 8 * v, _mm256_mul_ps(ov[v], scale_out));
+    }
+    for (int64_t i = 0; i < nv; i++) {
+        float *pg = probs + i * stride;
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top[i]), _mm256_extractf128_ps(top[i], 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        const float mx = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+        const float sum = exp_shifted(pg, pg, seen[i], mx);
+        for (int64_t j = seen[i]; j < n; j++) pg[j] = 0.0f;
+        inv[i] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+    for (int64_t c0 = 0; c0 < dim; c0 += 16) {
+        const int64_t cn = dim - c0 >= 16 ? 2 : 1;
+        for (int64_t v0 = 0; v0 < nv; v0 += 4) {
+            const int64_t gn = nv - v0 < 4 ? nv - v0 : 4;
+            int64_t upto = 0; /* the values any of these vectors weighs */
+            for (int64_t i = v0; i < v0 + gn; i++) upto = seen[i] > upto ? seen[i] : upto;
+            switch (gn * 8 + cn) {
+                PV8_CASE(1, 1) PV8_CASE(1, 2) PV8_CASE(2, 1) PV8_CASE(2, 2)
+                PV8_CASE(3, 1) PV8_CASE(3, 2) PV8_CASE(4, 1) PV8_CASE(4, 2)
+            }
+        }
     }
 }
 #endif
@@ -492,6 +596,8 @@ int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *toke
     int64_t pieces = 0, widest = 1;
 #if defined(__AVX512F__)
     const int spans = dim % 16 == 0 && window <= 0;
+#elif defined(CPU_AVX2)
+    const int spans = dim % 8 == 0 && window <= 0;
 #else
     const int spans = 0;
 #endif
@@ -534,8 +640,8 @@ int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *toke
                 rows[pos - lo] = ((int64_t)table[pos / block_size] * block_size +
                                   pos % block_size) * kv_heads * dim +
                                  kvh * dim;
-#if defined(__AVX512F__)
-            if (dim % 16 == 0) { /* a piece's rows (one, with a sliding window) */
+#if defined(CPU_AVX2)
+            if (dim % 8 == 0) { /* a piece's rows (one, with a sliding window) */
                 const float *qv[ATTEND_VECTORS];
                 float *ov[ATTEND_VECTORS];
                 int64_t seen[ATTEND_VECTORS], nv = 0;
@@ -545,20 +651,20 @@ int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *toke
                         ov[nv] = out + token_index[s] * out_stride + (kvh * group + g) * dim;
                         seen[nv] = context_lens[s] - lo;
                     }
-                attend_avx512(qv, ov, seen, nv, k_cache, v_cache, cache_bf16, rows, dim, scale,
-                              probs, stride, keys);
+#if defined(__AVX512F__)
+                if (dim % 16 == 0) {
+                    attend_avx512(qv, ov, seen, nv, k_cache, v_cache, cache_bf16, rows, dim,
+                                  scale, probs, stride, keys);
+                    continue;
+                }
+#endif
+                attend_avx2(qv, ov, seen, nv, k_cache, v_cache, cache_bf16, rows, dim, scale,
+                            probs, stride, keys);
                 continue;
             }
 #endif
             const float *qs = q + token_index[s0] * q_stride + kvh * group * dim;
             float *os = out + token_index[s0] * out_stride + kvh * group * dim;
-#if defined(CPU_AVX2)
-            if (dim % 8 == 0 && dim <= 8 * MAX_DIM_VECS) {
-                attend_avx2(qs, k_cache, v_cache, cache_bf16, rows, len - lo, group, dim, scale,
-                            probs, stride, os);
-                continue;
-            }
-#endif
             attend_scalar(qs, k_cache, v_cache, cache_bf16, rows, len - lo, group, dim, scale,
                           probs, stride, os);
         }
