@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import statistics
 import sys
 import time
@@ -258,10 +259,62 @@ def run_model_bench(args: ModelBenchArgs) -> dict[str, Any]:
     baseline = _Baseline()
     # Each CPU kernel level asked for (--cpu-isa) in turn, in this one process; else the one
     # PIPELINE_SERVE_CPU_ISA chooses.
+    kernels: list[dict[str, Any]] = []
     for level, weights in itertools.product(args.cpu_isa or (None,), args.weights):
         with native.using_level(level) if level else contextlib.nullcontext():
-            rows += _weights_rows(args, weights, bandwidth, rng, baseline)
-    return {"bandwidth_gb_s": bandwidth, "device": args.device, "rows": rows}
+            rows += _weights_rows(args, weights, bandwidth, rng, baseline, kernels)
+    return {"bandwidth_gb_s": bandwidth, "device": args.device, "rows": rows, "kernels": kernels}
+
+
+def _each(modules: list[Any], x: torch.Tensor) -> None:
+    for module in modules:
+        module(x)
+
+
+def kernel_rows(
+    model: torch.nn.Module, kernels_name: str, weights: str, gemm_rows: int, repeats: int
+) -> list[dict[str, Any]]:
+    """Each native quantized linear of the model (all layers' instances of one projection, and
+    the LM head) as a GEMV (1 row) and a GEMM (`gemm_rows` rows, a prefill chunk), each against
+    its bound measured here, now: the GEMV's bytes/s against a STREAM-like read of the same
+    packed weights (cold or cache-warm alike), the GEMM's int8 MAC/s against the peak of the
+    build's dot instruction with every operand in registers."""
+    from gpu.quant import NativeQ4Linear, NativeQ8Linear
+
+    if native.load() is None:
+        return []
+    groups: dict[str, list[Any]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (NativeQ4Linear, NativeQ8Linear)):
+            projection = re.sub(r"\.\d+\.", ".*.", name).removesuffix(".quantized")
+            groups.setdefault(projection, []).append(module)
+    peak = native.int8_peak_macs_per_s()
+    rows: list[dict[str, Any]] = []
+    for projection, modules in groups.items():
+        first = modules[0]
+        n, k = first.out_features, first.in_features
+        buffers = [t for m in modules for t in m.buffers() if t is not None]
+        size = sum(t.numel() * t.element_size() for t in buffers)
+        read = native.stream_read_bytes_per_s(buffers)
+        for count in (1, gemm_rows):
+            x = torch.randn(count, k)
+
+            seconds = _median_time(partial(_each, modules, x), repeats)
+            macs = len(modules) * n * k * count
+            gemv = count == 1
+            rows.append(
+                {
+                    "kernels": kernels_name,
+                    "weights": weights,
+                    "kernel": f"{type(first).__name__.removeprefix('Native')} {projection}",
+                    "shape": f"{len(modules)}x[{n}, {k}]",
+                    "rows": count,
+                    "achieved": size / seconds if gemv else macs / seconds,
+                    "bound": read if gemv else peak,
+                    "unit": "B/s" if gemv else "MAC/s",
+                }
+            )
+    return rows
 
 
 @dataclass(slots=True)
@@ -278,8 +331,10 @@ def _weights_rows(
     bandwidth: float,
     rng: np.random.Generator,
     baseline: _Baseline,
+    kernels: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
-    """Prefill, and each batch's decode step (and verification), on one weight format."""
+    """Prefill, and each batch's decode step (and verification), on one weight format; its native
+    kernels against their bounds into `kernels` (CPU)."""
     cuda = torch.device(args.device).type == "cuda"
     max_batch = max(args.batches)
     per_seq = -(-(args.context + 1) // 16) + 1
@@ -372,6 +427,10 @@ def _weights_rows(
         )
         if args.verify_drafts > 0:
             rows.append(_verify_row(args, runner, share, weights, batch, rng))
+    if not cuda and args.tensor_parallel_size == 1:
+        kernels += kernel_rows(
+            runner.model, runner.kernels_name, weights, args.prefill_tokens, max(2, args.steps // 4)
+        )
     close()
     del runner
     if cuda:
@@ -464,4 +523,18 @@ def format_table(report: dict[str, Any]) -> str:
                 "out per sequence per step"
             )
     lines.append(f"\nmemory read bandwidth {report['bandwidth_gb_s']:.1f} GB/s")
+    if report.get("kernels"):
+        lines += [
+            "",
+            "each kernel against its bound, measured in the same run: GEMV (1 row) bytes/s against "
+            "a read of the same packed weights, GEMM int8 MAC/s against the dot instruction's peak",
+            f"{'kernels':<11} {'weights':<7} {'kernel':<44} {'shape':<16} {'rows':>5} {'achieved':>12} {'bound':>12} {'of bound':>8}",
+        ]
+        for r in report["kernels"]:
+            scale, unit = (1e9, "GB/s") if r["unit"] == "B/s" else (1e9, "GMAC/s")
+            share = f"{r['achieved'] / r['bound']:.0%}" if r["bound"] else "-"
+            lines.append(
+                f"{r['kernels']:<11} {r['weights']:<7} {r['kernel']:<44} {r['shape']:<16} {r['rows']:>5} "
+                f"{r['achieved'] / scale:>7.1f} {unit:<4} {r['bound'] / scale:>7.1f} {unit:<4} {share:>8}"
+            )
     return "\n".join(lines)

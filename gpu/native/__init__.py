@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -61,7 +62,10 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
         *(_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int),
         *(_i64, _i64, _i64, _i64, _f32, _i64, _ptr, _i64),
     ),
+    "stream_read": (_ptr, _i64, _i64, _ptr),
+    "int8_peak_macs": (_i64,),
 }
+_RETURNS_DOUBLE = ("stream_read", "int8_peak_macs")
 _RETURNS_STATUS = (
     *("q4_1_matmul", "q8_0_matmul", "q4_1_gemm", "q8_0_gemm", "paged_decode_attention"),
     *("q4_decode_layer", "q4_layer_attn_in", "q4_layer_attn_out", "paged_prefill_attention"),
@@ -151,7 +155,9 @@ def load() -> ctypes.CDLL | None:
         returns_int = (
             name in _RETURNS_STATUS or name.endswith("_available") or name == "attend_vectors"
         )
-        function.restype = ctypes.c_int if returns_int else None
+        function.restype = (
+            ctypes.c_double if name in _RETURNS_DOUBLE else ctypes.c_int if returns_int else None
+        )
     log.info("CPU kernels loaded", isa=level, library=str(path))
     return library
 
@@ -495,6 +501,31 @@ def q4_layer_attn_out(
     )
     if status:
         raise MemoryError("q4_layer_attn_out: no memory for the layer's scratch")
+
+
+def stream_read_bytes_per_s(tensors: list[torch.Tensor], passes: int = 5) -> float:
+    """The rate this build's threads read the tensors' bytes (a decode step's packed weights),
+    best of `passes` passes over all of them, as STREAM's read test: the bound of a GEMV."""
+    buffers = [t for t in tensors if t.is_contiguous() and t.numel() * t.element_size() >= 8]
+    sink = ctypes.c_uint64()
+    total = sum(t.numel() * t.element_size() // 8 * 8 for t in buffers)
+    best = float("inf")
+    for _ in range(passes):
+        start = time.perf_counter()
+        for t in buffers:
+            _lib().stream_read(
+                t.data_ptr(), t.numel() * t.element_size() // 8, 1, ctypes.byref(sink)
+            )
+        best = min(best, time.perf_counter() - start)
+    return total / best if best > 0 else 0.0
+
+
+def int8_peak_macs_per_s(iterations: int = 2_000_000) -> float:
+    """int8 multiply-adds per second of this build's GEMM instruction on all its threads, every
+    operand in registers (vpdpbusd zmm on avx512_vnni, vpmaddubsw ymm below it): the bound of the
+    many-row kernels. 0 in the portable build."""
+    _lib().int8_peak_macs(iterations // 10)  # the clock ramps up
+    return float(_lib().int8_peak_macs(iterations))
 
 
 @cache

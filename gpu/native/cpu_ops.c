@@ -1721,5 +1721,70 @@ int paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, i
     return status;
 }
 
+/* ---------------------------------------------------------------- the kernels' bounds */
+
+/* The bounds `pipeline-bench model` measures the kernels against, on this build's threads. */
+
+/* Bytes per second read from `bytes` of memory (the packed weights a decode step streams), as
+ * STREAM's read: each thread sums a contiguous part in 64-bit words. *sink gets the sum, so that
+ * the reads are not optimized away. */
+double stream_read(const uint64_t *data, int64_t words, int64_t repeats, uint64_t *sink) {
+    uint64_t total = 0;
+    const double start = omp_get_wtime();
+    for (int64_t rep = 0; rep < repeats; rep++) {
+#pragma omp parallel for schedule(static) reduction(^ : total)
+        for (int64_t i = 0; i < words; i++) total ^= data[i];
+    }
+    const double seconds = omp_get_wtime() - start;
+    *sink = total;
+    return seconds > 0.0 ? (double)(words * 8 * repeats) / seconds : 0.0;
+}
+
+/* int8 multiply-adds per second of this build's GEMM instruction with every operand in
+ * registers: 512-bit vpdpbusd (64 a instruction) with AVX-512 VNNI, 256-bit vpmaddubsw (32)
+ * with AVX2, 0 in the portable build (no integer dot instruction to bound it). 12 independent
+ * chains per thread hide the latency; the loop cannot be folded, each result feeding the next. */
+double int8_peak_macs(int64_t iterations) {
+#if defined(GEMM_LAYOUT)
+    double total = 0.0;
+    const double start = omp_get_wtime();
+    int32_t sink = 0;
+#pragma omp parallel reduction(+ : sink)
+    {
+#if defined(Q4_ZMM)
+        __m512i a[12];
+        const __m512i c = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
+        for (int j = 0; j < 12; j++) a[j] = _mm512_set1_epi32(j);
+        for (int64_t i = 0; i < iterations; i++)
+            for (int j = 0; j < 12; j++) a[j] = _mm512_dpbusd_epi32(a[j], c, x);
+        __m512i r = a[0];
+        for (int j = 1; j < 12; j++) r = _mm512_xor_si512(r, a[j]);
+        sink += _mm512_reduce_add_epi32(r);
+#else
+        __m256i a[12];
+        const __m256i x = _mm256_set1_epi8(5);
+        for (int j = 0; j < 12; j++) a[j] = _mm256_set1_epi8((char)j);
+        for (int64_t i = 0; i < iterations; i++)
+            for (int j = 0; j < 12; j++) a[j] = _mm256_maddubs_epi16(a[j], x);
+        __m256i r = a[0];
+        for (int j = 1; j < 12; j++) r = _mm256_xor_si256(r, a[j]);
+        sink += _mm256_extract_epi32(r, 0);
+#endif
+    }
+    const double seconds = omp_get_wtime() - start;
+#if defined(Q4_ZMM)
+    const double per = 64.0;
+#else
+    const double per = 32.0;
+#endif
+    total = (double)omp_get_max_threads() * (double)iterations * 12.0 * per;
+    (void)sink;
+    return seconds > 0.0 ? total / seconds : 0.0;
+#else
+    (void)iterations;
+    return 0.0;
+#endif
+}
+
 /* Query vectors (query heads per KV head) an attention work item holds at most. */
 int attend_vectors(void) { return ATTEND_VECTORS; }

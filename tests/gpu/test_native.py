@@ -283,7 +283,10 @@ def test_the_many_row_kernels_give_the_same_bits_at_every_level():
     avx512_vnni (the same integer dots, the same float steps after them), so a model's tokens do
     not depend on which of a fleet's CPUs served them."""
     generator = torch.Generator().manual_seed(0)
-    w4, x4 = torch.randn(70, 608, generator=generator) * 0.05, torch.randn(9, 608, generator=generator)
+    w4, x4 = (
+        torch.randn(70, 608, generator=generator) * 0.05,
+        torch.randn(9, 608, generator=generator),
+    )
     w8, x8 = torch.randn(300, 160, generator=generator), torch.randn(9, 160, generator=generator)
     outputs = []
     for level in GEMM_LEVELS:

@@ -117,3 +117,14 @@ def test_model_bench_measures_each_cpu_kernel_level_in_one_run(tmp_path, capsys)
     )
     table = capsys.readouterr().out
     assert all(f"decode   {level}" in table for level in levels)
+    # Each level's quantized linears against their bounds: a GEMV's bytes/s against a read of its
+    # weights, a GEMM's int8 MAC/s against the dot instruction's peak (none in the portable build)
+    kernels = json.loads(out.read_text())["kernels"]
+    for level in levels:
+        mine = [r for r in kernels if r["kernels"] == level]
+        assert {r["kernel"] for r in mine} >= {"Q4Linear model.layers.*.mlp.down_proj"}
+        assert {r["rows"] for r in mine} == {1, 16}
+        for r in mine:
+            assert r["achieved"] > 0 and r["unit"] == ("B/s" if r["rows"] == 1 else "MAC/s")
+            assert (r["bound"] > 0) == (r["rows"] == 1 or level != "portable")
+    assert "of bound" in table
