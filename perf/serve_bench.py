@@ -227,6 +227,17 @@ class Client:
         }
         if self.ignore_eos:
             body["ignore_eos"] = True
+        result, unsent = await self._stream(body)
+        if unsent:
+            # A pooled keep-alive connection the server had closed (llama-server closes idle
+            # ones after 5 s, and an interleaved --compare leaves them idle that long) fails as
+            # the request is written: it never reached the server, so it goes again, once, on a
+            # fresh connection.
+            result, _ = await self._stream(body)
+        return result
+
+    async def _stream(self, body: dict[str, Any]) -> tuple[RequestResult, bool]:
+        """The request's result, and whether it failed before it was written whole."""
         start = time.perf_counter()
         result = RequestResult(ok=False, start_s=start)
         last = start
@@ -236,7 +247,7 @@ class Client:
             ) as resp:
                 if resp.status != 200:
                     result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                    return result
+                    return result, False
                 async for raw in resp.content:
                     line = raw.strip()
                     if not line.startswith(b"data:"):
@@ -247,7 +258,7 @@ class Client:
                     chunk = json.loads(data)
                     if "error" in chunk:
                         result.error = str(chunk["error"])[:200]
-                        return result
+                        return result, False
                     now = time.perf_counter()
                     stages = (chunk.get("metrics") or {}).get("stage_time_ms")
                     if stages:
@@ -264,14 +275,15 @@ class Client:
                         last = now
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
-            return result
+            unsent = isinstance(exc, aiohttp.ClientOSError) and "write request body" in str(exc)
+            return result, unsent
         result.e2e_s = time.perf_counter() - start
         if result.output_tokens == 0:
             result.output_tokens = len(result.itl_s) + (1 if result.ttft_s else 0)
         result.ok = result.ttft_s > 0
         if not result.ok:
             result.error = "no content streamed"
-        return result
+        return result, False
 
 
 async def closed_loop(

@@ -575,7 +575,7 @@ static void attend_scalar(const float *q, const void *k_cache, const void *v_cac
  *
  * Rows whose keys are a prefix of the next row's (the same blocks for every position the
  * shorter one sees: the positions of a sequence verifying drafts, each attended as a decode)
- * share an item on AVX-512: their keys are read and converted once for all of them. A run is
+ * share an item from AVX2 up: their keys are read and converted once for all of them. A run is
  * cut into equal pieces so that the items still keep every thread busy. A table_stride of 0
  * gives every row the one table (a prefill chunk's rows). Returns -1 when out of memory. */
 int paged_decode_attention(const float *q, int64_t q_stride, const int64_t *token_index,
@@ -1696,7 +1696,7 @@ int q8_0_gemm(const float *x, int64_t rows, const int8_t *codes, const uint16_t 
  * pos + 1, the chunk's rows sharing one block table), through paged_decode_attention: a
  * token's attention has the same bits whether it was prefilled in any chunk, recomputed after
  * a preemption or a restart, or decoded, at every ISA level, so that a prefix-cache hit or a
- * recovered request writes the greedy text an uninterrupted run writes. On AVX-512 the rows'
+ * recovered request writes the greedy text an uninterrupted run writes. From AVX2 up the rows'
  * shared keys make them one work item per ATTEND_VECTORS query vectors, each key converted
  * once for all of them. Returns -1 when out of memory. */
 int paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, int64_t context,

@@ -6,11 +6,12 @@ import asyncio
 import json
 import threading
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from perf.cli import main
-from perf.serve_bench import RequestResult, Slo, summarize
+from perf.serve_bench import Client, RequestResult, Slo, summarize
 
 TTFT_S, ITL_S, TOKENS = 0.060, 0.020, 6
 ASKED: list[dict] = []  # the chat bodies the fake server got
@@ -212,3 +213,35 @@ def test_grounded_requests_end_at_eos_and_random_ones_run_to_max_tokens(fake_url
     ASKED.clear()
     assert main(["serve", "--url", fake_url, "--num-requests", "8", "--no-ignore-eos"]) == 0
     assert not any(body.get("ignore_eos", False) for body in ASKED)
+
+
+def test_a_request_written_to_a_connection_the_server_closed_goes_again_once(fake_url):
+    """An interleaved --compare leaves pooled keep-alive connections idle past llama-server's 5 s:
+    writing the next request on one fails before the server sees it, and the client sends it
+    again on a fresh connection (once); any other failure counts as the request's error."""
+
+    async def run(failures: list[Exception]) -> tuple[RequestResult, int]:
+        async with aiohttp.ClientSession() as session:
+            real_post, calls = session.post, []
+
+            def post(*args, **kwargs):
+                calls.append(1)
+                if failures:
+                    raise failures.pop(0)
+                return real_post(*args, **kwargs)
+
+            session.post = post  # type: ignore[method-assign]
+            client = Client(session, fake_url, "fake", None, True)
+            result = await client.chat([{"role": "user", "content": "hi"}], TOKENS)
+            return result, len(calls)
+
+    def stale() -> Exception:
+        return aiohttp.ClientOSError(None, f"Can not write request body for {fake_url}")
+
+    result, calls = asyncio.run(run([stale()]))
+    assert result.ok and result.output_tokens == TOKENS and calls == 2
+    result, calls = asyncio.run(run([stale(), stale()]))  # twice: an error, not a loop
+    assert not result.ok and "Can not write request body" in result.error and calls == 2
+    refused = aiohttp.ClientOSError(111, "Connect call failed")
+    result, calls = asyncio.run(run([refused]))
+    assert not result.ok and calls == 1
