@@ -509,7 +509,9 @@ async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str
     """The report ({"runs": [...]}) and, per run, the raw TTFT/ITL samples and stage spans (charts)."""
     samples: dict[str, dict[str, Any]] = {"ttft_ms": {}, "itl_ms": {}, "gantt": {}}
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)
+    # Idle pooled connections are dropped after 3 s, before the servers' own keep-alive
+    # timeouts (llama-server's is 5 s) can close them under a request being written.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
     runs: list[dict[str, Any]] = []
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         clients = []
