@@ -1434,7 +1434,7 @@ static inline __attribute__((always_inline)) void q4_gemm_tile(
 }
 #elif defined(CPU_AVX2)
 #define WEIGHT_PREFETCH 16 /* blocks ahead */
-#define GEMM_ROWS 4 /* rows per tile: 4 accumulators beside a half's 8 code vectors */
+#define GEMM_ROWS 4 /* rows per tile: their 2 x 4 int16 sums and 2 x 4 accumulators */
 
 /* Rows n0 + 8 h .. n0 + 8 h + 7 of out (of those below n_out), from the half's acc. */
 static inline __attribute__((always_inline)) void store_half(float *out, int64_t left,
@@ -1448,55 +1448,55 @@ static inline __attribute__((always_inline)) void store_half(float *out, int64_t
 }
 
 /* The AVX2 form of the tile above: a 256-bit vector holds 8 of the group's 16 channels (bytes
- * [32 h, 32 h + 32) of each 64-byte vector z are channels 8 h .. 8 h + 7), so each half is a
- * pass over the group's blocks (the second from L1/L2). Per block and row, 8 vpmaddubsw (8
- * channels x 4 weights each, codes 0..15 against 4 activation bytes broadcast) are summed in
- * int16 (|sum| <= 8 * 2 * 15 * 127 = 30480: exact) and widened once by vpmaddwd. The integer
- * dot and the float steps after it are those of the VNNI tile: the same bits at every level. */
+ * [32 h, 32 h + 32) of each 64-byte vector z are channels 8 h .. 8 h + 7). Each vector z is
+ * unpacked once for the tile's rows, and each row's 4 activation bytes, broadcast once, feed
+ * both halves. Per block, row and half, 8 vpmaddubsw (8 channels x 4 weights each, codes 0..15
+ * against signed bytes) are summed in int16 (|sum| <= 8 * 2 * 15 * 127 = 30480: exact) and
+ * widened once by vpmaddwd. The integer dot and the float steps after it are those of the VNNI
+ * tile: the same bits at every level. */
 static inline __attribute__((always_inline)) void q4_gemm_tile(
     const int R, const int8_t *xq, const float *xd, const float *xs, int64_t k, int64_t blocks,
     const uint8_t *codes, const uint16_t *d, const uint16_t *m, float *out, int64_t n_out,
     int64_t n0) {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2 && n0 + 8 * h < n_out; h++) {
-        __m256 acc[GEMM_ROWS];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *wb = codes + b * 256 + h * 32;
-            if (h == 0) { /* the first pass brings the group's lines; the second finds them */
-                for (int z = 0; z < 4; z++)
-                    _mm_prefetch((const char *)(wb + WEIGHT_PREFETCH * 256 + z * 64), _MM_HINT_T1);
-                if ((b & 1) == 0) {
-                    _mm_prefetch((const char *)(d + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(m + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
-                }
+    __m256 acc[GEMM_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *wb = codes + b * 256;
+        for (int z = 0; z < 4; z++)
+            _mm_prefetch((const char *)(wb + WEIGHT_PREFETCH * 256 + z * 64), _MM_HINT_T1);
+        if ((b & 1) == 0) {
+            _mm_prefetch((const char *)(d + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
+            _mm_prefetch((const char *)(m + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
+        }
+        __m256i sum[GEMM_ROWS][2];
+        for (int z = 0; z < 4; z++) {
+            const __m256i raw0 = _mm256_loadu_si256((const __m256i *)(wb + z * 64));
+            const __m256i raw1 = _mm256_loadu_si256((const __m256i *)(wb + z * 64 + 32));
+            const __m256i lo0 = _mm256_and_si256(raw0, low), lo1 = _mm256_and_si256(raw1, low);
+            const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low);
+            const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low);
+            for (int r = 0; r < R; r++) {
+                const int32_t *x = (const int32_t *)(xq + r * k + b * QK);
+                const __m256i xl = _mm256_set1_epi32(x[z]), xh = _mm256_set1_epi32(x[z + 4]);
+                const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
+                const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
+                sum[r][0] = z ? _mm256_add_epi16(sum[r][0], p0) : p0;
+                sum[r][1] = z ? _mm256_add_epi16(sum[r][1], p1) : p1;
             }
-            /* One 64-byte vector's two code vectors at a time against every row: the rows'
-             * int16 sums, not 8 unpacked code vectors, are what stays in registers. */
-            __m256i sum[GEMM_ROWS];
-            for (int z = 0; z < 4; z++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + z * 64));
-                const __m256i lo = _mm256_and_si256(raw, low);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                for (int r = 0; r < R; r++) {
-                    const int32_t *x = (const int32_t *)(xq + r * k + b * QK);
-                    const __m256i p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[z])),
-                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[z + 4])));
-                    sum[r] = z ? _mm256_add_epi16(sum[r], p) : p;
-                }
-            }
+        }
+        for (int h = 0; h < 2; h++) {
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16 + h * 8)));
             const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * 16 + h * 8)));
             for (int r = 0; r < R; r++) {
-                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
-                acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * blocks + b])),
-                                         acc[r]);
-                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * blocks + b]), acc[r]);
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][h], ones));
+                acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * blocks + b])), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * blocks + b]), acc[r][h]);
             }
         }
-        for (int r = 0; r < R; r++) store_half(out + r * n_out + n0 + 8 * h, n_out - n0 - 8 * h, acc[r]);
     }
+    for (int h = 0; h < 2 && n0 + 8 * h < n_out; h++)
+        for (int r = 0; r < R; r++) store_half(out + r * n_out + n0 + 8 * h, n_out - n0 - 8 * h, acc[r][h]);
 }
 #endif
 
@@ -1603,51 +1603,43 @@ static inline __attribute__((always_inline)) void q8_gemm_tile(
 #elif defined(CPU_AVX2)
 /* The AVX2 form, in halves as q4_gemm_tile's. vpmaddubsw wants one unsigned operand: the
  * weights' magnitudes, against the activations with the weights' signs (vpsignb), as llama.cpp
- * does; pairs reach 2 * 128 * 127, so each is widened at once. That dot is exactly the VNNI
- * tile's (which subtracts corr), so the bits are the same; corr is unused here. */
+ * does; pairs reach 2 * 128 * 127, so each is widened at once and summed in int32. That dot is
+ * exactly the VNNI tile's (which subtracts corr), so the bits are the same; corr is unused. */
 static inline __attribute__((always_inline)) void q8_gemm_tile(
     const int R, const int8_t *xq, const float *xd, int64_t k, int64_t blocks,
     const int8_t *codes, const uint16_t *d, const int32_t *corr, float *out, int64_t n_out,
     int64_t n0) {
     (void)corr;
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2 && n0 + 8 * h < n_out; h++) {
-        __m256 acc[GEMM_ROWS];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b++) {
-            const int8_t *wb = codes + b * 512 + h * 32;
-            if (h == 0) {
-                for (int z = 0; z < 8; z++)
-                    _mm_prefetch((const char *)(wb + WEIGHT_PREFETCH * 512 + z * 64), _MM_HINT_T1);
-                if ((b & 1) == 0)
-                    _mm_prefetch((const char *)(d + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
-            }
-            __m256i w[8], a[8];
-            for (int z = 0; z < 8; z++) {
-                w[z] = _mm256_loadu_si256((const __m256i *)(wb + z * 64));
-                a[z] = _mm256_abs_epi8(w[z]);
-            }
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16 + h * 8)));
+    __m256 acc[GEMM_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *wb = codes + b * 512;
+        for (int z = 0; z < 8; z++)
+            _mm_prefetch((const char *)(wb + WEIGHT_PREFETCH * 512 + z * 64), _MM_HINT_T1);
+        if ((b & 1) == 0) _mm_prefetch((const char *)(d + (b + WEIGHT_PREFETCH) * 16), _MM_HINT_T1);
+        __m256i sum[GEMM_ROWS][2];
+        for (int z = 0; z < 8; z++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + z * 64));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + z * 64 + 32));
+            const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
             for (int r = 0; r < R; r++) {
-                const int32_t *x = (const int32_t *)(xq + r * k + b * QK);
-                __m256i p[4];
-                for (int j = 0; j < 4; j++)
-                    p[j] = _mm256_add_epi32(
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                              a[2 * j], _mm256_sign_epi8(_mm256_set1_epi32(x[2 * j]), w[2 * j])),
-                                          ones),
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(
-                                              a[2 * j + 1],
-                                              _mm256_sign_epi8(_mm256_set1_epi32(x[2 * j + 1]), w[2 * j + 1])),
-                                          ones));
-                const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]),
-                                                     _mm256_add_epi32(p[2], p[3]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                         _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * blocks + b])), acc[r]);
+                const __m256i xb = _mm256_set1_epi32(((const int32_t *)(xq + r * k + b * QK))[z]);
+                const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones);
+                const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones);
+                sum[r][0] = z ? _mm256_add_epi32(sum[r][0], p0) : p0;
+                sum[r][1] = z ? _mm256_add_epi32(sum[r][1], p1) : p1;
             }
         }
-        for (int r = 0; r < R; r++) store_half(out + r * n_out + n0 + 8 * h, n_out - n0 - 8 * h, acc[r]);
+        for (int h = 0; h < 2; h++) {
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16 + h * 8)));
+            for (int r = 0; r < R; r++)
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]),
+                                            _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * blocks + b])), acc[r][h]);
+        }
     }
+    for (int h = 0; h < 2 && n0 + 8 * h < n_out; h++)
+        for (int r = 0; r < R; r++) store_half(out + r * n_out + n0 + 8 * h, n_out - n0 - 8 * h, acc[r][h]);
 }
 #endif
 
