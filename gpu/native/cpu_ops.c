@@ -1433,7 +1433,7 @@ static inline __attribute__((always_inline)) void q4_gemm_tile(
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + r * n_out + n0, mask, acc[r]);
 }
 #elif defined(CPU_AVX2)
-#define WEIGHT_PREFETCH 16 /* blocks ahead */
+#define WEIGHT_PREFETCH 32 /* blocks ahead: 8 KB, 1.15x over 16 for a GEMV of 47 MB here */
 #define GEMM_ROWS 4 /* rows per tile: their 2 x 4 int16 sums and 2 x 4 accumulators */
 
 /* Rows n0 + 8 h .. n0 + 8 h + 7 of out (of those below n_out), from the half's acc. */
