@@ -11,20 +11,27 @@ import os
 import platform
 
 ISA_ENV = "PIPELINE_SERVE_CPU_ISA"
-LEVELS = ("portable", "avx2", "avx512", "avx512_vnni")  # lowest first: cpu_ops.c's branches
+# Lowest first (cpu_ops.c's branches); `auto` takes the last one the CPU runs. avx2_vnni is
+# AVX2 with AVX-VNNI's 256-bit vpdpbusd (Alder Lake and later Intel cores, Zen 5): not a step
+# below avx512, which Zen 4 runs without it.
+LEVELS = ("portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni")
 # Each level's target (x86-64-v3 is AVX2 + FMA + F16C, v4 adds AVX-512 F/BW/CD/DQ/VL), tuned
-# for this CPU, and the /proc/cpuinfo flags it needs beyond the level below it.
+# for this CPU, and every /proc/cpuinfo flag it needs.
 _X86_TARGETS = {
     "portable": ("-march=x86-64",),
     "avx2": ("-march=x86-64-v3",),
+    "avx2_vnni": ("-march=x86-64-v3", "-mavxvnni"),
     "avx512": ("-march=x86-64-v4",),
     "avx512_vnni": ("-march=x86-64-v4", "-mavx512vnni"),
 }
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 _X86_FEATURES = {
     "portable": (),
-    "avx2": ("avx2", "fma", "f16c"),
-    "avx512": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
-    "avx512_vnni": ("avx512_vnni",),
+    "avx2": _AVX2,
+    "avx2_vnni": (*_AVX2, "avx_vnni"),
+    "avx512": _AVX512,
+    "avx512_vnni": (*_AVX512, "avx512_vnni"),
 }
 
 
@@ -46,12 +53,9 @@ def host_levels() -> tuple[str, ...]:
     if not is_x86():
         return ("portable",)
     flags = {flag for line in cpuinfo_lines() if line.startswith("flags") for flag in line.split()}
-    levels = ["portable"]
-    for level in LEVELS[1:]:
-        if not all(feature in flags for feature in _X86_FEATURES[level]):
-            break
-        levels.append(level)
-    return tuple(levels)
+    return tuple(
+        level for level in LEVELS if all(feature in flags for feature in _X86_FEATURES[level])
+    )
 
 
 def chosen_level() -> str:

@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-isa",
         metavar="LEVELS",
         help="CPU kernel levels to measure in turn in one run, e.g. avx2,avx512_vnni (of "
-        "portable, avx2, avx512, avx512_vnni: those this CPU runs); default: PIPELINE_SERVE_CPU_ISA",
+        "portable, avx2, avx2_vnni, avx512, avx512_vnni: those this CPU runs); default: "
+        "PIPELINE_SERVE_CPU_ISA",
     )
     model.add_argument("--json", dest="json_path")
 

@@ -733,11 +733,20 @@ void quantize_rows_q8(const float *x, int8_t *xq, float *xd, float *xs, int64_t 
     }
 }
 
+/* 256-bit vpdpbusd (4 unsigned x signed byte products summed into each int32 lane): AVX-VNNI's
+ * VEX form (the avx2_vnni level: Alder Lake and later, Zen 5), or AVX-512 VNNI's VL form, the
+ * same instruction. */
+#if defined(CPU_AVX2) && defined(__AVXVNNI__)
+#define DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#elif defined(CPU_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#endif
+
 /* sum over the 32 lanes of (unsigned codes u) * (signed x) as int32, one block. */
 #if defined(CPU_AVX2)
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#if defined(DPBUSD256)
+    return DPBUSD256(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
@@ -1447,7 +1456,8 @@ static inline __attribute__((always_inline)) void store_half(float *out, int64_t
     }
 }
 
-/* The AVX2 form of the tile above: a 256-bit vector holds 8 of the group's 16 channels (bytes
+/* The AVX2 form of the tile above (with 256-bit VNNI, DPBUSD256, one vpdpbusd per 4 weights
+ * instead of the maddubs sums): a 256-bit vector holds 8 of the group's 16 channels (bytes
  * [32 h, 32 h + 32) of each 64-byte vector z are channels 8 h .. 8 h + 7). Each vector z is
  * unpacked once for the tile's rows, and each row's 4 activation bytes, broadcast once, feed
  * both halves. Per block, row and half, 8 vpmaddubsw (8 channels x 4 weights each, codes 0..15
@@ -1459,6 +1469,7 @@ static inline __attribute__((always_inline)) void q4_gemm_tile(
     const uint8_t *codes, const uint16_t *d, const uint16_t *m, float *out, int64_t n_out,
     int64_t n0) {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    (void)ones;
     __m256 acc[GEMM_ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -1479,17 +1490,27 @@ static inline __attribute__((always_inline)) void q4_gemm_tile(
             for (int r = 0; r < R; r++) {
                 const int32_t *x = (const int32_t *)(xq + r * k + b * QK);
                 const __m256i xl = _mm256_set1_epi32(x[z]), xh = _mm256_set1_epi32(x[z + 4]);
+#if defined(DPBUSD256) /* int32 sums: the dot itself */
+                const __m256i zero = _mm256_setzero_si256();
+                sum[r][0] = DPBUSD256(DPBUSD256(z ? sum[r][0] : zero, lo0, xl), hi0, xh);
+                sum[r][1] = DPBUSD256(DPBUSD256(z ? sum[r][1] : zero, lo1, xl), hi1, xh);
+#else
                 const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh));
                 const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh));
                 sum[r][0] = z ? _mm256_add_epi16(sum[r][0], p0) : p0;
                 sum[r][1] = z ? _mm256_add_epi16(sum[r][1], p1) : p1;
+#endif
             }
         }
         for (int h = 0; h < 2; h++) {
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16 + h * 8)));
             const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b * 16 + h * 8)));
             for (int r = 0; r < R; r++) {
+#if defined(DPBUSD256)
+                const __m256 dot = _mm256_cvtepi32_ps(sum[r][h]);
+#else
                 const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][h], ones));
+#endif
                 acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * blocks + b])), acc[r][h]);
                 acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * blocks + b]), acc[r][h]);
             }
@@ -1604,13 +1625,14 @@ static inline __attribute__((always_inline)) void q8_gemm_tile(
 /* The AVX2 form, in halves as q4_gemm_tile's. vpmaddubsw wants one unsigned operand: the
  * weights' magnitudes, against the activations with the weights' signs (vpsignb), as llama.cpp
  * does; pairs reach 2 * 128 * 127, so each is widened at once and summed in int32. That dot is
- * exactly the VNNI tile's (which subtracts corr), so the bits are the same; corr is unused. */
+ * exactly the VNNI tile's (which subtracts corr), so the bits are the same. With 256-bit VNNI
+ * (DPBUSD256) the tile does what the 512-bit one does, in halves. */
 static inline __attribute__((always_inline)) void q8_gemm_tile(
     const int R, const int8_t *xq, const float *xd, int64_t k, int64_t blocks,
     const int8_t *codes, const uint16_t *d, const int32_t *corr, float *out, int64_t n_out,
     int64_t n0) {
-    (void)corr;
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    (void)ones, (void)flip, (void)corr;
     __m256 acc[GEMM_ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -1622,15 +1644,29 @@ static inline __attribute__((always_inline)) void q8_gemm_tile(
         for (int z = 0; z < 8; z++) {
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + z * 64));
             const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + z * 64 + 32));
+#if !defined(DPBUSD256)
             const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+#endif
             for (int r = 0; r < R; r++) {
                 const __m256i xb = _mm256_set1_epi32(((const int32_t *)(xq + r * k + b * QK))[z]);
+#if defined(DPBUSD256) /* the VNNI tile's way: x + 128 unsigned, corr taken off below */
+                const __m256i xu = _mm256_xor_si256(xb, flip), zero = _mm256_setzero_si256();
+                sum[r][0] = DPBUSD256(z ? sum[r][0] : zero, xu, w0);
+                sum[r][1] = DPBUSD256(z ? sum[r][1] : zero, xu, w1);
+#else
                 const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones);
                 const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones);
                 sum[r][0] = z ? _mm256_add_epi32(sum[r][0], p0) : p0;
                 sum[r][1] = z ? _mm256_add_epi32(sum[r][1], p1) : p1;
+#endif
             }
         }
+#if defined(DPBUSD256)
+        for (int h = 0; h < 2; h++) {
+            const __m256i cv = _mm256_loadu_si256((const __m256i *)(corr + b * 16 + h * 8));
+            for (int r = 0; r < R; r++) sum[r][h] = _mm256_sub_epi32(sum[r][h], cv);
+        }
+#endif
         for (int h = 0; h < 2; h++) {
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b * 16 + h * 8)));
             for (int r = 0; r < R; r++)

@@ -3,6 +3,7 @@ this host runs (the `cpu_isa` fixture)."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import subprocess
 import sys
@@ -297,6 +298,43 @@ def test_the_many_row_kernels_give_the_same_bits_at_every_level():
     for level, q4_out, q8_out in outputs[1:]:
         assert torch.equal(q4_out, q4_first), f"Q4_1 at {level} differs from {first}"
         assert torch.equal(q8_out, q8_first), f"Q8_0 at {level} differs from {first}"
+
+
+@pytest.mark.skipif(
+    not {"avx2", "avx512_vnni"} <= set(NATIVE_LEVELS), reason="needs AVX-512 VNNI to stand in"
+)
+def test_the_256_bit_vnni_tiles_give_the_avx2_bits(tmp_path):
+    """The avx2_vnni level's tiles (vpdpbusd on 256-bit vectors) in AVX-512 VNNI's VL encoding,
+    the same instruction: a build with it and without AVX-512 BW (so without the 512-bit tiles)
+    runs them on this host, and they give the avx2 level's outputs to the bit."""
+    library = tmp_path / "vnni256.so"
+    flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-march=x86-64-v3", "-mavx512vnni"]
+    subprocess.run(
+        ["gcc", *flags, "-mavx512vl", "-o", str(library), str(native.SOURCE), "-lm"], check=True
+    )
+    vnni256 = ctypes.CDLL(str(library))
+    for name in ("q4_1_gemm", "q8_0_gemm"):
+        getattr(vnni256, name).argtypes = native._SIGNATURES[name]
+        getattr(vnni256, name).restype = ctypes.c_int
+    generator = torch.Generator().manual_seed(1)
+    w4, x4 = (
+        torch.randn(70, 608, generator=generator) * 0.05,
+        torch.randn(9, 608, generator=generator),
+    )
+    w8, x8 = torch.randn(300, 160, generator=generator), torch.randn(9, 160, generator=generator)
+    with native.using_level("avx2"):
+        q4, q8 = NativeQ4Linear.from_float(w4, True), NativeQ8Linear.from_float(w8, True)
+        expected4, expected8 = q4(x4), q8(x8)
+    got4, got8 = torch.empty_like(expected4), torch.empty_like(expected8)
+    assert not vnni256.q4_1_gemm(
+        x4.data_ptr(), 9, q4.codes.data_ptr(), q4.scales.data_ptr(), q4.minimums.data_ptr(),
+        70, 608, got4.data_ptr(),
+    )  # fmt: skip
+    assert not vnni256.q8_0_gemm(
+        x8.data_ptr(), 9, q8.codes.data_ptr(), q8.scales.data_ptr(), q8.corrections.data_ptr(),
+        300, 160, got8.data_ptr(),
+    )  # fmt: skip
+    assert torch.equal(got4, expected4) and torch.equal(got8, expected8)
 
 
 def test_kernel_choice():

@@ -82,8 +82,21 @@ def test_host_levels_follow_the_cpu_flags(monkeypatch):
             "avx2",
             "avx512",
         ),  # Skylake-SP
-        "avx2 fma f16c avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni": cpu_isa.LEVELS,
-        "avx2 fma f16c avx512f avx512_vnni avx_vnni": ("portable", "avx2"),  # no BW/VL: not v4
+        "avx2 fma f16c avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni avx_vnni": (
+            cpu_isa.LEVELS  # Sapphire Rapids: every level
+        ),
+        "avx2 fma f16c avx512f avx512_vnni avx_vnni": (  # no BW/VL: not v4
+            "portable",
+            "avx2",
+            "avx2_vnni",
+        ),
+        "avx2 fma f16c avx_vnni": ("portable", "avx2", "avx2_vnni"),  # Alder Lake
+        "avx2 fma f16c avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni avx512_bf16": (
+            "portable",
+            "avx2",
+            "avx512",
+            "avx512_vnni",
+        ),  # Zen 4: AVX-512 VNNI without AVX-VNNI
     }
     monkeypatch.setattr(cpu_isa, "is_x86", lambda: True)
     for flags, levels in cpus.items():
