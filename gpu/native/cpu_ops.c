@@ -229,6 +229,18 @@ static inline void prefetch_row_l2(const void *cache, int64_t index, int64_t dim
         _mm_prefetch(row + off, _MM_HINT_T1);
 }
 
+/* While key j of n is converted: key rows a few positions ahead into L1 (the walk through the
+ * block table hides the pattern from the hardware) and further ahead into L2; as the keys end,
+ * the first value rows. */
+static inline void prefetch_ahead_of_key(const void *k_cache, const void *v_cache, int bf16,
+                                         const int64_t *rows, int64_t j, int64_t n, int64_t dim) {
+    if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
+    if (j + KV_PREFETCH_FAR < n)
+        prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
+    else if (j + KV_PREFETCH_FAR - n < n)
+        prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
+}
+
 #endif
 
 #if defined(__AVX512F__)
@@ -331,14 +343,7 @@ static void attend_avx512(const float *const *qs, float *const *outs, const int6
                 continue;
             }
             const int64_t j = j0 + r;
-            /* key rows a few positions ahead: the walk through the block table hides the pattern */
-            if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
-            if (j + KV_PREFETCH_FAR < n) {
-                prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
-            } else if (j + KV_PREFETCH_FAR - n < n) {
-                /* the keys are ending: bring in the first values */
-                prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
-            }
+            prefetch_ahead_of_key(k_cache, v_cache, bf16, rows, j, n, dim);
             for (int64_t c = 0; c < chunks; c++)
                 _mm512_storeu_ps(dst + 16 * c, load16(k_cache, rows[j] + 16 * c, bf16));
         }
@@ -481,12 +486,7 @@ static void attend_avx2(const float *const *qs, float *const *outs, const int64_
                 continue;
             }
             const int64_t j = j0 + r;
-            if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
-            if (j + KV_PREFETCH_FAR < n) {
-                prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
-            } else if (j + KV_PREFETCH_FAR - n < n) {
-                prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
-            }
+            prefetch_ahead_of_key(k_cache, v_cache, bf16, rows, j, n, dim);
             for (int64_t c = 0; c < chunks; c++)
                 _mm256_storeu_ps(dst + 8 * c, load8(k_cache, rows[j] + 8 * c, bf16));
         }
