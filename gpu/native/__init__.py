@@ -342,11 +342,16 @@ def _matmul(
     weight_k: int,  # the K the weights were packed for
     n_out: int,
     *weights: tuple[torch.Tensor, torch.dtype],  # the kernel's weight arrays, in its order
+    out: torch.Tensor | None = None,  # [M, N] float32 contiguous; None: a new one
 ) -> torch.Tensor:  # [M, N] float32 = x @ W.T, x quantized per 32 to int8 on the way
     rows, k = x.shape
     if weight_k != k or k % 32:
         raise ValueError(f"{name}: x {tuple(x.shape)} does not fit weights of {weight_k} inputs")
-    out = torch.empty(rows, n_out, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(rows, n_out, dtype=torch.float32)
+    elif out.shape != (rows, n_out):
+        raise ValueError(f"{name}: out {tuple(out.shape)} is not [{rows}, {n_out}]")
+    _check(out, torch.float32, "out")
     arrays = [_check(t, dtype, name) for t, dtype in weights]
     status = getattr(_lib(), name)(
         _check(x, torch.float32, "x"), rows, *arrays, n_out, k, out.data_ptr()
@@ -565,6 +570,7 @@ def q4_1_gemm(
     d: torch.Tensor,
     m: torch.Tensor,  # from q4_1_gemm_pack
     n_out: int,
+    out: torch.Tensor | None = None,  # [M, N] float32 to write into; None: a new one
 ) -> torch.Tensor:  # [M, N] float32
     return _matmul(
         "q4_1_gemm",
@@ -574,6 +580,7 @@ def q4_1_gemm(
         (codes, torch.uint8),
         (d, torch.float16),
         (m, torch.float16),
+        out=out,
     )
 
 
@@ -605,6 +612,7 @@ def q8_0_gemm(
     d: torch.Tensor,
     corr: torch.Tensor,  # from q8_0_gemm_pack
     n_out: int,
+    out: torch.Tensor | None = None,  # [M, N] float32 to write into; None: a new one
 ) -> torch.Tensor:  # [M, N] float32
     return _matmul(
         "q8_0_gemm",
@@ -614,6 +622,7 @@ def q8_0_gemm(
         (codes, torch.int8),
         (d, torch.float16),
         (corr, torch.int32),
+        out=out,
     )
 
 
