@@ -62,10 +62,10 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
         *(_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int),
         *(_i64, _i64, _i64, _i64, _f32, _i64, _ptr, _i64),
     ),
-    "stream_read": (_ptr, _i64, _i64, _ptr),
+    "stream_read": (_ptr, _i64),
     "int8_peak_macs": (_i64,),
 }
-_RETURNS_DOUBLE = ("stream_read", "int8_peak_macs")
+_RETURNS = {"stream_read": ctypes.c_uint64, "int8_peak_macs": ctypes.c_double}
 _RETURNS_STATUS = (
     *("q4_1_matmul", "q8_0_matmul", "q4_1_gemm", "q8_0_gemm", "paged_decode_attention"),
     *("q4_decode_layer", "q4_layer_attn_in", "q4_layer_attn_out", "paged_prefill_attention"),
@@ -155,9 +155,7 @@ def load() -> ctypes.CDLL | None:
         returns_int = (
             name in _RETURNS_STATUS or name.endswith("_available") or name == "attend_vectors"
         )
-        function.restype = (
-            ctypes.c_double if name in _RETURNS_DOUBLE else ctypes.c_int if returns_int else None
-        )
+        function.restype = _RETURNS.get(name, ctypes.c_int if returns_int else None)
     log.info("CPU kernels loaded", isa=level, library=str(path))
     return library
 
@@ -512,15 +510,12 @@ def stream_read_bytes_per_s(tensors: list[torch.Tensor], passes: int = 5) -> flo
     """The rate this build's threads read the tensors' bytes (a decode step's packed weights),
     best of `passes` passes over all of them, as STREAM's read test: the bound of a GEMV."""
     buffers = [t for t in tensors if t.is_contiguous() and t.numel() * t.element_size() >= 8]
-    sink = ctypes.c_uint64()
     total = sum(t.numel() * t.element_size() // 8 * 8 for t in buffers)
     best = float("inf")
     for _ in range(passes):
         start = time.perf_counter()
         for t in buffers:
-            _lib().stream_read(
-                t.data_ptr(), t.numel() * t.element_size() // 8, 1, ctypes.byref(sink)
-            )
+            _lib().stream_read(t.data_ptr(), t.numel() * t.element_size() // 8)
         best = min(best, time.perf_counter() - start)
     return total / best if best > 0 else 0.0
 

@@ -1753,35 +1753,29 @@ int paged_prefill_attention(const float *q, int64_t q_stride, int64_t queries, i
 
 /* The bounds `pipeline-bench model` measures the kernels against, on this build's threads. */
 
-/* Bytes per second read from `words` 64-bit words of memory (the packed weights a decode step
- * streams), as STREAM's read: each thread XORs a contiguous part into four chains, prefetching
- * 8 KB ahead into L2 as the GEMM tiles do (without it a read of cache-resident weights is slower
- * than the kernels reading them). *sink gets the result, so that the reads are not optimized
- * away. */
-double stream_read(const uint64_t *data, int64_t words, int64_t repeats, uint64_t *sink) {
+/* A read of `words` 64-bit words (the packed weights a decode step streams), as STREAM's read
+ * test: each thread XORs a contiguous part into four chains, prefetching 8 KB ahead into L2 as
+ * the GEMM tiles do (without it a read of cache-resident weights is slower than the kernels
+ * reading them). Returns the XOR, so that the reads are not optimized away; the caller times it. */
+uint64_t stream_read(const uint64_t *data, int64_t words) {
     uint64_t total = 0;
-    const double start = omp_get_wtime();
-    for (int64_t rep = 0; rep < repeats; rep++) {
 #pragma omp parallel reduction(^ : total)
-        {
-            const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-            const int64_t lo = words * t / n, hi = words * (t + 1) / n;
-            uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-            int64_t i = lo;
-            for (; i + 8 <= hi; i += 8) { /* one 64-byte line */
-                __builtin_prefetch(data + i + 1024, 0, 2);
-                a0 ^= data[i] ^ data[i + 4];
-                a1 ^= data[i + 1] ^ data[i + 5];
-                a2 ^= data[i + 2] ^ data[i + 6];
-                a3 ^= data[i + 3] ^ data[i + 7];
-            }
-            for (; i < hi; i++) a0 ^= data[i];
-            total ^= a0 ^ a1 ^ a2 ^ a3;
+    {
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int64_t lo = words * t / n, hi = words * (t + 1) / n;
+        uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+        int64_t i = lo;
+        for (; i + 8 <= hi; i += 8) { /* one 64-byte line */
+            __builtin_prefetch(data + i + 1024, 0, 2);
+            a0 ^= data[i] ^ data[i + 4];
+            a1 ^= data[i + 1] ^ data[i + 5];
+            a2 ^= data[i + 2] ^ data[i + 6];
+            a3 ^= data[i + 3] ^ data[i + 7];
         }
+        for (; i < hi; i++) a0 ^= data[i];
+        total ^= a0 ^ a1 ^ a2 ^ a3;
     }
-    const double seconds = omp_get_wtime() - start;
-    *sink = total;
-    return seconds > 0.0 ? (double)(words * 8 * repeats) / seconds : 0.0;
+    return total;
 }
 
 /* int8 multiply-adds per second of this build's GEMM instruction with every operand in
@@ -1790,7 +1784,6 @@ double stream_read(const uint64_t *data, int64_t words, int64_t repeats, uint64_
  * chains per thread hide the latency; the loop cannot be folded, each result feeding the next. */
 double int8_peak_macs(int64_t iterations) {
 #if defined(GEMM_LAYOUT)
-    double total = 0.0;
     const double start = omp_get_wtime();
     int32_t sink = 0;
 #pragma omp parallel reduction(+ : sink)
@@ -1821,7 +1814,7 @@ double int8_peak_macs(int64_t iterations) {
 #else
     const double per = 32.0;
 #endif
-    total = (double)omp_get_max_threads() * (double)iterations * 12.0 * per;
+    const double total = (double)omp_get_max_threads() * (double)iterations * 12.0 * per;
     (void)sink;
     return seconds > 0.0 ? total / seconds : 0.0;
 #else
