@@ -1,6 +1,6 @@
 """/v1/chat/completions responses: one `chat.completion`, or `chat.completion.chunk`s as vLLM
-streams them (role chunk, the `echo` chunk, content chunks, finish chunk, optional usage chunk,
-[DONE]; no chunk carries `system_fingerprint`, as none of vLLM's does).
+streams them (role chunk, the `echo` chunk, content chunks, the last of them with the finish,
+optional usage chunk, [DONE]; no chunk carries `system_fingerprint`, as none of vLLM's does).
 
 Per-request `metrics` (of a request with one choice) ride on the non-streaming response; when
 streaming, on the usage chunk if `stream_options.include_usage` asked for one, otherwise on the
@@ -199,26 +199,32 @@ def stream_chat(
                 taken = calls.take(output.tool_calls)
                 if taken:
                     delta["tool_calls"] = [_tool_call_piece(piece) for piece in taken]
+            pieces: list[dict[str, Any]] = []
             if delta or output.logprobs:
                 logprobs = (
                     chat_logprobs(output.logprobs, top_n, as_ids, with_sampled)
                     if output.logprobs
                     else None
                 )
-                piece = ids.take(_choice(index, delta, logprobs))
-                yield sse(_chunk(ctx, [piece], usage_now()))
-            if output.finish_reason is not None:
-                forced, held = calls.release() if named is None else ([], "")
-                if forced:
-                    delta = {"tool_calls": [_tool_call_piece(piece) for piece in forced]}
-                    yield sse(_chunk(ctx, [ids.take(_choice(index, delta))], usage_now()))
-                elif held:
-                    piece = ids.take(_choice(index, {"content": held}))
+                pieces.append(ids.take(_choice(index, delta, logprobs)))
+            if output.finish_reason is None:
+                for piece in pieces:
                     yield sse(_chunk(ctx, [piece], usage_now()))
-                reason = calls.finish_reason(output.finish_reason)
-                finish_choice = ids.take(_choice(index, {}, None, reason, output.stop_reason))
-                finish = _chunk(ctx, [finish_choice], usage_now())
-                yield finish_event(finish, ctx, tracker, include_usage)
+                continue
+            forced, held = calls.release() if named is None else ([], "")
+            if forced:
+                delta = {"tool_calls": [_tool_call_piece(piece) for piece in forced]}
+                pieces.append(ids.take(_choice(index, delta)))
+            elif held:
+                pieces.append(ids.take(_choice(index, {"content": held})))
+            # As vLLM streams it: the last piece carries the finish (an empty delta when the
+            # last token brought no text), so no chunk repeats the usage of the one before.
+            last = pieces.pop() if pieces else ids.take(_choice(index, {}))
+            last["finish_reason"] = calls.finish_reason(output.finish_reason)
+            last["stop_reason"] = output.stop_reason
+            for piece in pieces:
+                yield sse(_chunk(ctx, [piece], usage_now()))
+            yield finish_event(_chunk(ctx, [last], usage_now()), ctx, tracker, include_usage)
 
     return sse_stream(choices, events, usage if include_usage else None, ctx.request_id)
 
@@ -266,8 +272,8 @@ async def _collect_choice(
         "finish_reason": calls.finish_reason(tracker.finish_reason),
         "stop_reason": tracker.stop_reason,
     }
-    if request.return_token_ids:
-        body["token_ids"] = token_ids
+    # vLLM's keys are there, null, when not asked for (clients read them as attributes)
+    body["token_ids"] = token_ids if request.return_token_ids else None
     return body
 
 
@@ -284,10 +290,12 @@ async def collect_chat(
         "choices": bodies,
         "usage": total_usage(choices, ctx),
     }
-    if request.prompt_logprobs is not None:
-        response["prompt_logprobs"] = prompt_logprobs_body(
-            choices[0].first.prompt_logprobs or (), request.prompt_logprobs
-        )
+    response["prompt_logprobs"] = (
+        None
+        if request.prompt_logprobs is None
+        else prompt_logprobs_body(choices[0].first.prompt_logprobs or (), request.prompt_logprobs)
+    )
+    response["prompt_token_ids"] = response["prompt_text"] = None
     if ctx.include_request_metrics:
         response["metrics"] = choices[0].tracker.metrics_body()
     return _with_prompt(response, ctx, request, choices[0].first)

@@ -1,5 +1,5 @@
 """/v1/completions responses: one `text_completion`, or `text_completion` chunks (text chunks,
-finish chunk, optional usage chunk, [DONE]; without `system_fingerprint`, as vLLM streams them);
+the last of them with the finish, optional usage chunk, [DONE]; without `system_fingerprint`, as vLLM streams them);
 `echo` puts the prompt first. Per-request `metrics` are placed as in chat.py."""
 
 from __future__ import annotations
@@ -136,16 +136,19 @@ def stream_completion(
             )
         async for output in choice.chain():
             ids.add(output.token_ids)
-            if output.text or output.logprobs:
-                entries = logprobs.entries(output.logprobs or ()) if logprobs is not None else None
+            entries = None
+            if logprobs is not None and output.logprobs:
+                entries = logprobs.entries(output.logprobs)
+            # As vLLM streams it, the last token's text and the finish travel in one chunk.
+            if output.finish_reason is not None:
+                piece = ids.take(
+                    _choice(index, output.text, entries, output.finish_reason, output.stop_reason)
+                )
+                finish = _body(ctx, [piece], usage_now())
+                yield finish_event(finish, ctx, tracker, include_usage)
+            elif output.text or output.logprobs:
                 piece = ids.take(_choice(index, output.text, entries))
                 yield sse(_body(ctx, [piece], usage_now()))
-            if output.finish_reason is not None:
-                finish_choice = ids.take(
-                    _choice(index, "", None, output.finish_reason, output.stop_reason)
-                )
-                finish = _body(ctx, [finish_choice], usage_now())
-                yield finish_event(finish, ctx, tracker, include_usage)
 
     return sse_stream(choices, events, usage if include_usage else None, ctx.request_id)
 
@@ -175,13 +178,16 @@ async def _collect_choice(
     body = _choice(
         choice.index, "".join(texts), logprobs, tracker.finish_reason, tracker.stop_reason
     )
+    # vLLM's keys are there, null, when not asked for (clients read them as attributes)
+    body["prompt_token_ids"] = body["token_ids"] = None
     if request.return_token_ids:
         body["prompt_token_ids"] = list(choice.first.prompt_token_ids or ())
         body["token_ids"] = token_ids
-    if request.prompt_logprobs is not None:
-        body["prompt_logprobs"] = prompt_logprobs_body(
-            choice.first.prompt_logprobs or (), request.prompt_logprobs
-        )
+    body["prompt_logprobs"] = (
+        None
+        if request.prompt_logprobs is None
+        else prompt_logprobs_body(choice.first.prompt_logprobs or (), request.prompt_logprobs)
+    )
     return body
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -37,8 +37,9 @@ INT64_MAX = 2**63 - 1
 PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 NonNegativeInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
-# at most --max-logprobs: check_max_logprobs
-LogprobCount = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+# at most --max-logprobs (check_max_logprobs); -1: the whole vocabulary, as in vLLM
+LogprobCount = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
+WHOLE_VOCABULARY = -1
 TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 # vLLM's logprob_token_ids: 1 to 128 ids (its MAX_LOGPROB_TOKEN_IDS)
 LogprobTokenIds = Annotated[list[TokenId], Meta(min_length=1, max_length=128)]
@@ -51,7 +52,6 @@ CacheSalt = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[^@/\\\
 MAX_CHOICES = 16  # n: each choice is an engine request of its own
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
-_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -206,6 +206,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             )
 
     def _validate_common(self, max_tokens: int | None, vocab_size: int) -> None:
+        self._resolve_whole_vocabulary(vocab_size)
         self._refuse_unsupported()
         self._check_beam_search()
         if self.n > MAX_CHOICES:
@@ -242,6 +243,15 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
             raise APIError(
                 "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
             )
+
+    def _resolve_whole_vocabulary(self, vocab_size: int) -> None:
+        """A logprob count of -1 becomes the vocabulary's size, before --max-logprobs bounds it
+        (vLLM's order: -1 passes only a server started with --max-logprobs -1)."""
+        for name in self._LOGPROB_COUNTS:
+            if getattr(self, name) == WHOLE_VOCABULARY:
+                setattr(self, name, vocab_size)
+
+    _LOGPROB_COUNTS: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         defaults = SamplingParams()
@@ -297,6 +307,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
+    _LOGPROB_COUNTS = ("prompt_logprobs", "top_logprobs")
     messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
@@ -533,6 +544,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
+    _LOGPROB_COUNTS = ("prompt_logprobs", "logprobs")
     # One prompt: a string, a one-string list, or token ids (msgspec allows one array type in a
     # union, so the list's element kinds are checked in `validate`).
     prompt: str | list[str | int]
@@ -676,10 +688,11 @@ def _check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> N
 def _check_message(index: int, message: dict[str, Any]) -> None:
     param = f"messages[{index}]"
     role = message.get("role")
-    if role not in _CHAT_ROLES:
+    # Any role string goes to the chat template, as vLLM's custom message type lets it (a
+    # template decides what "narrator" means); only a missing or non-string role is refused.
+    if not isinstance(role, str) or not role:
         raise APIError(
-            f"{param}.role must be one of {sorted(_CHAT_ROLES)}, got {role!r}",
-            param=f"{param}.role",
+            f"{param}.role must be a non-empty string, got {role!r}", param=f"{param}.role"
         )
     _check_tool_call_arguments(message.get("tool_calls"), param)
     content = message.get("content")

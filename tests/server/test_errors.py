@@ -115,7 +115,8 @@ BAD_REQUESTS = [
     (CHAT, chat(continue_final_message=True), 400, "continue_final_message"),
     (CHAT, {"model": "fake-model"}, 400, None),
     (CHAT, chat(messages=[]), 400, "messages"),
-    (CHAT, chat(messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role"),
+    (CHAT, chat(messages=[{"role": 5, "content": "hi"}]), 400, "messages[0].role"),
+    (CHAT, chat(messages=[{"content": "hi"}]), 400, "messages[0].role"),
     (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
     (CHAT, chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
     (

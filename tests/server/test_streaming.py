@@ -57,7 +57,8 @@ async def test_completion_echo_streams_prompt_first(app: Quart) -> None:
     )
     chunks = events(await response.get_data(as_text=True))
     texts = [c["choices"][0]["text"] for c in chunks]
-    assert texts == ["red blue", "red", " blue", ""]
+    assert texts == ["red blue", "red", " blue"]  # the last text with the finish, as vLLM
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 

@@ -1,0 +1,119 @@
+"""What vLLM's own entrypoint tests expect of its API (issue 36), row by row, against the
+FakeEngine: the streamed finish, null keys, -1 logprob counts, custom roles, batched prompts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from quart import Quart
+
+from stages.api import ChatPrompt
+from tests.server.fake_engine import VOCAB_SIZE, FakeEngine
+from tests.server.test_errors import CHAT, COMPLETIONS, assert_error, chat, completion
+
+pytestmark = pytest.mark.anyio
+
+SENTENCE = [{"role": "user", "content": "one two three four five"}]
+
+
+def events(raw: bytes) -> list[dict[str, Any]]:
+    lines = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line]
+    return [json.loads(line) for line in lines if line != b"[DONE]"]
+
+
+async def stream(app: Quart, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    response = await app.test_client().post(route, json={**body, "stream": True})
+    assert response.status_code == 200
+    return events(await response.get_data())
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [(CHAT, chat(messages=SENTENCE)), (COMPLETIONS, completion(prompt="one two three four five"))],
+)
+async def test_the_last_token_and_the_finish_share_a_chunk(
+    app: Quart, route: str, body: dict[str, Any]
+) -> None:
+    """vLLM's test_chat_streaming: one chunk a token, the finish on the last of them, and
+    continuous usage counts each token once (no chunk repeats the one before's count)."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = await stream(app, route, {**body, "max_tokens": 4, "stream_options": options})
+    usage_chunk = chunks.pop()
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
+    key = "delta" if route == CHAT else None
+    texts = [
+        (c["choices"][0][key].get("content") if key else c["choices"][0]["text"]) for c in chunks
+    ]
+    with_text = [t for t in texts if t]
+    assert len(with_text) == 4 and "".join(with_text).split() == ["one", "two", "three", "four"]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert finishes[-1] == "length" and finishes.count(None) == len(chunks) - 1
+    assert texts[-1] == " four"
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts[1:] == sorted(set(counts[1:])), counts  # strictly rising after the role chunk
+
+
+async def test_a_finish_without_text_still_has_its_chunk(app: Quart) -> None:
+    """A stop string that cuts the last token leaves no text: the finish goes in an empty delta."""
+    chunks = await stream(app, CHAT, chat(messages=SENTENCE, stop=[" thr"]))
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+        "stop_reason": " thr",
+    }
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "one two"
+
+
+async def test_keys_vllm_defines_are_null_when_not_asked_for(app: Quart) -> None:
+    body = await (await app.test_client().post(CHAT, json=chat())).get_json()
+    assert body["prompt_logprobs"] is None and body["prompt_token_ids"] is None
+    assert body["choices"][0]["token_ids"] is None
+    asked = await (await app.test_client().post(CHAT, json=chat(prompt_logprobs=1))).get_json()
+    assert len(asked["prompt_logprobs"]) > 1
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        (CHAT, chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
+        (CHAT, chat(prompt_logprobs=-1), "prompt_logprobs"),
+        (COMPLETIONS, completion(logprobs=-1), "logprobs"),
+        (COMPLETIONS, completion(prompt_logprobs=-1), "prompt_logprobs"),
+    ],
+)
+async def test_minus_one_is_the_whole_vocabulary_within_max_logprobs(
+    make_app: Any, engine: FakeEngine, route: str, body: dict[str, Any], param: str
+) -> None:
+    """-1 asks for every token; the default --max-logprobs 20 refuses it (as vLLM's
+    test_prompt_logprobs_chat expects), --max-logprobs -1 grants it."""
+    response = await make_app().test_client().post(route, json=body)
+    assert response.status_code == 400
+    error = await response.get_json()
+    assert_error(error, "BadRequestError", param)
+    assert f"of {VOCAB_SIZE}, which is greater than max allowed: 20" in error["error"]["message"]
+    response = await make_app(max_logprobs=-1).test_client().post(route, json=body)
+    assert response.status_code == 200
+    sampling = engine.requests[-1].sampling
+    assert VOCAB_SIZE in (sampling.logprobs, sampling.prompt_logprobs)
+
+
+@pytest.mark.parametrize("value", [-2, -100])
+async def test_counts_below_minus_one_are_refused(app: Quart, value: int) -> None:
+    response = await app.test_client().post(CHAT, json=chat(prompt_logprobs=value))
+    assert response.status_code == 400
+    assert_error(await response.get_json(), "BadRequestError", "prompt_logprobs")
+
+
+async def test_a_custom_role_reaches_the_chat_template(app: Quart, engine: FakeEngine) -> None:
+    """vLLM's test_custom_role: any role string is the template's to interpret, as a string or
+    as content parts."""
+    for content in ("what is 1+1?", [{"type": "text", "text": "what is 1+1?"}]):
+        messages = [{"role": "my-custom-role", "content": content}]
+        response = await app.test_client().post(CHAT, json=chat(messages=messages))
+        assert response.status_code == 200
+        prompt = engine.requests[-1].prompt
+        assert isinstance(prompt, ChatPrompt) and prompt.messages[0]["role"] == "my-custom-role"
