@@ -123,7 +123,7 @@ async def chat_completions() -> Response:
     return await serving.generation_route(
         ChatCompletionRequest,
         "chatcmpl",
-        serving.chat_prompt,
+        lambda body: [serving.chat_prompt(body)],
         stream_chat,
         collect_chat,
         serving.chat_parsers,
@@ -138,7 +138,7 @@ async def completions() -> Response:
     return await serving.generation_route(
         CompletionRequest,
         "cmpl",
-        lambda body: body.prompt_value(),
+        lambda body: body.prompt_values(),
         lambda ctx, body, choices: stream_completion(ctx, engine, body, choices),
         lambda ctx, body, choices: collect_completion(ctx, engine, body, choices),
     )
@@ -166,19 +166,21 @@ def _model_card(serving: OpenAIServing, name: str) -> dict[str, object]:
 @request_body(ChatCompletionRequest)
 async def render_chat_completion() -> Response:
     serving = openai_serving()
-    return json_response(
-        await serving.render_route(
-            ChatCompletionRequest, "chatcmpl", serving.chat_prompt, serving.chat_parsers
-        )
+    (rendered,) = await serving.render_route(
+        ChatCompletionRequest,
+        "chatcmpl",
+        lambda body: [serving.chat_prompt(body)],
+        serving.chat_parsers,
     )
+    return json_response(rendered)
 
 
 @routes.post("/v1/completions/render")
 @request_body(CompletionRequest)
 async def render_completion() -> Response:
     serving = openai_serving()
-    rendered = await serving.render_route(CompletionRequest, "cmpl", lambda b: b.prompt_value())
-    return json_response([rendered])
+    rendered = await serving.render_route(CompletionRequest, "cmpl", lambda b: b.prompt_values())
+    return json_response(rendered)
 
 
 @routes.get("/v1/models")

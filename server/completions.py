@@ -65,10 +65,11 @@ class _Echo:
         self,
         engine: EngineClient,
         request: CompletionRequest,
-        first: RequestOutput,
+        choice: Choice,
         as_ids: bool,
     ) -> None:
-        prompt = request.prompt_value()
+        prompt = request.prompt_values()[choice.prompt_index]
+        first = choice.first
         prompt_ids = first.prompt_token_ids or ()
         if isinstance(prompt, TextPrompt):
             self.text = prompt.text
@@ -125,7 +126,7 @@ def stream_completion(
         text_offset = 0
         ids = _TokenIds(request, choice.first)
         if request.echo:
-            echo = _Echo(engine, request, choice.first, as_ids)
+            echo = _Echo(engine, request, choice, as_ids)
             text_offset = len(echo.text)
             echoed = ids.take(_choice(index, echo.text, echo.logprobs))
             yield sse(_body(ctx, [echoed], usage_now()))
@@ -160,7 +161,7 @@ async def _collect_choice(
     logprobs: dict[str, Any] | None = None
     as_ids = ctx.tokens_as_ids(request.return_tokens_as_token_ids)
     if request.echo:
-        echo = _Echo(engine, request, choice.first, as_ids)
+        echo = _Echo(engine, request, choice, as_ids)
         texts.append(echo.text)
         logprobs = echo.logprobs
     builder = None

@@ -246,24 +246,26 @@ class OpenAIServing:
         self,
         schema: Any,
         id_prefix: str,
-        prompt_of: Callable[[Any], Any],
+        prompts_of: Callable[[Any], list[Any]],
         stream_builder: Callable[..., Any],
         collector: Callable[..., Any],
         parsers_of: Callable[[Any], tuple[str | None, str | None]] = lambda body: (None, None),
     ) -> Response:
-        """Decode and validate the body, build the engine request, answer streaming or not."""
-        body, model, generate_request = await self.parse_generation(
-            schema, id_prefix, prompt_of, parsers_of
+        """Decode and validate the body, build the engine requests (one per prompt), answer
+        streaming or not."""
+        body, model, generate_requests = await self.parse_generation(
+            schema, id_prefix, prompts_of, parsers_of
         )
         if self.config.enable_log_requests:
-            log.info(
-                "request received",
-                request_id=generate_request.request_id,
-                prompt=msgspec.to_builtins(generate_request.prompt),
-                params=msgspec.to_builtins(generate_request.sampling),
-            )
+            for generate_request in generate_requests:
+                log.info(
+                    "request received",
+                    request_id=generate_request.request_id,
+                    prompt=msgspec.to_builtins(generate_request.prompt),
+                    params=msgspec.to_builtins(generate_request.sampling),
+                )
         return await self.generate(
-            generate_request,
+            generate_requests,
             model,
             body.stream,
             body.n,
@@ -276,63 +278,72 @@ class OpenAIServing:
         self,
         schema: Any,
         id_prefix: str,
-        prompt_of: Callable[[Any], Any],
+        prompts_of: Callable[[Any], list[Any]],
         parsers_of: Callable[[Any], tuple[str | None, str | None]] = lambda body: (None, None),
-    ) -> tuple[Any, str, GenerateRequest]:
-        """(the body, the model it names, the engine request it makes); APIError for a body
-        that is refused."""
+    ) -> tuple[Any, str, list[GenerateRequest]]:
+        """(the body, the model it names, the engine request of each of its prompts, in order);
+        APIError for a body that is refused."""
         arrival_ns = time.monotonic_ns()
         raw = await read_body()
         vocab_size = self.engine.model_info.vocab_size
 
-        def parse() -> tuple[Any, str, Any, SamplingParams, tuple[str | None, str | None]]:
+        def parse() -> tuple[Any, str, list[Any], SamplingParams, tuple[str | None, str | None]]:
             body = decode(raw, schema, self.unknown_fields)
             model = self.check_model(body.model)
             body.validate(vocab_size)
             check_max_logprobs(body, self.config.max_logprobs, vocab_size)
-            prompt = self.with_template_defaults(prompt_of(body))
-            return body, model, prompt, self.sampling_of(body), parsers_of(body)
+            prompts = [self.with_template_defaults(prompt) for prompt in prompts_of(body)]
+            return body, model, prompts, self.sampling_of(body), parsers_of(body)
 
         # A large body (thousands of messages, say) takes a while to parse and check.
         parsed = parse() if len(raw) <= INLINE_BODY_BYTES else await self.in_worker(parse)
-        body, model, prompt, sampling, (reasoning_parser, tool_call_parser) = parsed
-        generate_request = GenerateRequest(
-            request_id=self.request_id_for(body.request_id, id_prefix),
-            prompt=prompt,
-            sampling=sampling,
-            priority=body.priority,
-            arrival_ns=arrival_ns,
-            reasoning_parser=reasoning_parser,
-            tool_call_parser=tool_call_parser,
-            cache_salt=body.cache_salt,
-            return_prompt_token_ids=body.wants_prompt_token_ids,
-            lora=self.lora_adapters.get(model),
-        )
-        return body, model, generate_request
+        body, model, prompts, sampling, (reasoning_parser, tool_call_parser) = parsed
+        request_id = self.request_id_for(body.request_id, id_prefix)
+        generate_requests = [
+            GenerateRequest(
+                # the prompts of a batch share the response's id, as the choices of n > 1 do
+                request_id=request_id,
+                prompt=prompt,
+                sampling=sampling,
+                priority=body.priority,
+                arrival_ns=arrival_ns,
+                reasoning_parser=reasoning_parser,
+                tool_call_parser=tool_call_parser,
+                cache_salt=body.cache_salt,
+                return_prompt_token_ids=body.wants_prompt_token_ids,
+                lora=self.lora_adapters.get(model),
+            )
+            for prompt in prompts
+        ]
+        return body, model, generate_requests
 
     async def render_route(
         self,
         schema: Any,
         id_prefix: str,
-        prompt_of: Callable[[Any], Any],
+        prompts_of: Callable[[Any], list[Any]],
         parsers_of: Callable[[Any], tuple[str | None, str | None]] = lambda body: (None, None),
-    ) -> dict[str, Any]:
+    ) -> list[dict[str, Any]]:
         """What the engine would generate from: the body checked and rendered as for a real
-        request (and refused with the same errors), in vLLM's shape of a token-in request."""
-        body, model, generate_request = await self.parse_generation(
-            schema, id_prefix, prompt_of, parsers_of
+        request (and refused with the same errors), in vLLM's shape of a token-in request, one
+        per prompt."""
+        body, model, generate_requests = await self.parse_generation(
+            schema, id_prefix, prompts_of, parsers_of
         )
         if not self.engine.ready:
             raise APIError.from_engine(self.engine.not_ready_error)
         try:
-            rendered = await self.engine.render(generate_request)
+            rendered = [await self.engine.render(request) for request in generate_requests]
         except EngineError as error:
             raise APIError.from_engine(error) from error
-        return token_in_request(body, model, generate_request, rendered)
+        return [
+            token_in_request(body, model, request, info)
+            for request, info in zip(generate_requests, rendered, strict=True)
+        ]
 
     async def generate(
         self,
-        generate_request: GenerateRequest,
+        generate_requests: list[GenerateRequest],
         model: str,
         stream: bool,
         n: int,
@@ -343,20 +354,23 @@ class OpenAIServing:
         if not self.engine.ready:
             raise APIError.from_engine(self.engine.not_ready_error)
         config = self.config
+        first_request = generate_requests[0]
         ctx = ResponseContext(
-            request_id=generate_request.request_id,
+            request_id=first_request.request_id,
             model=model,
             created=int(time.time()),
             system_fingerprint=self.fingerprint,
-            # One choice's figures are not the request's: left out for n > 1, as vLLM leaves them.
-            include_request_metrics=config.enable_per_request_metrics and n == 1,
-            reasoning=generate_request.reasoning_parser is not None,
+            # One choice's figures are not the request's: left out for several choices, as vLLM
+            # leaves them out for n > 1.
+            include_request_metrics=config.enable_per_request_metrics
+            and n * len(generate_requests) == 1,
+            reasoning=first_request.reasoning_parser is not None,
             prompt_tokens_details=config.enable_prompt_tokens_details,
             force_include_usage=config.enable_force_include_usage,
             return_tokens_as_token_ids=config.return_tokens_as_token_ids,
             response_role=config.response_role,
         )
-        choices = await self.start_choices(generate_request, n)
+        choices = await self.start_all_choices(generate_requests, n)
         if with_prompt_text:
             # The text of the tokens the model was fed: the chat template's output, truncated
             # as the request asked. Decoding a long prompt takes a while: off the loop.
@@ -380,7 +394,28 @@ class OpenAIServing:
         finally:
             await close_choices(choices)
 
-    async def start_choices(self, generate_request: GenerateRequest, n: int) -> list[Choice]:
+    async def start_all_choices(
+        self, generate_requests: list[GenerateRequest], n: int
+    ) -> list[Choice]:
+        """The n choices of each prompt, numbered prompt by prompt (vLLM's index: prompt i's
+        choice j is i * n + j); if any prompt fails to start, the others are closed."""
+        started = await asyncio.gather(
+            *(
+                self.start_choices(request, n, prompt_index)
+                for prompt_index, request in enumerate(generate_requests)
+            ),
+            return_exceptions=True,
+        )
+        choices = [c for result in started if not isinstance(result, BaseException) for c in result]
+        failed = [result for result in started if isinstance(result, BaseException)]
+        if failed:
+            await close_choices(choices)
+            raise failed[0]
+        return choices
+
+    async def start_choices(
+        self, generate_request: GenerateRequest, n: int, prompt_index: int = 0
+    ) -> list[Choice]:
         """n engine requests, one per choice (as vLLM fans out n > 1); a seed gives choice i
         seed + i, so the choices differ and the whole response still repeats."""
         requests = [generate_request]
@@ -413,7 +448,7 @@ class OpenAIServing:
             *(start(self.engine, r, self.drain) for r in requests), return_exceptions=True
         )
         choices = [
-            Choice(i, result[0], result[1], trackers[i])
+            Choice(prompt_index * n + i, result[0], result[1], trackers[i], prompt_index)
             for i, result in enumerate(started)
             if not isinstance(result, BaseException)
         ]

@@ -50,6 +50,11 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # vLLM's range: the samp
 CacheSalt = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]*$")]
 
 MAX_CHOICES = 16  # n: each choice is an engine request of its own
+# A text completion's prompts are engine requests of their own too: bounded as n is, so that one
+# body cannot fill the waiting queue (a body is at most --max-request-body-bytes besides).
+MAX_BATCH_PROMPTS = 256
+MAX_BATCH_CHOICES = 256  # prompts x n
+EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
@@ -545,9 +550,9 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
     _LOGPROB_COUNTS = ("prompt_logprobs", "logprobs")
-    # One prompt: a string, a one-string list, or token ids (msgspec allows one array type in a
-    # union, so the list's element kinds are checked in `validate`).
-    prompt: str | list[str | int]
+    # A string, or a list of strings, token ids or lists of token ids (msgspec allows one array
+    # type in a union, so the list's element kinds are checked in `validate`).
+    prompt: str | list[Any]
     logprobs: LogprobCount | None = None
     echo: bool = False
     add_special_tokens: bool = True
@@ -577,32 +582,52 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
                 param="logprob_token_ids",
             )
         self.structured()
-        if isinstance(self.prompt, str):
-            if not self.prompt:
-                raise APIError("prompt must not be empty", param="prompt")
-            return
-        if not self.prompt:
-            raise APIError("prompt must not be empty", param="prompt")
-        if all(isinstance(p, str) for p in self.prompt):
-            if len(self.prompt) != 1:
-                raise APIError("only one prompt per request is supported", param="prompt")
-            if not self.prompt[0]:
-                raise APIError("prompt must not be empty", param="prompt")
-            return
-        token_ids = [p for p in self.prompt if isinstance(p, int)]
-        if len(token_ids) != len(self.prompt):
+        prompts = self._prompt_items()
+        if len(prompts) > MAX_BATCH_PROMPTS:
             raise APIError(
-                "prompt must be a string, a list of one string, or a list of token ids",
+                f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompts)}",
                 param="prompt",
             )
-        _check_token_ids(token_ids, vocab_size, "prompt")
+        if len(prompts) * self.n > MAX_BATCH_CHOICES:
+            raise APIError(
+                f"prompts x n must be at most {MAX_BATCH_CHOICES}, got {len(prompts) * self.n}",
+                param="n",
+            )
+        for index, prompt in enumerate(prompts):
+            if not prompt:
+                raise APIError(EMPTY_PROMPT, param="prompt")
+            if isinstance(prompt, list):
+                param = "prompt" if prompt is self.prompt else f"prompt[{index}]"
+                _check_token_ids(prompt, vocab_size, param)
 
-    def prompt_value(self) -> TextPrompt | TokensPrompt:
-        if isinstance(self.prompt, str):
-            return TextPrompt(self.prompt, add_special_tokens=self.add_special_tokens)
-        if isinstance(self.prompt[0], str):
-            return TextPrompt(self.prompt[0], add_special_tokens=self.add_special_tokens)
-        return TokensPrompt([int(p) for p in self.prompt])
+    def _prompt_items(self) -> list[str | list[int]]:
+        """The prompts of the request: one string, or OpenAI's list of strings, token ids or
+        lists of token ids (each a prompt of its own); APIError 400 for another shape."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError(EMPTY_PROMPT, param="prompt")
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_token_id(p) for p in prompt):
+            return [prompt]
+        if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+            return list(prompt)
+        raise APIError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+            "of token ids",
+            param="prompt",
+        )
+
+    def prompt_values(self) -> list[TextPrompt | TokensPrompt]:
+        """Each prompt of the request (validate has checked their shape), in order."""
+        return [
+            TextPrompt(p, add_special_tokens=self.add_special_tokens)
+            if isinstance(p, str)
+            else TokensPrompt([int(t) for t in p])
+            for p in self._prompt_items()
+        ]
 
     def sampling_params(self) -> SamplingParams:
         sampling = self._sampling(self.effective_max_tokens, self.logprobs)
@@ -676,11 +701,15 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
     for index, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
-            raise APIError(
-                f"token id {token_id} is outside the vocabulary [0, {vocab_size})",
+            raise APIError(  # vLLM's words, then the bound
+                f"Token id {token_id} is out of vocabulary (ids are below {vocab_size})",
                 param=f"{param}[{index}]",
             )
 

@@ -227,26 +227,35 @@ class Choice:
     first: RequestOutput
     outputs: AsyncIterator[RequestOutput]
     tracker: Tracker
+    prompt_index: int = 0  # which of a text completion's prompts it continues
 
     def chain(self) -> AsyncIterator[RequestOutput]:
         return chain(self.first, self.outputs, self.tracker)
 
 
 def total_usage(choices: Sequence[Choice], ctx: ResponseContext) -> dict[str, Any]:
-    """The prompt counted once, the completions of every choice summed (as vLLM counts n > 1);
-    with prompt_tokens_details, the prompt tokens the prefix cache held; with a reasoning parser,
-    the completion tokens inside the reasoning (as vLLM's completion_tokens_details)."""
+    """Each prompt counted once, the completions of every choice summed (as vLLM counts n > 1
+    and batched prompts); with prompt_tokens_details, the prompt tokens the prefix cache held;
+    with a reasoning parser, the completion tokens inside the reasoning (as vLLM's
+    completion_tokens_details)."""
+    prompt_tokens = {c.prompt_index: c.tracker.num_prompt_tokens for c in reversed(choices)}
     usage: dict[str, Any] = usage_body(
-        choices[0].tracker.num_prompt_tokens, sum(c.tracker.num_output_tokens for c in choices)
+        sum(prompt_tokens.values()), sum(c.tracker.num_output_tokens for c in choices)
     )
     if ctx.reasoning:
         reasoning_tokens = sum(c.tracker.num_reasoning_tokens for c in choices)
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     if ctx.prompt_tokens_details:
-        metrics = choices[0].tracker.request_metrics
-        cached = metrics.num_cached_prompt_tokens if metrics is not None else 0
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        first_choices = {c.prompt_index: c for c in reversed(choices)}.values()
+        usage["prompt_tokens_details"] = {
+            "cached_tokens": sum(_cached_prompt_tokens(c.tracker) for c in first_choices)
+        }
     return usage
+
+
+def _cached_prompt_tokens(tracker: Tracker) -> int:
+    metrics = tracker.request_metrics
+    return metrics.num_cached_prompt_tokens if metrics is not None else 0
 
 
 async def close_choices(choices: Sequence[Choice]) -> None:

@@ -117,3 +117,51 @@ async def test_a_custom_role_reaches_the_chat_template(app: Quart, engine: FakeE
         assert response.status_code == 200
         prompt = engine.requests[-1].prompt
         assert isinstance(prompt, ChatPrompt) and prompt.messages[0]["role"] == "my-custom-role"
+
+
+async def test_a_text_completion_takes_a_batch_of_prompts(app: Quart, engine: FakeEngine) -> None:
+    """OpenAI's prompt forms (vLLM's test_batch_completions): a list of strings, or of lists of
+    token ids, is one choice per prompt (x n), numbered prompt by prompt; usage counts every
+    prompt once and every choice's tokens."""
+    ids = [engine.word_id(w) for w in ("red", "green", "blue")]
+    for prompt in (["red green", "blue"], [ids[:2], ids[2:]]):
+        response = await app.test_client().post(COMPLETIONS, json=completion(prompt=prompt, n=2))
+        assert response.status_code == 200
+        body = await response.get_json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+        assert [c["text"] for c in body["choices"]] == ["red green"] * 2 + ["blue"] * 2
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+        assert "metrics" not in body  # one choice's figures are not the request's
+    assert len({r.request_id for r in engine.requests[-4:]}) == 1  # the response's id
+
+
+async def test_batched_prompts_stream_one_choice_a_chunk(app: Quart) -> None:
+    chunks = await stream(app, COMPLETIONS, completion(prompt=["red green", "blue"], echo=True))
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "red greenred green", 1: "blueblue"}  # each echoes its own prompt
+    assert finishes == {0: "stop", 1: "stop"}
+
+
+async def test_batched_prompts_render_one_request_each(app: Quart) -> None:
+    response = await app.test_client().post(
+        f"{COMPLETIONS}/render", json=completion(prompt=["red green", "blue"])
+    )
+    rendered = await response.get_json()
+    assert [r["prompt"] for r in rendered] == ["red green", "blue"]
+
+
+async def test_a_prompt_that_fails_fails_the_batch_and_frees_the_others(
+    app: Quart, engine: FakeEngine
+) -> None:
+    response = await app.test_client().post(
+        COMPLETIONS, json=completion(prompt=["red", "word " * 80])
+    )
+    assert response.status_code == 400
+    assert_error(await response.get_json(), "BadRequestError", "prompt")
+    assert not engine.running
