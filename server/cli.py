@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import setproctitle
 import structlog
 import uvloop
@@ -229,8 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization",
         type=_fraction,
         help="CUDA: the fraction of the device's memory this server may use; the KV cache takes "
-        "what remains of it after the weights and a profiled peak step (default 0.9); "
-        "--kv-cache-memory, when given, sizes the cache instead",
+        "what remains of it after the weights and a profiled peak step (default 0.9). CPU: the "
+        "KV cache takes this fraction of the memory available at start, less the weights "
+        "(default: --kv-cache-memory's 512MiB). --kv-cache-memory, when given, sizes the cache "
+        "instead",
     )
     parser.add_argument(
         "--enforce-eager",
@@ -370,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, help="seed of the engine's default generator")
     parser.add_argument(
         "--api-key",
-        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize, /debug/profile",
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize, /debug/profile "
+        "(default: the environment's VLLM_API_KEY, as in vLLM)",
     )
     parser.add_argument(
         "--max-request-body-bytes",
@@ -567,6 +571,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def checkpoint_bytes(model_path: Path) -> int:
+    """The bytes of a checkpoint's weight files (a GGUF file, or a directory's safetensors, bin
+    and gguf files): what the weights take in memory, near enough to budget the rest."""
+    if model_path.is_file():
+        return model_path.stat().st_size
+    suffixes = {".safetensors", ".bin", ".gguf", ".pt"}
+    return sum(
+        f.stat().st_size for f in model_path.glob("*") if f.is_file() and f.suffix in suffixes
+    )
+
+
+def cpu_kv_cache_bytes(fraction: float, model_path: Path, copies: int) -> int:
+    """--gpu-memory-utilization on CPU: the KV cache takes `fraction` of the memory available at
+    start, less the weights, shared by the `copies` (data-parallel replicas x tensor-parallel
+    ranks) that each hold a cache of their own; ValueError when the weights leave no room."""
+    available = psutil.virtual_memory().available
+    weights = checkpoint_bytes(model_path)
+    budget = (int(fraction * available) - weights * copies) // copies
+    if budget <= 0:
+        raise ValueError(
+            f"--gpu-memory-utilization {fraction:g} of the {available / 2**30:.1f} GiB available "
+            f"leaves no room for a KV cache beside {copies} x {weights / 2**30:.2f} GiB of "
+            "weights: raise it, or give --kv-cache-memory"
+        )
+    log.info(
+        "KV cache sized from memory",
+        gpu_memory_utilization=fraction,
+        available_bytes=available,
+        weights_bytes=weights,
+        copies=copies,
+        kv_cache_bytes=budget,
+    )
+    return budget
+
+
 def parse_args(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> tuple[ServerConfig, EngineConfig]:
@@ -591,11 +630,6 @@ def parse_args(
         except (OSError, ValueError) as error:
             parser.error(f"--random-weights {args.random_weights}: {error}")
     device = resolve_device(args.device)
-    if args.gpu_memory_utilization is not None and device != "cuda":
-        parser.error(
-            f"--gpu-memory-utilization sizes a CUDA device's KV cache, and the device is "
-            f"{device}: use --kv-cache-memory"
-        )
     # `pipeline-serve dummy`: the null model (deterministic tokens, no compute) on the default
     # model's tokenizer, for measuring the pipeline and the front end alone.
     dummy = args.model == "dummy"
@@ -605,6 +639,19 @@ def parse_args(
         except FileNotFoundError as error:
             parser.error(f"no MODEL given and {error}")
     model_path = Path(args.model)
+    if (
+        args.gpu_memory_utilization is not None
+        and device != "cuda"
+        and args.kv_cache_memory is None
+    ):
+        try:
+            args.kv_cache_memory = cpu_kv_cache_bytes(
+                args.gpu_memory_utilization,
+                model_path,
+                (args.data_parallel_size or 1) * (args.tensor_parallel_size or 1),
+            )
+        except ValueError as error:
+            parser.error(str(error))
     served_model_names = args.served_model_name or [
         random_name
         if random_name is not None
@@ -654,7 +701,8 @@ def parse_args(
         port=args.port,
         served_model_name=served_model_name,
         served_model_aliases=tuple(served_model_names[1:]),
-        api_key=args.api_key,
+        # vLLM's: the flag, else VLLM_API_KEY from the environment
+        api_key=args.api_key or environ.get("VLLM_API_KEY") or None,
         max_request_body_bytes=args.max_request_body_bytes,
         request_body_timeout_s=args.request_body_timeout,
         max_body_reads_per_client=args.max_body_reads_per_client,

@@ -322,3 +322,11 @@ def test_more_long_partial_prefills_than_partial_prefills_is_refused(capsys) -> 
             ["/m/x.gguf", "--max-num-partial-prefills", "1", "--max-long-partial-prefills", "2"]
         )
     assert "cannot exceed --max-num-partial-prefills" in capsys.readouterr().err
+
+
+def test_the_api_key_may_come_from_vllms_environment_variable() -> None:
+    config, _ = parse_args(["/m/x.gguf", "--device", "cpu"], environ={"VLLM_API_KEY": "k1"})
+    assert config.api_key == "k1"
+    config, _ = parse_args(["/m/x.gguf", "--api-key", "k2"], environ={"VLLM_API_KEY": "k1"})
+    assert config.api_key == "k2"  # the flag wins
+    assert parse_args(["/m/x.gguf"], environ={})[0].api_key is None

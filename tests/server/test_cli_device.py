@@ -35,6 +35,35 @@ def test_kv_cache_memory_wins_over_the_utilization() -> None:
     assert engine.gpu_memory_utilization is None and engine.kv_cache_bytes == 8 << 30
 
 
+def test_on_cpu_the_utilization_is_a_share_of_available_memory_less_the_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's tests pass --gpu-memory-utilization whatever the device: on CPU it sizes the KV
+    cache from the memory available at start, each data-parallel replica a cache of its own."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * (1 << 20))
+    available = 8 << 30
+
+    class Memory:
+        pass
+
+    memory = Memory()
+    memory.available = available  # type: ignore[attr-defined]
+    monkeypatch.setattr("server.cli.psutil.virtual_memory", lambda: memory)
+    argv = [str(tmp_path), "--device", "cpu", "--gpu-memory-utilization", "0.5"]
+    _, engine = parse_args(argv)
+    assert engine.gpu_memory_utilization is None  # no device profile on CPU: a byte budget
+    assert engine.kv_cache_bytes == available // 2 - (1 << 20)
+    _, engine = parse_args([*argv, "--data-parallel-size", "2"])
+    assert engine.kv_cache_bytes == (available // 2 - 2 * (1 << 20)) // 2
+    _, engine = parse_args([*argv, "--kv-cache-memory", "1GiB"])
+    assert engine.kv_cache_bytes == 1 << 30  # a size given wins, as on CUDA
+    weights.write_bytes(b"\0" * (5 << 20))
+    memory.available = 8 << 20  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit):  # the weights leave no room
+        parse_args(argv)
+
+
 def test_a_q4_1_gguf_is_dequantized_on_cuda(smollm2_gguf: str) -> None:
     assert parse_args([smollm2_gguf, "--device", "cpu"])[1].quantization == "int4"
     assert parse_args([smollm2_gguf, "--device", "cuda"])[1].quantization is None
@@ -44,7 +73,7 @@ def test_a_q4_1_gguf_is_dequantized_on_cuda(smollm2_gguf: str) -> None:
     "argv",
     [
         ["m", "--device", "tpu"],
-        ["m", "--device", "cpu", "--gpu-memory-utilization", "0.5"],  # a CUDA flag
+        ["m", "--device", "cpu", "--gpu-memory-utilization", "1.5"],
         ["m", "--device", "cuda", "--gpu-memory-utilization", "0"],
         ["m", "--device", "cuda", "--gpu-memory-utilization", "1.5"],
         ["m", "--device", "cuda", "--gpu-memory-utilization", "nan"],
