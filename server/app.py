@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import uuid
 
+import msgspec
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Blueprint, Quart, Response, current_app, request
@@ -40,6 +41,7 @@ from stages.api import EngineClient, EngineError
 log = structlog.get_logger("server")
 
 routes = Blueprint("openai", __name__)
+tokenizer_info_routes = Blueprint("tokenizer_info", __name__)  # --enable-tokenizer-info-endpoint
 
 
 def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
@@ -55,6 +57,8 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
     app.register_blueprint(routes)
     if config.allow_runtime_lora_updating:  # as in vLLM: else these routes do not exist
         app.register_blueprint(lora_routes)
+    if config.enable_tokenizer_info_endpoint:
+        app.register_blueprint(tokenizer_info_routes)
     install_drain(app, drain)  # 503 with Retry-After while the server drains
     return app
 
@@ -62,7 +66,16 @@ def create_app(engine: EngineClient, config: ServerConfig) -> Quart:
 # What --api-key guards besides /v1/*: what reads the model or the engine (as in vLLM, whose
 # /tokenize and /detokenize need the key) or changes the engine's state; /health, /ping,
 # /version and /metrics stay open to probes.
-_KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/debug/profile", "/reset_prefix_cache"})
+_KEYED_PATHS = frozenset(
+    {
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        "/invocations",
+        "/debug/profile",
+        "/reset_prefix_cache",
+    }
+)
 
 
 def needs_api_key(path: str) -> bool:
@@ -118,7 +131,7 @@ async def internal_error(error: Exception) -> Response:
 
 @routes.post("/v1/chat/completions")
 @request_body(ChatCompletionRequest)
-async def chat_completions() -> Response:
+async def chat_completions(raw: bytes | None = None) -> Response:
     serving = openai_serving()
     return await serving.generation_route(
         ChatCompletionRequest,
@@ -127,12 +140,13 @@ async def chat_completions() -> Response:
         stream_chat,
         collect_chat,
         serving.chat_parsers,
+        raw,
     )
 
 
 @routes.post("/v1/completions")
 @request_body(CompletionRequest)
-async def completions() -> Response:
+async def completions(raw: bytes | None = None) -> Response:
     serving = openai_serving()
     engine = serving.engine
     return await serving.generation_route(
@@ -141,7 +155,33 @@ async def completions() -> Response:
         lambda body: body.prompt_values(),
         lambda ctx, body, choices: stream_completion(ctx, engine, body, choices),
         lambda ctx, body, choices: collect_completion(ctx, engine, body, choices),
+        raw=raw,
     )
+
+
+@routes.post("/invocations")
+async def invocations() -> Response:
+    """SageMaker's entry point (vLLM's): a chat body (it has `messages`) or a text completion's
+    (it has `prompt`), answered as its own route would."""
+    raw = await read_body()
+    try:
+        keys = msgspec.json.decode(raw, type=dict[str, msgspec.Raw]).keys()
+    except msgspec.MsgspecError as error:
+        raise APIError.from_decode(error) from error
+    if "messages" in keys:
+        return await chat_completions(raw)
+    if "prompt" in keys:
+        return await completions(raw)
+    raise APIError(
+        "/invocations takes a chat completion (with `messages`) or a completion (with `prompt`)",
+        param="messages",
+    )
+
+
+@routes.get("/load")
+async def server_load() -> Response:
+    """vLLM's: the generation requests in flight (streams until their last chunk)."""
+    return json_response({"server_load": openai_serving().load.in_flight})
 
 
 def _model_card(serving: OpenAIServing, name: str) -> dict[str, object]:
@@ -240,19 +280,32 @@ async def tokenize() -> Response:
     engine = serving.engine
     raw = await read_body()
 
-    def work() -> list[int]:
+    def work() -> tuple[list[int], list[str] | None]:
         body = decode(raw, TokenizeRequest, serving.unknown_fields)
         serving.check_model(body.model)
         body.validate()
-        return engine.tokenize(serving.with_template_defaults(body.prompt_value()))
+        tokens = engine.tokenize(serving.with_template_defaults(body.prompt_value()))
+        return tokens, engine.token_strings(tokens) if body.return_token_strs else None
 
     try:
-        tokens = await serving.in_worker(work)
+        tokens, token_strs = await serving.in_worker(work)
     except EngineError as error:
         raise APIError.from_engine(error) from error
     return json_response(
-        {"count": len(tokens), "max_model_len": engine.model_info.max_model_len, "tokens": tokens}
+        {
+            "count": len(tokens),
+            "max_model_len": engine.model_info.max_model_len,
+            "tokens": tokens,
+            "token_strs": token_strs,  # null unless return_token_strs, as in vLLM
+        }
     )
+
+
+@tokenizer_info_routes.get("/tokenizer_info")
+async def tokenizer_info() -> Response:
+    """vLLM's (--enable-tokenizer-info-endpoint): the tokenizer's class, special tokens and chat
+    template; without the flag the route does not exist, as in vLLM."""
+    return json_response(openai_serving().engine.tokenizer_info())
 
 
 @routes.post("/detokenize")

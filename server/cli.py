@@ -509,6 +509,18 @@ def build_parser() -> argparse.ArgumentParser:
         "stream_options.include_usage",
     )
     parser.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (vLLM's: the tokenizer's class, special tokens and chat "
+        "template; off by default, as the template may be private)",
+    )
+    parser.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="vLLM's switch for GET /load; here the count of generation requests in flight is "
+        "always kept (it costs one integer), so the flag changes nothing",
+    )
+    parser.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="answer with X-Request-Id: the request's, or a new one",
@@ -720,6 +732,7 @@ def parse_args(
         max_logprobs=args.max_logprobs,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_force_include_usage=args.enable_force_include_usage,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_request_id_headers=args.enable_request_id_headers,
         enable_log_requests=log_requests,
         enable_log_outputs=args.enable_log_outputs,

@@ -48,6 +48,7 @@ class ServerConfig:
     # Streams get usage (every chunk's and a final chunk) without stream_options.include_usage.
     enable_force_include_usage: bool = False
     enable_request_id_headers: bool = False  # answer X-Request-Id: the request's or a new one
+    enable_tokenizer_info_endpoint: bool = False  # vLLM's GET /tokenizer_info (off: 404)
     enable_log_requests: bool = False  # a log line per request: its prompt and parameters
     enable_log_outputs: bool = False  # and one per response: its text and token ids
     # CORS, as vLLM's (Starlette's) middleware; None: no CORS headers at all.

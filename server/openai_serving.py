@@ -29,7 +29,14 @@ from server.lora import LoraAdapters
 from server.metrics import ServerMetrics
 from server.render import token_in_request
 from server.schemas import ChatCompletionRequest, check_max_logprobs
-from server.serving import Choice, ResponseContext, Tracker, close_choices, start
+from server.serving import (
+    Choice,
+    ResponseContext,
+    ServerLoad,
+    Tracker,
+    close_choices,
+    start,
+)
 from stages.api import ChatPrompt, EngineClient, EngineError, GenerateRequest, SamplingParams
 
 log = structlog.get_logger("server")
@@ -153,6 +160,7 @@ class OpenAIServing:
         "drain",
         "engine",
         "fingerprint",
+        "load",
         "lora_adapters",
         "metrics",
         "served_model_name",
@@ -175,6 +183,7 @@ class OpenAIServing:
         self.api_key = config.api_key.encode() if config.api_key is not None else None
         self.unknown_fields = UnknownFields(config.log_level == "debug")
         self.beam_groups = itertools.count(1)  # ids of beam search requests, for the scheduler
+        self.load = ServerLoad()  # generation requests in flight (GET /load)
         self._workers: anyio.CapacityLimiter | None = None  # made in the loop, at first use
 
     async def in_worker(self, work: Callable[[], T]) -> T:
@@ -250,11 +259,12 @@ class OpenAIServing:
         stream_builder: Callable[..., Any],
         collector: Callable[..., Any],
         parsers_of: Callable[[Any], tuple[str | None, str | None]] = lambda body: (None, None),
+        raw: bytes | None = None,
     ) -> Response:
-        """Decode and validate the body, build the engine requests (one per prompt), answer
-        streaming or not."""
+        """Decode and validate the body (`raw`, when the route has read it already), build the
+        engine requests (one per prompt), answer streaming or not."""
         body, model, generate_requests = await self.parse_generation(
-            schema, id_prefix, prompts_of, parsers_of
+            schema, id_prefix, prompts_of, parsers_of, raw
         )
         if self.config.enable_log_requests:
             for generate_request in generate_requests:
@@ -280,11 +290,13 @@ class OpenAIServing:
         id_prefix: str,
         prompts_of: Callable[[Any], list[Any]],
         parsers_of: Callable[[Any], tuple[str | None, str | None]] = lambda body: (None, None),
+        raw: bytes | None = None,
     ) -> tuple[Any, str, list[GenerateRequest]]:
         """(the body, the model it names, the engine request of each of its prompts, in order);
         APIError for a body that is refused."""
         arrival_ns = time.monotonic_ns()
-        raw = await read_body()
+        if raw is None:
+            raw = await read_body()
         vocab_size = self.engine.model_info.vocab_size
 
         def parse() -> tuple[Any, str, list[Any], SamplingParams, tuple[str | None, str | None]]:
@@ -370,7 +382,14 @@ class OpenAIServing:
             return_tokens_as_token_ids=config.return_tokens_as_token_ids,
             response_role=config.response_role,
         )
-        choices = await self.start_all_choices(generate_requests, n)
+        ticket = self.load.enter()
+        try:
+            choices = await self.start_all_choices(generate_requests, n)
+        except BaseException:
+            ticket.release()
+            raise
+        for choice in choices:
+            choice.ticket = ticket
         if with_prompt_text:
             # The text of the tokens the model was fed: the chat template's output, truncated
             # as the request asked. Decoding a long prompt takes a while: off the loop.

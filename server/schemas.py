@@ -328,6 +328,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     chat_template: str | None = None  # vLLM: the request's own (--trust-request-chat-template)
     reasoning_effort: ReasoningEffort | None = None  # vLLM: a chat template variable
     return_prompt_text: bool | None = None  # vLLM: the response carries the prompt's text
+    add_special_tokens: bool = False  # vLLM: BOS ahead of the template's text
 
     def echo_text(self, role: str) -> str:
         """What `echo` puts ahead of the reply: the last message's content (text parts joined by
@@ -538,6 +539,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             chat_template_kwargs=self.template_kwargs(),
             tools=self.tools,
             chat_template=self.request_chat_template,
+            add_special_tokens=self.add_special_tokens,
         )
 
     def sampling_params(self) -> SamplingParams:
@@ -650,6 +652,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False  # vLLM: each token's vocabulary entry besides its id
 
     def validate(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -665,6 +668,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
                 continue_final_message=self.continue_final_message,
                 chat_template_kwargs=self.chat_template_kwargs,
                 tools=self.tools,
+                add_special_tokens=bool(self.add_special_tokens),  # vLLM's chat default: off
             )
         add_special_tokens = True if self.add_special_tokens is None else self.add_special_tokens
         return TextPrompt(self.prompt or "", add_special_tokens=add_special_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -218,6 +219,36 @@ def stream_error(error: Exception, request_id: str) -> bytes:
     return sse(api_error.body())
 
 
+class LoadTicket:
+    """One generation request in flight (vLLM's server load counts them), released when its
+    choices close, however the response ends."""
+
+    __slots__ = ("__weakref__", "open")
+
+    def __init__(self) -> None:
+        self.open = True
+
+    def release(self) -> None:
+        self.open = False
+
+
+class ServerLoad:
+    """vLLM's GET /load: how many generation requests are in flight. Weak, as Drain's set is, so
+    that a response dropped before its body was read leaves no count behind."""
+
+    def __init__(self) -> None:
+        self._tickets: weakref.WeakSet[LoadTicket] = weakref.WeakSet()
+
+    def enter(self) -> LoadTicket:
+        ticket = LoadTicket()
+        self._tickets.add(ticket)
+        return ticket
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for ticket in self._tickets if ticket.open)
+
+
 @dataclass(slots=True)
 class Choice:
     """One of a request's `n` choices: its engine stream (first output already read) and its
@@ -228,6 +259,7 @@ class Choice:
     outputs: AsyncIterator[RequestOutput]
     tracker: Tracker
     prompt_index: int = 0  # which of a text completion's prompts it continues
+    ticket: LoadTicket | None = None  # the request's place in the server load
 
     def chain(self) -> AsyncIterator[RequestOutput]:
         return chain(self.first, self.outputs, self.tracker)
@@ -261,6 +293,8 @@ def _cached_prompt_tokens(tracker: Tracker) -> int:
 async def close_choices(choices: Sequence[Choice]) -> None:
     for choice in choices:
         choice.tracker.abandon()
+        if choice.ticket is not None:
+            choice.ticket.release()
         await close_outputs(choice.outputs)
 
 

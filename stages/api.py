@@ -84,6 +84,9 @@ class ChatPrompt(msgspec.Struct, frozen=True, tag="chat"):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     chat_template: str | None = None  # the request's own (--trust-request-chat-template)
+    # vLLM's: BOS (where the model has one) ahead of the template's text; off, as the template
+    # writes its own
+    add_special_tokens: bool = False
 
 
 class TextPrompt(msgspec.Struct, frozen=True, tag="text"):
@@ -292,6 +295,14 @@ class EngineClient(Protocol):
         ...
 
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (vLLM's token_strs); EngineError for an id outside it."""
+        ...
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info document: the tokenizer's class, special tokens, template."""
+        ...
 
     async def render(self, request: GenerateRequest) -> RenderedPromptInfo:
         """The request rendered exactly as `generate` would render it, and nothing generated;

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import structlog
@@ -238,6 +238,12 @@ class DataParallelEngine:
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.replicas[0].detokenize(token_ids)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return self.replicas[0].token_strings(token_ids)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return self.replicas[0].tokenizer_info()
 
     def stats(self) -> Mapping[str, float]:
         """Each replica's figures under vLLM's `engine` label (`name{engine=1}`); summing over

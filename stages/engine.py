@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -734,10 +735,20 @@ class Engine:
         )
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
+        self._check_vocabulary(token_ids)
+        return self.bundle.decode(list(token_ids))
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        self._check_vocabulary(token_ids)
+        return self.bundle.token_strings(list(token_ids))
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        return self.bundle.info(self.model_info.max_model_len)
+
+    def _check_vocabulary(self, token_ids: Sequence[int]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.bundle.vocab_size]
         if bad:
             raise EngineError(f"token id {bad[0]} is out of vocabulary", param="tokens")
-        return self.bundle.decode(list(token_ids))
 
     def stats(self) -> Mapping[str, float]:
         values = self.supervisor.gauges("schedule")

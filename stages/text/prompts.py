@@ -120,8 +120,8 @@ def prompt_token_ids(
         )
         if bound is not None:
             bound.check(text, "messages")
-        # The template writes BOS itself where the model wants one.
-        return bundle.encode(text, add_bos=False)
+        # The template writes BOS itself where the model wants one (unless asked, as in vLLM).
+        return bundle.encode(text, add_bos=prompt.add_special_tokens)
     if isinstance(prompt, TextPrompt):
         if bound is not None:
             bound.check(prompt.text, "prompt")

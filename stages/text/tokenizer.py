@@ -80,6 +80,32 @@ class TokenizerBundle:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
 
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry as the tokenizer spells it (byte-level `Ġ` for a space, as
+        transformers' convert_ids_to_tokens gives them)."""
+        return [self.tokenizer.id_to_token(token_id) or "" for token_id in token_ids]
+
+    def info(self, max_model_len: int) -> dict[str, Any]:
+        """vLLM's /tokenizer_info document, from what this server knows of the tokenizer: the
+        class transformers builds from a tokenizer.json, the special tokens, the chat template."""
+        special = sorted(self.special_token_ids)
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": self.add_bos_token,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": None
+            if self.pad_token_id is None
+            else self.tokenizer.id_to_token(self.pad_token_id),
+            "chat_template": self.chat_template,
+            "model_max_length": max_model_len,
+            "vocab_size": self.vocab_size,
+            "added_tokens_decoder": {
+                str(token_id): {"content": self.tokenizer.id_to_token(token_id), "special": True}
+                for token_id in special
+            },
+        }
+
 
 def load_tokenizer(model_path: str) -> TokenizerBundle:
     """The tokenizer of a Hugging Face model directory or of a `.gguf` file."""

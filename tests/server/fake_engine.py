@@ -56,6 +56,7 @@ class FakeEngine:
     # does; `tokenizing` says one has started.
     tokenize_gate: threading.Event | None = None
     tokenizing: threading.Event = field(default_factory=threading.Event)
+    tokenized: list[ChatPrompt | TextPrompt] = field(default_factory=list)  # /tokenize's prompts
     _ids: dict[str, int] = field(default_factory=dict)
     _words: dict[int, str] = field(default_factory=dict)
 
@@ -77,6 +78,7 @@ class FakeEngine:
         return self._ids[word]
 
     def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
+        self.tokenized.append(prompt)
         self.tokenizing.set()
         if self.tokenize_gate is not None:
             self.tokenize_gate.wait(10)
@@ -87,6 +89,12 @@ class FakeEngine:
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return " ".join(self._words.get(token_id, f"<{token_id}>") for token_id in token_ids)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [self._words.get(token_id, f"<{token_id}>") for token_id in token_ids]
+
+    def tokenizer_info(self) -> dict[str, object]:
+        return {"tokenizer_class": "FakeWordTokenizer", "model_max_length": MAX_MODEL_LEN}
 
     def stats(self) -> Mapping[str, float]:
         return {

@@ -29,6 +29,8 @@ ROUTES = {
     ("/version", "get"),
     ("/tokenize", "post"),
     ("/detokenize", "post"),
+    ("/invocations", "post"),
+    ("/load", "get"),
     ("/reset_prefix_cache", "post"),
     ("/metrics", "get"),
     ("/debug/profile", "get"),

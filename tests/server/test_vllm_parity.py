@@ -165,3 +165,77 @@ async def test_a_prompt_that_fails_fails_the_batch_and_frees_the_others(
     assert response.status_code == 400
     assert_error(await response.get_json(), "BadRequestError", "prompt")
     assert not engine.running
+
+
+async def test_tokenize_gives_token_strs_only_when_asked(app: Quart, engine: FakeEngine) -> None:
+    """vLLM's test_tokenize_with_return_token_strs: `token_strs` is null unless asked for."""
+    client = app.test_client()
+    plain = await (await client.post("/tokenize", json={"prompt": "red green"})).get_json()
+    assert plain["token_strs"] is None and plain["count"] == 2
+    asked = await (
+        await client.post("/tokenize", json={"prompt": "red green", "return_token_strs": True})
+    ).get_json()
+    assert asked["tokens"] == plain["tokens"] and asked["token_strs"] == ["red", "green"]
+
+
+async def test_tokenize_passes_add_special_tokens_for_messages(
+    app: Quart, engine: FakeEngine
+) -> None:
+    """For messages vLLM's default is off (the template writes BOS); on, the prompt asks for it."""
+    client = app.test_client()
+    for asked, expected in ((None, False), (True, True), (False, False)):
+        body: dict[str, Any] = {"messages": SENTENCE}
+        if asked is not None:
+            body["add_special_tokens"] = asked
+        engine.tokenized.clear()
+        assert (await client.post("/tokenize", json=body)).status_code == 200
+        (prompt,) = engine.tokenized
+        assert isinstance(prompt, ChatPrompt) and prompt.add_special_tokens is expected
+    await client.post(CHAT, json=chat(add_special_tokens=True))
+    assert engine.requests[-1].prompt.add_special_tokens is True  # type: ignore[union-attr]
+
+
+async def test_tokenizer_info_is_served_only_with_its_flag(make_app: Any) -> None:
+    response = await make_app().test_client().get("/tokenizer_info")
+    assert response.status_code == 404
+    app = make_app(enable_tokenizer_info_endpoint=True)
+    info = await (await app.test_client().get("/tokenizer_info")).get_json()
+    assert info["tokenizer_class"] == "FakeWordTokenizer"
+
+
+async def test_load_counts_generation_requests_in_flight(make_app: Any, engine: FakeEngine) -> None:
+    """vLLM's test_server_load: 0, 1 while a request runs (a stream until its last chunk), 0."""
+    app = make_app()
+    engine.token_delay_s = 0.05
+    client = app.test_client()
+
+    async def load() -> int:
+        body = await (await client.get("/load")).get_json()
+        return int(body["server_load"])
+
+    assert await load() == 0
+    async with client.request(COMPLETIONS, method="POST") as connection:
+        await connection.send(json.dumps(completion(prompt="a b c d", stream=True)).encode())
+        await connection.send_complete()
+        await connection.receive()  # the stream has begun
+        assert await load() == 1
+        while await connection.receive():
+            pass
+    assert await load() == 0
+    response = await client.post(COMPLETIONS, json=completion(prompt=["a b", "c"]))
+    assert response.status_code == 200 and await load() == 0
+    refused = await client.post(COMPLETIONS, json=completion(prompt="word " * 80))
+    assert refused.status_code == 400 and await load() == 0
+
+
+async def test_invocations_answers_chat_and_completion_bodies(app: Quart) -> None:
+    """SageMaker's entry point, as vLLM routes it: by the body's shape."""
+    client = app.test_client()
+    chat_body = await (await client.post("/invocations", json=chat())).get_json()
+    assert chat_body["object"] == "chat.completion"
+    assert chat_body["choices"][0]["message"]["content"] == "hello there"
+    text_body = await (await client.post("/invocations", json=completion())).get_json()
+    assert text_body["object"] == "text_completion" and text_body["choices"][0]["text"]
+    response = await client.post("/invocations", json={"input": "x"})
+    assert response.status_code == 400
+    assert_error(await response.get_json(), "BadRequestError", "messages")

@@ -41,6 +41,9 @@ def test_gguf_tokenizer_matches_transformers(smollm2_gguf, gguf_bundle):
     )
     for text in TEXTS:
         assert gguf_bundle.encode(text) == reference(text, add_special_tokens=False).input_ids, text
+        # vLLM's /tokenize token_strs are transformers' convert_ids_to_tokens
+        ids = gguf_bundle.encode(text)
+        assert gguf_bundle.token_strings(ids) == reference.convert_ids_to_tokens(ids), text
 
 
 def test_gguf_tokenizer_round_trips_and_keeps_specials_whole(gguf_bundle):
@@ -67,6 +70,19 @@ def test_gguf_tokenizer_metadata(gguf_bundle):
         if b and b[0] >= 0xC0 and len(b) == 1
     ]
     assert partial
+
+
+def test_tokenizer_info_has_what_vllm_reports(gguf_bundle):
+    info = gguf_bundle.info(max_model_len=8192)
+    assert info["tokenizer_class"] and info["model_max_length"] == 8192
+    assert (info["bos_token"], info["eos_token"], info["pad_token"]) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
+    assert info["chat_template"] == gguf_bundle.chat_template
+    assert info["added_tokens_decoder"]["1"] == {"content": "<|im_start|>", "special": True}
+    assert info["add_bos_token"] is False
 
 
 def test_tokenizer_module_does_not_import_torch(smollm2_gguf):
