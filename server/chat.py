@@ -106,9 +106,13 @@ class _Calls:
         self._held.append(text)
         return ""
 
-    def release(self) -> tuple[list[ToolCallDelta], str]:
-        """At the finish of a forced call: (the calls taken, content when the text held no calls)."""
+    def release(self, finish_reason: str | None = None) -> tuple[list[ToolCallDelta], str]:
+        """At the finish of a forced call: (the calls taken, content when the text held no calls).
+        A call cut by max_tokens is no call, and its partial JSON no content (OpenAI's and
+        vLLM's answer: finish_reason "length", no tool_calls, empty content)."""
         if self.forced is None:
+            return [], ""
+        if finish_reason == "length":
             return [], ""
         text = "".join(self._held)
         calls = forced_tool_calls(text, self.forced)
@@ -211,7 +215,7 @@ def stream_chat(
                 for piece in pieces:
                     yield sse(_chunk(ctx, [piece], usage_now()))
                 continue
-            forced, held = calls.release() if named is None else ([], "")
+            forced, held = calls.release(output.finish_reason) if named is None else ([], "")
             if forced:
                 delta = {"tool_calls": [_tool_call_piece(piece) for piece in forced]}
                 pieces.append(ids.take(_choice(index, delta)))
@@ -243,7 +247,7 @@ async def _collect_choice(
         reasoning.append(output.reasoning)
         calls.take(output.tool_calls)
         entries.extend(output.logprobs or ())
-    texts.append(calls.release()[1])
+    texts.append(calls.release(choice.tracker.finish_reason)[1])
     as_ids = ctx.tokens_as_ids(request.return_tokens_as_token_ids)
     logprobs = (
         chat_logprobs(

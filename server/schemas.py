@@ -488,13 +488,17 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
                 param="tool_choice",
             )
         if forced == "required":
-            # vLLM's shape: a JSON list of {"name", "parameters"}, one entry per call
+            # vLLM's shape: a JSON list of {"name", "parameters"}, one entry per call. Each
+            # tool's $defs move to the root, where its "#/$defs/..." references point.
+            definitions: dict[str, Any] = {}
             calls = [
                 {
                     "type": "object",
                     "properties": {
                         "name": {"type": "string", "enum": [t["function"]["name"]]},
-                        "parameters": _parameters_schema(t["function"]),
+                        "parameters": _hoist_definitions(
+                            _parameters_schema(t["function"]), definitions
+                        ),
                     },
                     "required": ["name", "parameters"],
                     "additionalProperties": False,
@@ -506,6 +510,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
                 "minItems": 1,
                 "items": {"anyOf": calls},
             }
+            if definitions:
+                schema["$defs"] = definitions
         else:
             function = self._tool(forced)
             if function is None:
@@ -777,6 +783,22 @@ def _check_function_fields(function: dict[str, Any], param: str) -> None:
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise APIError(f"{param}.description must be a string", param=f"{param}.description")
+
+
+def _hoist_definitions(parameters: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
+    """`parameters` without its `$defs`, which join `definitions` (the root schema's); a name
+    two tools define differently is a 400, as in vLLM (one root cannot hold both)."""
+    own = parameters.get("$defs")
+    if not isinstance(own, dict):
+        return parameters
+    for name, definition in own.items():
+        if name in definitions and definitions[name] != definition:
+            raise APIError(
+                f"Tool definition '{name}' has multiple schemas, which is not supported.",
+                param="tools",
+            )
+        definitions[name] = definition
+    return {key: value for key, value in parameters.items() if key != "$defs"}
 
 
 def _parameters_schema(function: dict[str, Any]) -> dict[str, Any]:

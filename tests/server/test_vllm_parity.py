@@ -239,3 +239,65 @@ async def test_invocations_answers_chat_and_completion_bodies(app: Quart) -> Non
     response = await client.post("/invocations", json={"input": "x"})
     assert response.status_code == 400
     assert_error(await response.get_json(), "BadRequestError", "messages")
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"options": {"$ref": "#/$defs/WeatherOptions"}},
+            "required": ["options"],
+            "$defs": {
+                "WeatherOptions": {
+                    "type": "object",
+                    "properties": {"unit": {"type": "string", "enum": ["C", "F"]}},
+                    "required": ["unit"],
+                }
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+async def test_tool_schemas_with_defs_compile_under_a_forced_choice(
+    app: Quart, engine: FakeEngine, tool_choice: Any
+) -> None:
+    """vLLM's test_completion_with_function_calling: `$ref`s into a tool's `$defs` resolve under
+    `required` (whose grammar nests each tool's parameters, so the defs move to its root)."""
+    from stages.text.structured import compile_grammar
+
+    body = chat(tools=[WEATHER_TOOL], tool_choice=tool_choice)
+    response = await app.test_client().post(CHAT, json=body)
+    assert response.status_code == 200
+    spec = engine.requests[-1].sampling.structured
+    assert spec is not None and "WeatherOptions" in json.loads(spec.value)["$defs"]
+    compile_grammar(spec)  # raises EngineError on a dangling pointer
+
+
+async def test_two_tools_defining_one_name_differently_are_refused(app: Quart) -> None:
+    other = json.loads(json.dumps(WEATHER_TOOL))
+    other["function"]["name"] = "get_forecast"
+    other["function"]["parameters"]["$defs"]["WeatherOptions"]["required"] = []
+    response = await app.test_client().post(
+        CHAT, json=chat(tools=[WEATHER_TOOL, other], tool_choice="required")
+    )
+    assert response.status_code == 400
+    assert_error(await response.get_json(), "BadRequestError", "tools")
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+async def test_a_forced_call_cut_by_max_tokens_is_no_call(app: Quart, tool_choice: Any) -> None:
+    """vLLM's test_max_tokens_with_tool_choice_required: finish "length", no tool_calls, empty
+    content (the partial JSON is neither a call nor a reply)."""
+    messages = [{"role": "user", "content": '{"options": {"unit": "C"}}'}]
+    body = chat(messages=messages, tools=[WEATHER_TOOL], tool_choice=tool_choice, max_tokens=1)
+    choice = (await (await app.test_client().post(CHAT, json=body)).get_json())["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert "tool_calls" not in choice["message"] and choice["message"]["content"] == ""

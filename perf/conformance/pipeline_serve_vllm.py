@@ -1,0 +1,409 @@
+"""pytest plugin that runs vLLM's own entrypoint tests against pipeline-serve (issue 36).
+
+Loaded by perf/vllm_conformance.py into a pytest run rooted at a checkout of vLLM, it stands in
+for the three things those tests take from vLLM itself:
+
+* `tests.utils.RemoteOpenAIServer` starts `pipeline-serve` (not `vllm serve`) with the test's
+  flags, the ones this server lacks dropped and recorded, the test's model name served by the
+  default model;
+* `vllm.*` imports resolve to stand-in modules: `vllm.tokenizers.get_tokenizer` is the served
+  model's tokenizer (transformers), anything else is an object whose use skips the test as a
+  unit test of vLLM's internals;
+* `huggingface_hub.snapshot_download` (no network here) gives a LoRA adapter of the served model
+  (a zero-B PEFT adapter: the base model's outputs under the adapter's name) for a LoRA repo, and
+  fails for anything else.
+
+Configuration comes from the environment the runner sets: PIPELINE_SERVE_CMD (JSON argv of the
+server), PIPELINE_SERVE_MODEL (the served checkpoint), PIPELINE_SERVE_FLAGS (JSON: the server's
+option strings and whether each takes a value), PIPELINE_SERVE_REPORT (where to write the
+per-test outcomes and the dropped flags, as JSON lines).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SERVER_START_S = 300.0
+# Flags whose value describes the test's own model, not the API under test: dropped so that
+# the substituted model runs as it is (its GGUF's quantized weights, its own context).
+MODEL_FLAGS = frozenset({"--dtype", "--quantization", "--tokenizer", "--hf-overrides"})
+INTERNAL = "vLLM internals"
+
+
+def _report(record: dict[str, Any]) -> None:
+    path = os.environ.get("PIPELINE_SERVE_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(json.dumps(record) + "\n")
+
+
+# --- vllm.* stand-ins -----------------------------------------------------------------------
+
+
+class _Internal:
+    """What a `vllm.*` name is here: using it skips the test (it tests vLLM's code, not its
+    API). Attribute access, calls, subclassing and decoration all end in the skip."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _skip(self, *args: Any, **kwargs: Any) -> Any:
+        # at import time (a decorator, a module constant) the whole module is vLLM's
+        pytest.skip(f"{INTERNAL}: uses {self._name}", allow_module_level=True)
+
+    __call__ = _skip
+    __iter__ = _skip
+    __enter__ = _skip
+    __getitem__ = _skip
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return _Internal(f"{self._name}.{attribute}")
+
+    def __mro_entries__(self, bases: tuple[Any, ...]) -> tuple[type, ...]:
+        return (_InternalBase,)
+
+    def __or__(self, other: Any) -> Any:  # used in annotations: `X | None`
+        return self
+
+    __ror__ = __or__
+
+
+class _InternalBase:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pytest.skip(f"{INTERNAL}: subclasses a vllm class", allow_module_level=True)
+
+
+def _tokenizer(tokenizer_name: str = "", *args: Any, **kwargs: Any) -> Any:
+    """vllm.tokenizers.get_tokenizer: whatever the test names, the served model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    model = Path(os.environ["PIPELINE_SERVE_MODEL"])
+    if model.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
+    return AutoTokenizer.from_pretrained(model)
+
+
+_KNOWN = {
+    "vllm.tokenizers": {"get_tokenizer": _tokenizer},
+    "vllm.transformers_utils.tokenizer": {"get_tokenizer": _tokenizer},
+    "vllm.version": {"__version__": "pipeline-serve"},
+}
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return _Internal(f"{self.__name__}.{attribute}")
+
+
+class _VllmFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Every `vllm` and `vllm.*` module is a stand-in (vLLM itself is not installed here)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname == "vllm" or fullname.startswith("vllm."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _StandInModule(spec.name)
+        module.__path__ = []
+        for name, value in _KNOWN.get(spec.name, {}).items():
+            setattr(module, name, value)
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+# --- the server -------------------------------------------------------------------------------
+
+
+def _flags() -> dict[str, bool]:
+    """The server's option strings -> whether each takes a value."""
+    known: dict[str, bool] = json.loads(os.environ.get("PIPELINE_SERVE_FLAGS", "{}"))
+    return known
+
+
+def map_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the flags pipeline-serve takes, those it lacks or that describe the test's model)."""
+    known = _flags()
+    kept: list[str] = []
+    dropped: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = str(args[i])
+        name, has_inline, _ = arg.partition("=")
+        takes_value = known.get(name)
+        if name in MODEL_FLAGS or (name.startswith("-") and takes_value is None):
+            dropped.append(name)
+            # a value follows unless it is another flag (or inline)
+            value_follows = not has_inline and i + 1 < len(args)
+            i += 2 if value_follows and not str(args[i + 1]).startswith("--") else 1
+            continue
+        kept.append(arg)
+        if takes_value and not has_inline and i + 1 < len(args):
+            # nargs="+" options (--served-model-name, --lora-modules) take values up to the next flag
+            i += 1
+            while i < len(args) and not str(args[i]).startswith("--"):
+                kept.append(str(args[i]))
+                i += 1
+            continue
+        i += 1
+    return kept, dropped
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RemoteOpenAIServer:
+    """vLLM's test server, as pipeline-serve: the test's model name is served by the default
+    model, its flags are passed on where this server has them."""
+
+    DUMMY_API_KEY = "token-abc123"
+
+    def __init__(
+        self,
+        model: str,
+        vllm_serve_args: list[str],
+        *,
+        env_dict: dict[str, str] | None = None,
+        seed: int | None = 0,
+        auto_port: bool = True,
+        max_wait_seconds: float | None = None,
+        override_hf_configs: dict[str, Any] | None = None,
+    ) -> None:
+        args, dropped = map_args(list(vllm_serve_args))
+        _report({"kind": "server", "model": model, "dropped": dropped, "kept": args})
+        self.host = "127.0.0.1"
+        self.port = _free_port()
+        names = [] if "--served-model-name" in args else ["--served-model-name", model]
+        seed_args = [] if seed is None or "--seed" in args else ["--seed", str(seed)]
+        command = [
+            *json.loads(os.environ["PIPELINE_SERVE_CMD"]),
+            os.environ["PIPELINE_SERVE_MODEL"],
+            *names,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *seed_args,
+            *args,
+        ]
+        env = {**os.environ, **(env_dict or {})}
+        # the server imports this project, not the checkout's packages nor this plugin's deps
+        env["PYTHONPATH"] = os.environ.get("PIPELINE_SERVE_SOURCE", "")
+        # the server's output, read back when it fails to start; closed with the server
+        self._log = tempfile.NamedTemporaryFile(prefix="pipeline-serve-", suffix=".log")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            command, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            self._wait_until_healthy(max_wait_seconds or SERVER_START_S)
+        except BaseException:
+            self._stop()
+            raise
+
+    def _wait_until_healthy(self, timeout_s: float) -> None:
+        import requests
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._log.seek(0)
+                tail = self._log.read()[-3000:].decode(errors="replace")
+                raise RuntimeError(f"pipeline-serve exited {self.proc.returncode}:\n{tail}")
+            try:
+                if requests.get(self.url_for("health"), timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"pipeline-serve was not healthy within {timeout_s:g} s")
+
+    @property
+    def url_root(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def url_for(self, *parts: str) -> str:
+        path = "/".join(part.strip("/") for part in parts if part)
+        return f"{self.url_root}/{path}"
+
+    def get_client(self, **kwargs: Any) -> Any:
+        import openai
+
+        kwargs.setdefault("timeout", 600)
+        return openai.OpenAI(
+            base_url=self.url_for("v1"), api_key=self.DUMMY_API_KEY, max_retries=0, **kwargs
+        )
+
+    def get_async_client(self, **kwargs: Any) -> Any:
+        import openai
+
+        kwargs.setdefault("timeout", 600)
+        return openai.AsyncOpenAI(
+            base_url=self.url_for("v1"), api_key=self.DUMMY_API_KEY, max_retries=0, **kwargs
+        )
+
+    def _stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> RemoteOpenAIServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop()
+
+
+def _skip_mark(*args: Any, **kwargs: Any) -> Any:
+    """A GPU or ROCm marker of tests.utils: such tests are skipped here."""
+    mark = pytest.mark.skip(reason="needs a GPU")
+    if len(args) == 1 and callable(args[0]) and not kwargs:
+        return mark(args[0])
+    return mark
+
+
+class _TestsUtils(types.ModuleType):
+    """tests.utils as the entrypoint tests use it."""
+
+    RemoteOpenAIServer = RemoteOpenAIServer
+    ROCM_EXTRA_ARGS: list[str] = []
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        if attribute in ("VLLM_PATH",):
+            return Path.cwd()
+        if attribute.endswith(("_only", "_test", "_mark", "_marks")) or attribute.startswith(
+            ("requires_", "multi_gpu", "large_gpu")
+        ):
+            return _skip_mark
+        return _Internal(f"tests.utils.{attribute}")
+
+
+# --- no network: LoRA adapters of the served model ---------------------------------------
+
+
+def _lora_adapter(repo_id: str) -> str:
+    """A PEFT LoRA adapter of the served model (rank 8, B zero: the base model's outputs) for
+    any repo whose name says LoRA; made once per name in a temporary directory."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    shape = json.loads(os.environ["PIPELINE_SERVE_SHAPE"])
+    root = Path(tempfile.gettempdir()) / "pipeline-serve-conformance-loras"
+    directory = root / repo_id.replace("/", "--")
+    if (directory / "adapter_config.json").exists():
+        return str(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rank = 8
+    hidden, heads, kv_heads = shape["hidden_size"], shape["num_heads"], shape["num_kv_heads"]
+    head_dim = shape["head_dim"]
+    outputs = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim,
+               "v_proj": kv_heads * head_dim, "o_proj": hidden}  # fmt: skip
+    inputs = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": heads * head_dim}
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for layer in range(shape["num_layers"]):
+        for name, out_features in outputs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.standard_normal(
+                (rank, inputs[name]), dtype=np.float32
+            )
+            tensors[f"{prefix}.lora_B.weight"] = np.zeros((out_features, rank), np.float32)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(outputs),
+              "bias": "none", "task_type": "CAUSAL_LM"}  # fmt: skip
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def _snapshot_download(repo_id: str, *args: Any, **kwargs: Any) -> str:
+    if "lora" in repo_id.lower():
+        return _lora_adapter(repo_id)
+    pytest.skip(f"downloads {repo_id} (no network here)")
+
+
+# --- hooks ----------------------------------------------------------------------------------
+
+sys.meta_path.insert(0, _VllmFinder())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import huggingface_hub
+
+    import tests  # the checkout's package: this plugin replaces its utils module
+
+    utils = _TestsUtils("tests.utils")
+    sys.modules["tests.utils"] = utils
+    tests.utils = utils  # type: ignore[attr-defined]
+    huggingface_hub.snapshot_download = _snapshot_download
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A module that cannot be imported here: its tests count as one entry, with the reason."""
+    if report.outcome == "passed":
+        return
+    text = report.longreprtext.strip() if report.longreprtext else ""
+    if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+        text = str(report.longrepr[2])
+    _report(
+        {
+            "kind": "test",
+            "nodeid": report.nodeid,
+            "when": "collect",
+            "outcome": "skipped" if report.outcome == "skipped" else "failed",
+            "reason": (text.splitlines()[-1] if text else "")[:500],
+        }
+    )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" or report.outcome != "passed":
+        reason = ""
+        outcome = report.outcome
+        if outcome == "skipped" and isinstance(report.longrepr, tuple):
+            reason = str(report.longrepr[2])
+        elif outcome == "failed":
+            text = report.longreprtext or ""
+            reason = text.strip().splitlines()[-1] if text.strip() else ""
+            missing = re.search(r"fixture '(\w+)' not found", text)
+            if report.when == "setup" and missing:
+                # a fixture of vLLM's model-test conftest (media servers, GPU probes)
+                outcome, reason = "skipped", f"needs vLLM's fixture: {missing.group(1)}"
+        _report(
+            {
+                "kind": "test",
+                "nodeid": report.nodeid,
+                "when": report.when,
+                "outcome": outcome,
+                "reason": reason[:500],
+            }
+        )
