@@ -187,7 +187,7 @@ def run_suite(
         sys.executable, "-m", "pytest", *suite.paths,
         "-p", "pipeline_serve_vllm", "-p", "no:cacheprovider",
         f"--confcutdir={suite.confcutdir}", "-o", "addopts=", "-q", "-rN",
-        "--continue-on-collection-errors",
+        "--continue-on-collection-errors", "--tb=native",
         "-o", "asyncio_default_fixture_loop_scope=module",
         *suite.extra,
     ]  # fmt: skip

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Blueprint, Quart, Response, current_app, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from server.chat import collect_chat, stream_chat
+from server.chat import collect_batch_chat, collect_chat, stream_chat
 from server.completions import collect_completion, stream_completion
 from server.config import ServerConfig
 from server.cors import install_cors
@@ -31,6 +31,7 @@ from server.openai_serving import (
 )
 from server.openapi import openapi_document, request_body
 from server.schemas import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -141,6 +142,21 @@ async def chat_completions(raw: bytes | None = None) -> Response:
         collect_chat,
         serving.chat_parsers,
         raw,
+    )
+
+
+@routes.post("/v1/chat/completions/batch")
+@request_body(BatchChatCompletionRequest)
+async def batch_chat_completions() -> Response:
+    """vLLM's: several conversations in one request, one choice each (no streaming)."""
+    serving = openai_serving()
+    return await serving.generation_route(
+        BatchChatCompletionRequest,
+        "chatcmpl",
+        lambda body: [serving.chat_prompt(c) for c in body.conversations()],
+        None,
+        collect_batch_chat,
+        serving.chat_parsers,
     )
 
 

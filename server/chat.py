@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from server.logprobs import chat_logprobs, prompt_logprobs_body
-from server.schemas import ChatCompletionRequest
+from server.schemas import BatchChatCompletionRequest, ChatCompletionRequest
 from server.serving import (
     Choice,
     ResponseContext,
@@ -281,10 +281,34 @@ async def _collect_choice(
     return body
 
 
+async def collect_batch_chat(
+    ctx: ResponseContext, request: BatchChatCompletionRequest, choices: Sequence[Choice]
+) -> dict[str, Any]:
+    """vLLM's /v1/chat/completions/batch answer: one chat.completion whose choice i answers
+    conversation i; usage sums every conversation's prompt and completion."""
+    conversations = request.conversations()
+    bodies = await gather_choices(
+        choices,
+        lambda choice: _collect_choice(ctx, conversations[choice.prompt_index], choice),
+    )
+    return _response(ctx, request, choices, bodies, with_prompt=False)
+
+
 async def collect_chat(
     ctx: ResponseContext, request: ChatCompletionRequest, choices: Sequence[Choice]
 ) -> dict[str, Any]:
     bodies = await gather_choices(choices, lambda choice: _collect_choice(ctx, request, choice))
+    return _response(ctx, request, choices, bodies)
+
+
+def _response(
+    ctx: ResponseContext,
+    request: ChatCompletionRequest,
+    choices: Sequence[Choice],
+    bodies: list[dict[str, Any]],
+    with_prompt: bool = True,
+) -> dict[str, Any]:
+    """The chat.completion of `bodies`; `with_prompt`: the extras about the one prompt."""
     response: dict[str, Any] = {
         "id": ctx.request_id,
         "object": "chat.completion",
@@ -302,7 +326,7 @@ async def collect_chat(
     response["prompt_token_ids"] = response["prompt_text"] = None
     if ctx.include_request_metrics:
         response["metrics"] = choices[0].tracker.metrics_body()
-    return _with_prompt(response, ctx, request, choices[0].first)
+    return _with_prompt(response, ctx, request, choices[0].first) if with_prompt else response
 
 
 def _with_prompt(

@@ -256,7 +256,7 @@ class OpenAIServing:
         schema: Any,
         id_prefix: str,
         prompts_of: Callable[[Any], list[Any]],
-        stream_builder: Callable[..., Any],
+        stream_builder: Callable[..., Any] | None,  # None: the schema refuses `stream`
         collector: Callable[..., Any],
         parsers_of: Callable[[Any], tuple[str | None, str | None]] = lambda body: (None, None),
         raw: bytes | None = None,
@@ -279,7 +279,7 @@ class OpenAIServing:
             model,
             body.stream,
             body.n,
-            lambda ctx, choices: stream_builder(ctx, body, choices),
+            lambda ctx, choices: stream_builder(ctx, body, choices),  # type: ignore[misc]
             lambda ctx, choices: collector(ctx, body, choices),
             with_prompt_text=getattr(body, "return_prompt_text", None) is True,  # chat only
         )

@@ -556,6 +556,60 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         return msgspec.structs.replace(sampling, prompt_logprobs=self.prompt_logprobs)
 
 
+class BatchChatCompletionRequest(ChatCompletionRequest, kw_only=True):
+    """vLLM's /v1/chat/completions/batch body: the chat fields, `messages` a list of
+    conversations, each answered by one choice (its index). As in vLLM: no streaming, tools,
+    beam search or n > 1."""
+
+    messages: Annotated[  # type: ignore[assignment]
+        list[Annotated[list[dict[str, Any]], Meta(min_length=1)]], Meta(min_length=1)
+    ]
+
+    def conversation(self, index: int) -> ChatCompletionRequest:
+        """The chat request of one conversation, every other field as the batch gives it."""
+        fields = {name: getattr(self, name) for name in self.__struct_fields__}
+        fields["messages"] = self.messages[index]
+        return ChatCompletionRequest(**fields)
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        return [self.conversation(i) for i in range(len(self.messages))]
+
+    def validate(self, vocab_size: int) -> None:
+        unsupported = {
+            "stream": self.stream,
+            "tools": self.tools is not None,
+            "use_beam_search": self.use_beam_search,
+            "n": self.n != 1,
+            # the response's prompt extras are of one prompt
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "return_prompt_text": bool(self.return_prompt_text),
+        }
+        for name, given in unsupported.items():
+            if given:
+                raise APIError(
+                    f"Batch chat completions do not support `{name}`"
+                    + (" > 1" if name == "n" else "")
+                    + " (as in vLLM)",
+                    param=name,
+                )
+        if len(self.messages) > MAX_BATCH_PROMPTS:
+            raise APIError(
+                f"at most {MAX_BATCH_PROMPTS} conversations per request, got {len(self.messages)}",
+                param="messages",
+            )
+        for index, conversation in enumerate(self.conversations()):
+            try:
+                conversation.validate(vocab_size)
+            except APIError as error:
+                # name the conversation: messages[2] of the first is messages[0][2] here
+                where = f"messages[{index}]"
+                if error.param is not None and error.param.startswith("messages"):
+                    error.param = where + error.param.removeprefix("messages")
+                if error.message.startswith("messages"):
+                    error.message = where + error.message.removeprefix("messages")
+                raise
+
+
 class CompletionRequest(_GenerationRequest, kw_only=True):
     _LOGPROB_COUNTS = ("prompt_logprobs", "logprobs")
     # A string, or a list of strings, token ids or lists of token ids (msgspec allows one array

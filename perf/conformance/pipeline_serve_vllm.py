@@ -55,21 +55,34 @@ def _report(record: dict[str, Any]) -> None:
 # --- vllm.* stand-ins -----------------------------------------------------------------------
 
 
+_in_test = False  # True while a test (its fixtures included) runs
+
+
 class _Internal:
-    """What a `vllm.*` name is here: using it skips the test (it tests vLLM's code, not its
-    API). Attribute access, calls, subclassing and decoration all end in the skip."""
+    """What a `vllm.*` name is here: using it in a test skips the test (it tests vLLM's code,
+    not its API). At import time (a decorator, a base class, a module constant) it stands in
+    quietly, so that a module's HTTP tests still run beside its unit tests."""
 
     def __init__(self, name: str) -> None:
         self._name = name
 
-    def _skip(self, *args: Any, **kwargs: Any) -> Any:
-        # at import time (a decorator, a module constant) the whole module is vLLM's
-        pytest.skip(f"{INTERNAL}: uses {self._name}", allow_module_level=True)
+    def _use(self, *args: Any, **kwargs: Any) -> Any:
+        if _in_test:
+            pytest.skip(f"{INTERNAL}: uses {self._name}")
+        return _Internal(f"{self._name}()")
 
-    __call__ = _skip
-    __iter__ = _skip
-    __enter__ = _skip
-    __getitem__ = _skip
+    __call__ = _use
+    __getitem__ = _use
+
+    def __iter__(self) -> Any:
+        self._use()
+        return iter(())
+
+    def __enter__(self) -> Any:
+        return self._use()
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
     def __getattr__(self, attribute: str) -> Any:
         if attribute.startswith("__"):
@@ -87,17 +100,30 @@ class _Internal:
 
 class _InternalBase:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pytest.skip(f"{INTERNAL}: subclasses a vllm class", allow_module_level=True)
+        if _in_test:
+            pytest.skip(f"{INTERNAL}: subclasses a vllm class")
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return _Internal(f"{type(self).__name__}.{attribute}")
 
 
 def _tokenizer(tokenizer_name: str = "", *args: Any, **kwargs: Any) -> Any:
     """vllm.tokenizers.get_tokenizer: whatever the test names, the served model's tokenizer."""
     from transformers import AutoTokenizer
 
-    model = Path(os.environ["PIPELINE_SERVE_MODEL"])
-    if model.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
-    return AutoTokenizer.from_pretrained(model)
+    global _served_tokenizer
+    if _served_tokenizer is None:
+        model = Path(os.environ["PIPELINE_SERVE_MODEL"])
+        if model.suffix == ".gguf":
+            _served_tokenizer = AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
+        else:
+            _served_tokenizer = AutoTokenizer.from_pretrained(str(model))
+    return _served_tokenizer
+
+
+_served_tokenizer: Any = None
 
 
 _KNOWN = {
@@ -181,6 +207,7 @@ class RemoteOpenAIServer:
     model, its flags are passed on where this server has them."""
 
     DUMMY_API_KEY = "token-abc123"
+    show_hidden_metrics = False  # vLLM's --show-hidden-metrics-for-version: none here
 
     def __init__(
         self,
@@ -356,8 +383,24 @@ def _snapshot_download(repo_id: str, *args: Any, **kwargs: Any) -> str:
 sys.meta_path.insert(0, _VllmFinder())
 
 
+def _served_tokenizer_for_hub_names(from_pretrained: Any) -> Any:
+    """transformers' AutoTokenizer.from_pretrained with a hub name (no network here) gives the
+    served model's tokenizer, the model that answers under every test's model name."""
+
+    def load(name: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(name, str) and not Path(name).exists() and "gguf_file" not in kwargs:
+            return _tokenizer(name)
+        return from_pretrained(name, *args, **kwargs)
+
+    return load
+
+
 def pytest_configure(config: pytest.Config) -> None:
     import huggingface_hub
+    import transformers
+
+    auto = transformers.AutoTokenizer
+    auto.from_pretrained = _served_tokenizer_for_hub_names(auto.from_pretrained)
 
     import tests  # the checkout's package: this plugin replaces its utils module
 
@@ -365,6 +408,16 @@ def pytest_configure(config: pytest.Config) -> None:
     sys.modules["tests.utils"] = utils
     tests.utils = utils  # type: ignore[attr-defined]
     huggingface_hub.snapshot_download = _snapshot_download
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    global _in_test
+    _in_test = True
+    try:
+        return (yield)
+    finally:
+        _in_test = False
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

@@ -20,6 +20,7 @@ ROUTES = {
     ("/v1/chat/completions", "post"),
     ("/v1/completions", "post"),
     ("/v1/chat/completions/render", "post"),
+    ("/v1/chat/completions/batch", "post"),
     ("/v1/completions/render", "post"),
     ("/v1/models", "get"),
     ("/v1/models/{model_id}", "get"),
@@ -39,6 +40,7 @@ ROUTES = {
 BODIES = {
     "/v1/chat/completions": "ChatCompletionRequest",
     "/v1/chat/completions/render": "ChatCompletionRequest",
+    "/v1/chat/completions/batch": "BatchChatCompletionRequest",
     "/v1/completions": "CompletionRequest",
     "/v1/completions/render": "CompletionRequest",
     "/tokenize": "TokenizeRequest",

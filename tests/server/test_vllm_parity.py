@@ -301,3 +301,46 @@ async def test_a_forced_call_cut_by_max_tokens_is_no_call(app: Quart, tool_choic
     choice = (await (await app.test_client().post(CHAT, json=body)).get_json())["choices"][0]
     assert choice["finish_reason"] == "length"
     assert "tool_calls" not in choice["message"] and choice["message"]["content"] == ""
+
+
+async def test_the_batch_chat_endpoint_answers_each_conversation(
+    app: Quart, engine: FakeEngine
+) -> None:
+    """vLLM's test_batched_chat_completions: one choice per conversation, indexed in order."""
+    conversations = [
+        [{"role": "user", "content": "alpha one"}],
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "beta"}],
+    ]
+    response = await app.test_client().post(
+        f"{CHAT}/batch", json={"messages": conversations, "max_tokens": 5}
+    )
+    assert response.status_code == 200
+    body = await response.get_json()
+    assert body["object"] == "chat.completion"
+    assert [(c["index"], c["message"]["content"]) for c in body["choices"]] == [
+        (0, "alpha one"),
+        (1, "beta"),
+    ]
+    prompts = [r.prompt for r in engine.requests[-2:]]
+    assert [len(p.messages) for p in prompts] == [1, 2]  # type: ignore[union-attr]
+    assert body["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stream": True}, "stream"),
+        ({"n": 2}, "n"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"tools": [WEATHER_TOOL]}, "tools"),
+        ({"messages": [[{"role": "user", "content": "a"}], []]}, "messages[1]"),
+        ({"messages": [[{"role": "user", "content": "a"}], [{"role": 5}]]}, "messages[1][0].role"),
+    ],
+)
+async def test_the_batch_chat_endpoint_refuses_what_vllm_refuses(
+    app: Quart, extra: dict[str, Any], param: str
+) -> None:
+    body = {"messages": [[{"role": "user", "content": "a"}]], **extra}
+    response = await app.test_client().post(f"{CHAT}/batch", json=body)
+    assert response.status_code == 400
+    assert_error(await response.get_json(), "BadRequestError", param)
