@@ -20,6 +20,7 @@ from server.cors import install_cors
 from server.drain import Drain, install_drain
 from server.errors import APIError, error_body, error_type_for, retry_after_header
 from server.lora_routes import lora_routes
+from server.metrics import orca_header
 from server.openai_serving import (
     EXTENSION,
     OpenAIServing,
@@ -94,6 +95,21 @@ async def authorize() -> None:
     scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key):
         raise APIError("Invalid API key", status=401, code="invalid_api_key")
+
+
+_GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/invocations"})
+
+
+@routes.after_app_request
+async def orca_load_report(response: Response) -> Response:
+    """vLLM's ORCA load report: a generation request with `endpoint-load-metrics-format: TEXT`
+    (or JSON) gets the engine's KV cache use and waiting count in `endpoint-load-metrics`."""
+    metrics_format = request.headers.get("endpoint-load-metrics-format")
+    if metrics_format is not None and request.path in _GENERATION_PATHS:
+        header = orca_header(metrics_format, openai_serving().engine.stats())
+        if header is not None:
+            response.headers["endpoint-load-metrics"] = header
+    return response
 
 
 @routes.after_app_request

@@ -6,6 +6,7 @@ outputs the server streams to its clients.
 
 from __future__ import annotations
 
+import json
 import re
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
@@ -75,6 +76,33 @@ class _EngineStatsCollector(Collector):
                 given = dict(labels)
                 family.add_metric([self._model_name, *(given.get(e, "") for e in extra)], value)
             yield family
+
+
+# vLLM's ORCA load report: the header a request asks for with endpoint-load-metrics-format.
+ORCA_METRICS = (("kv_cache_usage_perc", "kv_cache_usage_perc"),
+                ("num_requests_waiting", "num_requests_waiting"))  # fmt: skip
+
+
+def orca_header(metrics_format: str, stats: Mapping[str, float]) -> str | None:
+    """`endpoint-load-metrics`' value (vLLM's: `TEXT named_metrics.a=0.4, ...` or `JSON
+    {"named_metrics": {...}}`) from the engine's gauges (data-parallel replicas: waiting summed,
+    cache use averaged); None for a format other than TEXT or JSON."""
+    kind = metrics_format.strip().lower()
+    if kind not in ("text", "json"):
+        return None
+    samples: dict[str, list[float]] = {}
+    for key, value in stats.items():
+        labelled = _LABELLED.fullmatch(key)
+        name = (labelled["name"] if labelled else key).removeprefix("vllm:")
+        samples.setdefault(name, []).append(float(value))
+    named: dict[str, float] = {}
+    for source, orca_name in ORCA_METRICS:
+        values = samples.get(source, [0.0])
+        total = sum(values)
+        named[orca_name] = total / len(values) if source == "kv_cache_usage_perc" else total
+    if kind == "json":
+        return "JSON " + json.dumps({"named_metrics": named})
+    return "TEXT " + ", ".join(f"named_metrics.{name}={value}" for name, value in named.items())
 
 
 def _labels(text: str) -> tuple[tuple[str, str], ...]:

@@ -344,3 +344,23 @@ async def test_the_batch_chat_endpoint_refuses_what_vllm_refuses(
     response = await app.test_client().post(f"{CHAT}/batch", json=body)
     assert response.status_code == 400
     assert_error(await response.get_json(), "BadRequestError", param)
+
+
+@pytest.mark.parametrize("metrics_format", ["TEXT", "json"])
+async def test_an_orca_load_report_rides_on_a_generation_response(
+    app: Quart, metrics_format: str
+) -> None:
+    """vLLM's test_orca_metrics: the header asks, the response carries the engine's load."""
+    response = await app.test_client().post(
+        CHAT, json=chat(), headers={"endpoint-load-metrics-format": metrics_format}
+    )
+    report = response.headers["endpoint-load-metrics"]
+    if metrics_format == "TEXT":
+        assert report == (
+            "TEXT named_metrics.kv_cache_usage_perc=0.25, named_metrics.num_requests_waiting=0.0"
+        )
+    else:
+        kind, _, body = report.partition(" ")
+        assert kind == "JSON" and json.loads(body)["named_metrics"]["kv_cache_usage_perc"] == 0.25
+    plain = await app.test_client().post(CHAT, json=chat())
+    assert "endpoint-load-metrics" not in plain.headers
