@@ -71,8 +71,30 @@ class APIError(Exception):
             match = _MSGSPEC_PATH.search(message)
             # msgspec writes a dict value's key as "[...]"; the dict itself is the param
             param = (match.group(1).replace("[...]", "") or None) if match else None
+            kind = _pydantic_kind(message)
+            if kind is not None:  # pydantic's (so vLLM's) name of the broken bound, for clients
+                message = f"{message} ({kind})"  # that look for it, as vLLM's own tests do
             return cls(f"Invalid request: {message}", param=param, code="invalid_value")
         return cls(f"Invalid JSON body: {error}", code="invalid_json")
+
+
+_BOUND_KINDS = (
+    ("length >= ", "too_short"),
+    ("length <= ", "too_long"),
+    (">= ", "greater_than_equal"),
+    ("<= ", "less_than_equal"),
+    ("> ", "greater_than"),
+    ("< ", "less_than"),
+)
+
+
+def _pydantic_kind(message: str) -> str | None:
+    """pydantic's error type for msgspec's "Expected `int` <= 10" (less_than_equal), if any."""
+    expected = message.partition(" - at ")[0]
+    for marker, kind in _BOUND_KINDS:
+        if f" {marker}" in expected or expected.startswith(f"Expected {marker}"):
+            return kind
+    return None
 
 
 def retry_after_header(seconds: float) -> str:

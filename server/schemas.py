@@ -614,7 +614,10 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     _LOGPROB_COUNTS = ("prompt_logprobs", "logprobs")
     # A string, or a list of strings, token ids or lists of token ids (msgspec allows one array
     # type in a union, so the list's element kinds are checked in `validate`).
-    prompt: str | list[Any]
+    prompt: str | list[Any] | None = None
+    # vLLM's prompt embeddings (base64 tensors): refused when given, this server feeds the model
+    # tokens only; an empty one counts as no prompt, as in vLLM
+    prompt_embeds: Any = None
     logprobs: LogprobCount | None = None
     echo: bool = False
     add_special_tokens: bool = True
@@ -644,6 +647,12 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
                 param="logprob_token_ids",
             )
         self.structured()
+        if self.prompt_embeds:
+            raise APIError(
+                "prompt_embeds is not supported: this server feeds the model token ids (give "
+                "prompt as text or token ids)",
+                param="prompt_embeds",
+            )
         prompts = self._prompt_items()
         if len(prompts) > MAX_BATCH_PROMPTS:
             raise APIError(
@@ -668,7 +677,7 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if not prompt:
+        if not prompt:  # None or []
             raise APIError(EMPTY_PROMPT, param="prompt")
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)

@@ -364,3 +364,20 @@ async def test_an_orca_load_report_rides_on_a_generation_response(
         assert kind == "JSON" and json.loads(body)["named_metrics"]["kv_cache_usage_perc"] == 0.25
     plain = await app.test_client().post(CHAT, json=chat())
     assert "endpoint-load-metrics" not in plain.headers
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "words"),
+    [
+        (CHAT, chat(seed=2**63), "less_than_equal"),  # vLLM's test_long_seed
+        (CHAT, chat(seed=-(2**63) - 1), "greater_than_equal"),
+        (COMPLETIONS, {"prompt": None, "prompt_embeds": []}, "Either prompt or prompt_embeds"),
+        (COMPLETIONS, completion(prompt=[999999]), "out of vocabulary"),
+    ],
+)
+async def test_errors_carry_the_words_vllm_clients_look_for(
+    app: Quart, route: str, body: dict[str, Any], words: str
+) -> None:
+    response = await app.test_client().post(route, json=body)
+    assert response.status_code == 400
+    assert words in (await response.get_json())["error"]["message"]
