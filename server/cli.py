@@ -509,6 +509,14 @@ def build_parser() -> argparse.ArgumentParser:
         "stream_options.include_usage",
     )
     parser.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs (vLLM's default): requests are served by arrival, and one that sets a "
+        "priority is refused; priority: admitted by (priority, arrival), lower first, and the "
+        "lowest priority is preempted first when the KV cache runs out",
+    )
+    parser.add_argument(
         "--enable-tokenizer-info-endpoint",
         action="store_true",
         help="serve GET /tokenizer_info (vLLM's: the tokenizer's class, special tokens and chat "
@@ -733,6 +741,7 @@ def parse_args(
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_force_include_usage=args.enable_force_include_usage,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        scheduling_policy=args.scheduling_policy,
         enable_request_id_headers=args.enable_request_id_headers,
         enable_log_requests=log_requests,
         enable_log_outputs=args.enable_log_outputs,

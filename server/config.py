@@ -49,6 +49,9 @@ class ServerConfig:
     enable_force_include_usage: bool = False
     enable_request_id_headers: bool = False  # answer X-Request-Id: the request's or a new one
     enable_tokenizer_info_endpoint: bool = False  # vLLM's GET /tokenizer_info (off: 404)
+    # vLLM's --scheduling-policy: "fcfs" serves by arrival and refuses a request's priority,
+    # "priority" admits by (priority, arrival) and preempts the lowest priority first
+    scheduling_policy: str = "fcfs"
     enable_log_requests: bool = False  # a log line per request: its prompt and parameters
     enable_log_outputs: bool = False  # and one per response: its text and token ids
     # CORS, as vLLM's (Starlette's) middleware; None: no CORS headers at all.

@@ -208,6 +208,15 @@ class OpenAIServing:
             code="model_not_found",
         )
 
+    def check_priority(self, priority: int) -> None:
+        """Under fcfs a priority would be ignored: refused instead (vLLM's documented answer)."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise APIError(
+                f"Got priority {priority} but Priority scheduling is not enabled: start the "
+                "server with --scheduling-policy priority",
+                param="priority",
+            )
+
     def request_id_for(self, body_request_id: str | None, prefix: str) -> str:
         """vLLM's response id: the prefix, then the X-Request-Id header, the body's request_id
         or a new one (`chatcmpl-<id>`, `cmpl-<id>`)."""
@@ -303,6 +312,7 @@ class OpenAIServing:
             body = decode(raw, schema, self.unknown_fields)
             model = self.check_model(body.model)
             body.validate(vocab_size)
+            self.check_priority(body.priority)
             check_max_logprobs(body, self.config.max_logprobs, vocab_size)
             prompts = [self.with_template_defaults(prompt) for prompt in prompts_of(body)]
             return body, model, prompts, self.sampling_of(body), parsers_of(body)

@@ -680,13 +680,17 @@ class Scheduler:
         seq.num_registered = full
 
     def _make_room(self, seq: Sequence, taken: set[int], grow: Callable[[], bool]) -> bool:
-        """The blocks `grow` asks for (seq's, or its beams'), preempting the latest-admitted
-        requests not already in this step; seq itself is the last resort (it then waits to be
-        recomputed)."""
+        """The blocks `grow` asks for (seq's, or its beams'), preempting requests not already in
+        this step: the lowest priority (the largest value) first and, among equals, the latest
+        admitted (vLLM's order under its priority and fcfs policies); seq itself is the last
+        resort (it then waits to be recomputed)."""
         while not grow():
-            victim = next((s for s in reversed(self.running) if s.handle not in taken), None)
-            if victim is None:
+            candidates = [
+                (s.priority, i) for i, s in enumerate(self.running) if s.handle not in taken
+            ]
+            if not candidates:
                 return False
+            victim = self.running[max(candidates)[1]]
             self._preempt(victim)
             if victim is seq:
                 return False

@@ -99,7 +99,10 @@ async def test_counters_follow_the_outputs(app: Quart) -> None:
 
 async def test_sampling_params_reach_the_engine(make_app, engine: FakeEngine) -> None:
     app = make_app(
-        enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3"
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+        reasoning_parser="qwen3",
+        scheduling_policy="priority",
     )
     body = {
         "messages": [

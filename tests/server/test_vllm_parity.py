@@ -381,3 +381,15 @@ async def test_errors_carry_the_words_vllm_clients_look_for(
     response = await app.test_client().post(route, json=body)
     assert response.status_code == 400
     assert words in (await response.get_json())["error"]["message"]
+
+
+async def test_a_priority_needs_the_priority_policy(make_app: Any, engine: FakeEngine) -> None:
+    """vLLM's --scheduling-policy: under fcfs (its default) a priority would be ignored, so it
+    is refused; under priority it reaches the scheduler."""
+    response = await make_app().test_client().post(CHAT, json=chat(priority=3))
+    assert response.status_code == 400
+    assert_error(await response.get_json(), "BadRequestError", "priority")
+    assert (await make_app().test_client().post(CHAT, json=chat(priority=0))).status_code == 200
+    app = make_app(scheduling_policy="priority")
+    assert (await app.test_client().post(CHAT, json=chat(priority=3))).status_code == 200
+    assert engine.requests[-1].priority == 3

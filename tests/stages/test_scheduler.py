@@ -125,6 +125,20 @@ def test_preemption_by_recompute_when_blocks_run_out():
     assert victim.status == Status.FINISHED and s.blocks.num_free == 6
 
 
+def test_the_lowest_priority_yields_first_whenever_it_was_admitted():
+    s = make(num_blocks=6, budget=64, block_size=4, max_len=24)
+    low, high = seq(1, 8, max_tokens=16, priority=5), seq(2, 8, max_tokens=16, priority=0)
+    s.add(low)
+    run_step(s)  # low is admitted first
+    s.add(high)
+    while not (low.num_preemptions or high.num_preemptions):
+        run_step(s)
+    assert low.num_preemptions and not high.num_preemptions  # admitted first, preempted first
+    while s.has_work:
+        run_step(s)
+    assert len(low.output_ids) == 16 and len(high.output_ids) == 16
+
+
 def test_abort_frees_blocks_and_waiting_requests():
     s = make(max_seqs=1)
     s.add(seq(1, 10))
