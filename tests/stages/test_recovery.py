@@ -262,7 +262,9 @@ def test_requests_arriving_during_a_restart_get_a_503_with_the_reason_and_retry_
         runner.run(during_restart())
     assert info.value.status == 503
     assert "restarting after a stage failure" in info.value.message
-    assert "schedule" in info.value.message
+    # The reason names the stage that died, or (when execute sees it first, on a loaded machine)
+    # execute's report that schedule's output ring lost its producer.
+    assert "schedule" in info.value.message or "ring 'plan'" in info.value.message
     assert info.value.retry_after_s is not None and info.value.retry_after_s > 0
     wait_ready(engine)
     assert runner.run(run_all(engine, [request(1, max_tokens=3)]))[0][2].num_output_tokens == 3
