@@ -216,7 +216,7 @@ def run_ceiling(args: SpecBenchArgs, log_dir: str, weights: str = "int4") -> dic
     the case's batch (`pipeline-bench model --verify-drafts`, context 256)."""
     from perf import model_bench, spec_replay
     from stages.config import default_model_path
-    from stages.speculation import SpeculativeConfig
+    from stages.speculative_config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec.proposes_in_execute:

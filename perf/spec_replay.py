@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stages.speculation import SpeculativeConfig, SuffixCache, propose
+from stages.speculation import SuffixCache, propose
+from stages.speculative_config import SpeculativeConfig
 
 
 @dataclass(slots=True)

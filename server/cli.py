@@ -49,7 +49,7 @@ from stages.config import (
 )
 from stages.device import DEVICE_CHOICES, default_dtype, resolve_device
 from stages.lora import SUPPORTED_RANKS, LoraConfig, LoraError, LoraModule, read_adapter
-from stages.speculation import SpeculativeConfig
+from stages.speculative_config import SpeculativeConfig
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from stages.text.random_model import PRESETS, write_random_checkpoint
 from stages.text.template_sandbox import DEFAULT_MEMORY_BYTES, DEFAULT_TIMEOUT_S

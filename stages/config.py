@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stages.lora import LoraConfig
-from stages.speculation import SpeculativeConfig
+from stages.speculative_config import SpeculativeConfig
 from stages.text.checkpoint import (
     cache_shape,
     kv_block_bytes_for,

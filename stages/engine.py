@@ -59,7 +59,7 @@ from stages.kv_size import published_num_blocks
 from stages.lora import LoraError, read_adapter
 from stages.published import KERNELS, published
 from stages.rings import common, deltas, forward, plan, prompts, requests, results, tokens
-from stages.scheduler import GAUGES
+from stages.rings.gauges import GAUGES
 from stages.text.checkpoint import (
     UnsupportedModelError,
     load_model_config,

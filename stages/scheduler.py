@@ -36,22 +36,9 @@ from stages.beam_group import BeamGroup, BeamRequest, Decode
 from stages.draft_policy import StepCost
 from stages.kv_blocks import BlockManager, prompt_block_hashes
 from stages.rings import common as m
-from stages.speculation import SpeculativeConfig, SuffixCache, propose
+from stages.speculation import SuffixCache, propose
+from stages.speculative_config import SpeculativeConfig
 
-# What `Scheduler.stats` reports, in the order schedule publishes it to the server as gauges.
-GAUGES = (
-    "num_requests_running",
-    "num_requests_waiting",
-    "kv_cache_usage_perc",
-    "num_free_blocks",
-    "num_preemptions_total",
-    "num_blocks",
-    "prefix_cache_queries_total",
-    "prefix_cache_hits_total",
-    "spec_decode_num_drafts_total",
-    "spec_decode_num_draft_tokens_total",
-    "spec_decode_num_accepted_tokens_total",
-)
 # Steps apart from a result, a plan made without waiting counts as overlapped (no gap observed).
 _SYNC_PLAN_WITHIN_NS = 5_000_000
 _MAX_GAP_S = 0.02
@@ -872,6 +859,7 @@ class Scheduler:
         self._last_end_ns, self._last_step_id = t_end_ns, step.step_id
 
     def stats(self) -> dict[str, float]:
+        """By the names of stages/rings/gauges.py, which schedule publishes in that order."""
         return {
             # a beam search's parked choices run with its leader (vLLM counts its n as running)
             "num_requests_running": len(self.running)

@@ -30,8 +30,9 @@ from stages.config import EngineConfig, resolve_max_model_len
 from stages.kv_size import planned_num_blocks
 from stages.rings import common, plan, prompts, results, tokens
 from stages.rings.common import FINISH_STOP, PromptLogprobs
+from stages.rings.gauges import GAUGES
 from stages.rings.prompts import RenderedPrompt
-from stages.scheduler import GAUGES, Scheduler, SchedulerConfig, Sequence, Status
+from stages.scheduler import Scheduler, SchedulerConfig, Sequence, Status
 from stages.text.snapshot import tokenizer_of
 from stages.text.tokenizer import TokenizerBundle
 

@@ -4,13 +4,16 @@ requests whose grammar matchers execute is to build before they are planned."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.records import Record, Vocabulary
 from stages.rings.common import Views, blobs, unblobs
 from stages.rings.prompts import RenderedRequest, rendered_decoder
-from stages.scheduler import Step
+
+if TYPE_CHECKING:  # the server reads this ring's layout and must not load the scheduler
+    from stages.scheduler import Step
 
 STEP_SEQ = np.dtype(
     [

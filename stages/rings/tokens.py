@@ -10,7 +10,7 @@ import numpy as np
 from pipeline.records import Record, Vocabulary
 from stages.api import RequestMetrics
 from stages.rings.common import PROMPT_LOGPROB_FIELDS, PromptLogprobs, Views, blobs, unblobs
-from stages.speculation import MAX_SPECULATIVE_TOKENS
+from stages.speculative_config import MAX_SPECULATIVE_TOKENS
 
 
 class DetokParams(msgspec.Struct, frozen=True):

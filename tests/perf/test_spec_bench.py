@@ -28,7 +28,7 @@ def test_grounded_prompts_ask_to_copy_a_function_of_the_project():
 
 
 def test_the_draft_model_method_gets_its_json(tmp_path):
-    from stages.speculation import SpeculativeConfig
+    from stages.speculative_config import SpeculativeConfig
 
     config = SpeculativeConfig.parse(spec_bench.draft_model_config(str(tmp_path), 4))
     assert (config.method, config.model, config.num_speculative_tokens) == (

@@ -7,7 +7,8 @@ import pytest
 
 from perf import spec_bench
 from perf.spec_replay import Replay, linear_cost, replay, replay_all, with_prefill
-from stages.speculation import SpeculativeConfig, SuffixCache
+from stages.speculation import SuffixCache
+from stages.speculative_config import SpeculativeConfig
 
 NGRAM = SpeculativeConfig.parse(
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '

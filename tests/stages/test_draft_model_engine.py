@@ -13,7 +13,7 @@ import pytest
 
 from stages.config import EngineConfig
 from stages.engine import Engine
-from stages.speculation import SpeculativeConfig
+from stages.speculative_config import SpeculativeConfig
 from tests.gpu.test_draft_model import perturbed_copy
 from tests.stages.conftest import LoopThread
 from tests.stages.test_engine import collect, request

@@ -32,6 +32,22 @@ def test_the_server_process_loads_no_torch_no_llguidance_and_no_actor():
     assert not [n for n in loaded if n.startswith("stages.actors")]
 
 
+def test_the_server_process_loads_no_scheduler_block_manager_or_proposer():
+    # The gauges' names, the plan's layout and the speculative config are the vocabulary the
+    # server shares with schedule; the policies behind them stay in schedule's process.
+    loaded = loaded_after("server.cli", "stages.engine", "stages.data_parallel")
+    schedule_only = {
+        "stages.scheduler",
+        "stages.kv_blocks",
+        "stages.speculation",
+        "stages.draft_policy",
+        "stages.beam_group",
+        "stages.beam_search",
+    }
+    assert not loaded & schedule_only
+    assert {"stages.rings.gauges", "stages.rings.plan", "stages.speculative_config"} <= loaded
+
+
 @pytest.mark.parametrize("actor", ["render", "detokenize", "schedule"])
 def test_the_lean_stages_load_no_torch_and_no_engine_client(actor: str):
     loaded = loaded_after(f"stages.actors.{actor}")

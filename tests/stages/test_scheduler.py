@@ -6,6 +6,7 @@ import numpy as np
 
 from stages.kv_blocks import BlockManager
 from stages.rings import common as m
+from stages.rings.gauges import GAUGES
 from stages.scheduler import Scheduler, SchedulerConfig, Sequence, Status
 
 EOS = 0
@@ -452,3 +453,9 @@ def test_max_num_partial_prefills_bounds_the_prompts_in_progress():
     assert {x.seq.handle: x.num_tokens for x in step.seqs} == {1: 32}  # 2 waits for 1's prefill
     step, _ = run_step(s)
     assert {x.seq.handle: x.num_tokens for x in step.seqs} == {1: 18, 2: 10}
+
+
+def test_every_statistic_the_scheduler_keeps_is_a_published_gauge():
+    # schedule publishes stats() in GAUGES' order: one missing from GAUGES would never reach
+    # /metrics, and one missing from stats() would stop schedule's publishing.
+    assert tuple(make().stats()) == GAUGES

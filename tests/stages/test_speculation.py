@@ -10,13 +10,8 @@ from stages import draft_policy
 from stages.draft_policy import StepCost, plan_drafts, update_acceptance
 from stages.rings import common as m
 from stages.scheduler import Scheduler, SchedulerConfig, Status
-from stages.speculation import (
-    SpeculativeConfig,
-    SuffixCache,
-    SuffixParams,
-    propose_ngram,
-    propose_suffix,
-)
+from stages.speculation import SuffixCache, propose_ngram, propose_suffix
+from stages.speculative_config import SpeculativeConfig, SuffixParams
 from tests.stages.test_scheduler import seq
 
 # -- config ----------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from msgspec.structs import replace
 
 from stages.config import EngineConfig
 from stages.engine import Engine
-from stages.speculation import SpeculativeConfig
+from stages.speculative_config import SpeculativeConfig
 from tests.stages.conftest import LoopThread
 from tests.stages.test_engine import collect, request
 

@@ -17,7 +17,7 @@ from stages.api import BeamSearchParams, GenerateRequest
 from stages.config import num_kv_blocks
 from stages.engine import Engine
 from stages.kv_size import published_num_blocks
-from stages.speculation import SpeculativeConfig
+from stages.speculative_config import SpeculativeConfig
 from tests.stages.conftest import LoopThread
 from tests.stages.test_recovery import config, request, run_all, wait_ready
 
