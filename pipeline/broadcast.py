@@ -26,9 +26,10 @@ import numpy as np
 import posix_ipc
 
 from pipeline.clock import now_ns
-from pipeline.errors import LayoutMismatch, PeerDied, ProtocolError, RingClosed, RingTimeout
+from pipeline.errors import LayoutMismatch, PeerDied, ProtocolError, RingClosed
 from pipeline.names import process_start_ticks, same_process_alive
 from pipeline.records import ALIGN, Record, Vocabulary
+from pipeline.waits import try_acquire, wait_in_slices
 
 MAGIC = 0x70736572_62636131  # "pserbca1"
 VERSION = 1
@@ -221,34 +222,32 @@ class _End:
     ) -> None:
         """Take `sem`, checking after each slice that every peer (header line, name) is alive and
         open: a writer waiting for one reader also learns of another's death."""
-        if _try_acquire(sem):
+        if try_acquire(sem):
             return
-        deadline = None if timeout_s is None else now_ns() + int(timeout_s * 1e9)
-        while True:
-            slice_s = self.liveness_interval_s
-            if deadline is not None:
-                slice_s = max(0.0, min(slice_s, (deadline - now_ns()) / 1e9))
-            try:
-                sem.acquire(slice_s)
-                return
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                pass
-            for line, peer in peers:
-                pid = self._field(line, PID)
-                if self._field(line, CLOSED):
-                    if _try_acquire(sem):
-                        return
-                    raise RingClosed(f"broadcast {self.spec.name!r}: the {peer} closed its end")
-                if pid and not same_process_alive(pid, self._field(line, START)):
-                    if _try_acquire(sem):
-                        return
-                    raise PeerDied(f"broadcast {self.spec.name!r}: the {peer} (pid {pid}) died")
-            if self.heartbeat is not None:
-                self.heartbeat()
-            if deadline is not None and now_ns() >= deadline:
-                raise RingTimeout(
-                    f"broadcast {self.spec.name!r}: {self._role} waited {timeout_s} s"
-                )
+        wait_in_slices(
+            sem,
+            now_ns(),
+            timeout_s,
+            self.liveness_interval_s,
+            lambda: self._check_peers(sem, peers),
+            f"broadcast {self.spec.name!r}: {self._role} waited {timeout_s} s",
+        )
+
+    def _check_peers(self, sem: posix_ipc.Semaphore, peers: list[tuple[int, str]]) -> bool:
+        """After a wait slice: True if the semaphore was taken late, else raise if a peer is gone."""
+        for line, peer in peers:
+            pid = self._field(line, PID)
+            if self._field(line, CLOSED):
+                if try_acquire(sem):
+                    return True
+                raise RingClosed(f"broadcast {self.spec.name!r}: the {peer} closed its end")
+            if pid and not same_process_alive(pid, self._field(line, START)):
+                if try_acquire(sem):
+                    return True
+                raise PeerDied(f"broadcast {self.spec.name!r}: the {peer} (pid {pid}) died")
+        if self.heartbeat is not None:
+            self.heartbeat()
+        return False
 
     @property
     def closed(self) -> bool:
@@ -418,11 +417,3 @@ class BroadcastReader(_End):
                     raise ProtocolError(f"broadcast {self.spec.name!r}: message ended short")
                 record = records[type_id]
                 return record.name, record.read_views(buffer)
-
-
-def _try_acquire(sem: posix_ipc.Semaphore) -> bool:
-    try:
-        sem.acquire(0)
-        return True
-    except posix_ipc.BusyError:
-        return False

@@ -31,6 +31,7 @@ from pipeline.clock import now_ns
 from pipeline.errors import LayoutMismatch, PeerDied, ProtocolError, RingClosed, RingTimeout
 from pipeline.names import SHM_DIR, process_start_ticks, same_process_alive
 from pipeline.records import ALIGN, Record, Vocabulary, align_up
+from pipeline.waits import deadline_ns, next_slice_s, try_acquire, wait_in_slices
 
 MAGIC = 0x70736572_76657231  # "pserver1"
 RING_VERSION = 1
@@ -346,11 +347,11 @@ class _RingEnd:
         """After a wait slice: True if the semaphore was taken late, else raise if the peer is gone."""
         peer_pid = int(self._hdr[self._peer[0]])
         if self._hdr[self._peer[2]]:
-            if _try_acquire(sem):
+            if try_acquire(sem):
                 return True
             raise RingClosed(f"ring {self.spec.name!r}: the {_other(self._role)} closed its end")
         if peer_pid and not same_process_alive(peer_pid, int(self._hdr[self._peer[1]])):
-            if _try_acquire(sem):
+            if try_acquire(sem):
                 return True
             raise PeerDied(
                 f"ring {self.spec.name!r}: the {_other(self._role)} (pid {peer_pid}) died"
@@ -369,49 +370,41 @@ class _RingEnd:
         hdr, (index, slack) = self._hdr, self._progress
         spin_end = start_ns + self.spin_ns
         while now_ns() < spin_end:
-            if hdr[index] + slack > self._seq and _try_acquire(sem):
+            if hdr[index] + slack > self._seq and try_acquire(sem):
                 return True
         return False
 
     def _wait(self, sem: posix_ipc.Semaphore, timeout_s: float | None) -> None:
-        if _try_acquire(sem):
+        if try_acquire(sem):
             return
         start = now_ns()
         if self.spin_ns and self._spin(sem, start):
             return
-        deadline = None if timeout_s is None else start + int(timeout_s * 1e9)
-        while True:
-            slice_s = self.liveness_interval_s
-            if deadline is not None:
-                slice_s = max(0.0, min(slice_s, (deadline - now_ns()) / 1e9))
-            try:
-                sem.acquire(slice_s)
-                return
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                pass
-            if self._check_peer(sem):
-                return
-            if deadline is not None and now_ns() >= deadline:
-                raise RingTimeout(f"ring {self.spec.name!r}: {self._role} waited {timeout_s} s")
+        wait_in_slices(
+            sem,
+            start,
+            timeout_s,
+            self.liveness_interval_s,
+            lambda: self._check_peer(sem),
+            f"ring {self.spec.name!r}: {self._role} waited {timeout_s} s",
+        )
 
     async def _wait_async(self, sem: posix_ipc.Semaphore, timeout_s: float | None) -> None:
-        if _try_acquire(sem):
+        if try_acquire(sem):
             return
         start = now_ns()
         if self.spin_ns and self._spin(sem, start):
             return
         loop = asyncio.get_running_loop()
         self._ensure_reader(loop)
-        deadline = None if timeout_s is None else start + int(timeout_s * 1e9)
+        deadline = deadline_ns(start, timeout_s)
         sleeping = self._own[3]
         while True:
-            slice_s = self.liveness_interval_s
-            if deadline is not None:
-                slice_s = max(0.0, min(slice_s, (deadline - now_ns()) / 1e9))
+            slice_s = next_slice_s(deadline, self.liveness_interval_s)
             self._hdr[sleeping] = 1
             try:
                 # Check again after raising the flag: a post that came before it sent no wake-up.
-                if _try_acquire(sem):
+                if try_acquire(sem):
                     return
                 waiter = loop.create_future()
                 self._waiter = waiter
@@ -424,20 +417,12 @@ class _RingEnd:
             finally:
                 if self._hdr is not None:
                     self._hdr[sleeping] = 0
-            if _try_acquire(sem):
+            if try_acquire(sem):
                 return
             if self._check_peer(sem):
                 return
             if deadline is not None and now_ns() >= deadline:
                 raise RingTimeout(f"ring {self.spec.name!r}: {self._role} waited {timeout_s} s")
-
-
-def _try_acquire(sem: posix_ipc.Semaphore) -> bool:
-    try:
-        sem.acquire(0)
-        return True
-    except posix_ipc.BusyError:
-        return False
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
