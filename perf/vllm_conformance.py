@@ -120,7 +120,7 @@ def ensure_dependencies(deps: Path) -> None:
 
 def server_flags() -> dict[str, bool]:
     """pipeline-serve's option strings, and whether each takes a value."""
-    from server.cli import build_parser
+    from server.options import build_parser
 
     flags: dict[str, bool] = {}
     for action in build_parser()._actions:

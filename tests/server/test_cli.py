@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import parse_args, parse_bytes
+from server.arg_types import parse_bytes
+from server.cli import parse_args
 from server.config import ServerConfig
+from server.options import build_parser, reference_markdown
 from stages.config import EngineConfig, default_model_path
 
 
@@ -330,3 +332,12 @@ def test_the_api_key_may_come_from_vllms_environment_variable() -> None:
     config, _ = parse_args(["/m/x.gguf", "--api-key", "k2"], environ={"VLLM_API_KEY": "k1"})
     assert config.api_key == "k2"  # the flag wins
     assert parse_args(["/m/x.gguf"], environ={})[0].api_key is None
+
+
+def test_the_flag_reference_is_the_parsers_own():
+    # docs/FLAGS.md is generated from the option table the parser is built from: a flag added,
+    # renamed or re-described without regenerating it fails here.
+    committed = (Path(__file__).parents[2] / "docs" / "FLAGS.md").read_text(encoding="utf-8")
+    assert committed == reference_markdown()
+    flags = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")}
+    assert all(f"`{flag}`" in committed for flag in flags - {"--help"})
