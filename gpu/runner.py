@@ -571,8 +571,8 @@ class ModelRunner:
         self,
         batch: StepBatch,
         states: list[_RequestState],
-        logits: torch.Tensor,
-        last_row: dict[int, int],
+        logits: torch.Tensor,  # [R, V] float32 on the device, the rows the network computed
+        last_row: dict[int, int],  # batch row -> its last row of `logits`
         num_draft: np.ndarray,  # [B] int64, drafts each sampling row verifies
         draft_probs: dict[int, torch.Tensor] | None = None,  # batch row -> [D, V] q of its drafts
     ) -> tuple[np.ndarray, ...]:
@@ -581,70 +581,24 @@ class ModelRunner:
         are accepted while they equal what was sampled (gpu.sampler.verify); drafts a model
         sampled from q are accepted by rejection sampling instead (gpu.sampler.rejection_sample)."""
         num_seqs = len(states)
-        sampled = np.nonzero(np.asarray(batch.sample, dtype=bool))[0]
+        sampled = np.nonzero(np.asarray(batch.sample, dtype=bool))[0]  # [S] batch rows
         num_top = max(0, int(batch.sampling.num_logprobs[sampled].max(initial=-1)))
-        counts = np.ones(num_seqs, dtype=np.int32)
         if len(sampled) == 0:
-            return (
-                counts,
-                np.full(num_seqs, -1, dtype=np.int64),
-                np.full(num_seqs, np.nan, dtype=np.float32),
-                np.zeros(num_seqs, dtype=np.int64),
-                np.full((num_seqs, num_top), -1, dtype=np.int64),
-                np.full((num_seqs, num_top), -np.inf, dtype=np.float32),
-            )
+            return _nothing_sampled(num_seqs, num_top)
 
         # One virtual row per position sampled: j = 0 is the input token's, j >= 1 draft j's.
-        per_row = num_draft[sampled] + 1
+        per_row = num_draft[sampled] + 1  # [S]
+        first_of = np.cumsum(per_row) - per_row  # [S] each sampling row's first virtual row
         owner = np.repeat(sampled, per_row)  # [S'] the batch row of each virtual row
-        offset = np.arange(len(owner)) - np.repeat(np.cumsum(per_row) - per_row, per_row)
-        params = batch.sampling.select(owner)
-        if batch.grammar_masks is not None and params.token_bitmask.shape[1]:
-            params = replace(params, token_bitmask=_verified_masks(batch, num_draft, params))
-        if batch.forced_along is not None:
-            params = replace(params, forced_token_ids=_verified_forced(batch, num_draft, params))
-        needs_ids = rows_needing_token_ids(params)
-        history = []
-        for row, (b, j) in enumerate(zip(owner.tolist(), offset.tolist(), strict=True)):
-            tokens = states[b].token_ids
-            seen = int(batch.context_lens[b]) - int(num_draft[b]) + j  # tokens before this one
-            prompt_len = min(int(batch.prompt_lens[b]), seen)
-            if needs_ids[row]:
-                history.append(TokenHistory.of(tokens[:prompt_len], tokens[prompt_len:seen]))
-            else:
-                history.append(TokenHistory(seen - prompt_len, _NO_IDS, _NO_IDS))
+        offset = np.arange(len(owner)) - np.repeat(first_of, per_row)  # [S'] j of each
+        params = _position_params(batch, num_draft, owner)
+        history = _token_histories(batch, states, num_draft, params, owner, offset)
         first_row = np.array([last_row[int(b)] for b in sampled]) - num_draft[sampled]
-        rows = np.repeat(first_row, per_row) + offset
-        by_model = draft_probs is not None
-        if len(rows) == logits.shape[0] and (rows == np.arange(len(rows))).all():
-            # Every logits row is sampled, in order (decodes and verifications): no [S', V]
-            # copy, and sampling may mask and penalise them in place unless something reads
-            # them after (a draft model's rejection sampling; prompt logprobs read the chunk's
-            # rows, where a sampled row is one they do not use, but need not know that).
-            picked = logits
-            owned = not by_model and not (batch.prompt_logprobs >= 0).any()
-        else:
-            picked = logits[torch.from_numpy(rows).to(logits.device)]  # [S', V]
-            owned = not by_model
-        on_device = sample(
-            picked, params, history, self.generator, keep_probs=by_model, owned=owned
+        rows = np.repeat(first_row, per_row) + offset  # [S'] the logits row of each
+        picked, result = self._sample_positions(
+            batch, logits, rows, params, history, keep_probs=draft_probs is not None
         )
-        # One copy back of the [S'] rows (and their top-k), not of [S', V] logits; a draft
-        # model's distributions stay on the device for its rejection sampling.
-        result = SampleOutput(
-            *(
-                value if f == "probs" or value is None else value.cpu()
-                for f in SampleOutput.__slots__
-                for value in (getattr(on_device, f),)
-            )
-        )
-
-        drafted = np.zeros(len(owner), dtype=np.int64)  # the draft each virtual row verifies
-        for b, start in zip(sampled.tolist(), (np.cumsum(per_row) - per_row).tolist(), strict=True):
-            d = int(num_draft[b])
-            if d:
-                end = int(batch.context_lens[b])
-                drafted[start : start + d] = states[b].token_ids[end - d : end]
+        drafted = _drafted_tokens(batch, states, num_draft, sampled, first_of, len(owner))
         if draft_probs is None or result.probs is None:
             accepted = verify(result.token_ids.numpy(), drafted, per_row)  # [S] drafts accepted
         else:
@@ -658,39 +612,47 @@ class ModelRunner:
                 per_row,
                 params,
             )
+        counts = np.ones(num_seqs, dtype=np.int32)
         counts[sampled] = accepted + 1
-        # Flat entries: each batch row's, in order (a non-sampling row keeps one -1 entry).
-        starts_of = np.cumsum(per_row) - per_row
-        take = []  # virtual rows emitted, in batch order; -1 stands for a non-sampling row
         position_of = dict(zip(sampled.tolist(), range(len(sampled)), strict=True))
-        for b in range(num_seqs):
-            i = position_of.get(b)
-            if i is None:
-                take.append(-1)
-            else:
-                take.extend(range(int(starts_of[i]), int(starts_of[i]) + int(counts[b])))
-        take_np = np.asarray(take, dtype=np.int64)
-        emitted = take_np >= 0
-        source = np.where(emitted, take_np, 0)
-        asked = params.num_logprobs[source]
-        keep_top = emitted[:, None] & (np.arange(num_top)[None, :] < asked[:, None])
-        token_ids = np.where(emitted, result.token_ids.numpy()[source], -1)
-        logprobs = np.where(emitted, result.logprobs.numpy()[source], np.nan).astype(np.float32)
-        ranks = np.where(emitted, result.ranks.numpy()[source], 0)
-        top_ids = np.where(keep_top, result.top_ids.numpy()[source], -1)
-        top_logprobs = np.where(keep_top, result.top_logprobs.numpy()[source], -np.inf).astype(
-            np.float32
+        token_ids, logprobs, ranks, top_ids, top_logprobs = _emitted(
+            result, params, counts, position_of, first_of, num_top
         )
-        at = 0
-        for b in range(num_seqs):
-            n = int(counts[b])
-            if b in position_of:
-                tokens = states[b].token_ids
-                kept = int(batch.context_lens[b]) - int(num_draft[b]) + n - 1
-                del tokens[kept:]
-                tokens.append(int(token_ids[at + n - 1]))
-            at += n
+        _keep_emitted(batch, states, num_draft, counts, position_of, token_ids)
         return counts, token_ids, logprobs, ranks, top_ids, top_logprobs
+
+    def _sample_positions(
+        self,
+        batch: StepBatch,
+        logits: torch.Tensor,  # [R, V] float32 on the device
+        rows: np.ndarray,  # [S'] int64, the row of `logits` at each position sampled
+        params: SamplingArrays,  # S' rows
+        history: list[TokenHistory],  # S', the tokens before each position
+        keep_probs: bool,  # a draft model's rejection sampling reads the distributions after
+    ) -> tuple[torch.Tensor, SampleOutput]:  # -> ([S', V] logits sampled, the samples)
+        """Sample every position on the device and copy back the [S'] rows (and their top-k), not
+        [S', V] logits; with `keep_probs` the distributions stay on the device."""
+        if len(rows) == logits.shape[0] and (rows == np.arange(len(rows))).all():
+            # Every logits row is sampled, in order (decodes and verifications): no [S', V]
+            # copy, and sampling may mask and penalise them in place unless something reads
+            # them after (a draft model's rejection sampling; prompt logprobs read the chunk's
+            # rows, where a sampled row is one they do not use, but need not know that).
+            picked = logits
+            owned = not keep_probs and not (batch.prompt_logprobs >= 0).any()
+        else:
+            picked = logits[torch.from_numpy(rows).to(logits.device)]  # [S', V]
+            owned = not keep_probs
+        on_device = sample(
+            picked, params, history, self.generator, keep_probs=keep_probs, owned=owned
+        )
+        result = SampleOutput(
+            *(
+                value if f == "probs" or value is None else value.cpu()
+                for f in SampleOutput.__slots__
+                for value in (getattr(on_device, f),)
+            )
+        )
+        return picked, result
 
     def _rejection_sample(
         self,
@@ -969,6 +931,128 @@ def profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> StepBatch:
         sampling=SamplingArrays.defaults(rows),
         prompt_logprobs=np.full(rows, -1, np.int32),
     )
+
+
+def _nothing_sampled(num_seqs: int, num_top: int) -> tuple[np.ndarray, ...]:
+    """_sample's answer for a step in which no row samples (prompt chunks only): one empty entry
+    per row."""
+    return (
+        np.ones(num_seqs, dtype=np.int32),
+        np.full(num_seqs, -1, dtype=np.int64),
+        np.full(num_seqs, np.nan, dtype=np.float32),
+        np.zeros(num_seqs, dtype=np.int64),
+        np.full((num_seqs, num_top), -1, dtype=np.int64),
+        np.full((num_seqs, num_top), -np.inf, dtype=np.float32),
+    )
+
+
+def _position_params(
+    batch: StepBatch,  # its drafts filled in
+    num_draft: np.ndarray,  # [B] int64
+    owner: np.ndarray,  # [S'] int64, the batch row of each position sampled
+) -> SamplingArrays:  # -> S' rows
+    """The sampling knobs at each position sampled: its row's, with the structured-output mask
+    and the forced token a verified position has after the drafts before it."""
+    params = batch.sampling.select(owner)
+    if batch.grammar_masks is not None and params.token_bitmask.shape[1]:
+        params = replace(params, token_bitmask=_verified_masks(batch, num_draft, params))
+    if batch.forced_along is not None:
+        params = replace(params, forced_token_ids=_verified_forced(batch, num_draft, params))
+    return params
+
+
+def _token_histories(
+    batch: StepBatch,
+    states: list[_RequestState],
+    num_draft: np.ndarray,  # [B] int64
+    params: SamplingArrays,  # S' rows
+    owner: np.ndarray,  # [S'] int64, the batch row of each position sampled
+    offset: np.ndarray,  # [S'] int64, 0 at the input token's position, j after draft j
+) -> list[TokenHistory]:  # -> S'
+    """The tokens before each position sampled; their ids only where a penalty reads them (the
+    others' count alone, for min_tokens and seeding)."""
+    needs_ids = rows_needing_token_ids(params)
+    history: list[TokenHistory] = []
+    for row, (b, j) in enumerate(zip(owner.tolist(), offset.tolist(), strict=True)):
+        tokens = states[b].token_ids
+        seen = int(batch.context_lens[b]) - int(num_draft[b]) + j  # tokens before this one
+        prompt_len = min(int(batch.prompt_lens[b]), seen)
+        if needs_ids[row]:
+            history.append(TokenHistory.of(tokens[:prompt_len], tokens[prompt_len:seen]))
+        else:
+            history.append(TokenHistory(seen - prompt_len, _NO_IDS, _NO_IDS))
+    return history
+
+
+def _drafted_tokens(
+    batch: StepBatch,
+    states: list[_RequestState],
+    num_draft: np.ndarray,  # [B] int64
+    sampled: np.ndarray,  # [S] batch rows that sample, in order
+    first_of: np.ndarray,  # [S] int64, each one's first position among the S'
+    num_positions: int,  # S'
+) -> np.ndarray:  # -> [S'] int64
+    """The draft each position sampled verifies: the token fed after it (0 at a row's last)."""
+    drafted = np.zeros(num_positions, dtype=np.int64)
+    for b, start in zip(sampled.tolist(), first_of.tolist(), strict=True):
+        d = int(num_draft[b])
+        if d:
+            end = int(batch.context_lens[b])
+            drafted[start : start + d] = states[b].token_ids[end - d : end]
+    return drafted
+
+
+def _emitted(
+    result: SampleOutput,  # S' rows, on the host
+    params: SamplingArrays,  # S' rows
+    counts: np.ndarray,  # [B] int32, entries each batch row emits
+    position_of: dict[int, int],  # sampling batch row -> its index among the S
+    first_of: np.ndarray,  # [S] int64, each sampling row's first position among the S'
+    num_top: int,  # K
+) -> tuple[np.ndarray, ...]:  # -> [N] token ids, logprobs, ranks; [N, K] top ids, top logprobs
+    """StepOutput's flat entries: each batch row's, in order (a non-sampling row keeps one -1
+    entry), top-k padded past what each row asked for."""
+    take: list[int] = []  # virtual rows emitted, in batch order; -1 stands for a non-sampling row
+    for b in range(len(counts)):
+        i = position_of.get(b)
+        if i is None:
+            take.append(-1)
+        else:
+            take.extend(range(int(first_of[i]), int(first_of[i]) + int(counts[b])))
+    take_np = np.asarray(take, dtype=np.int64)
+    emitted = take_np >= 0
+    source = np.where(emitted, take_np, 0)
+    asked = params.num_logprobs[source]
+    keep_top = emitted[:, None] & (np.arange(num_top)[None, :] < asked[:, None])
+    token_ids = np.where(emitted, result.token_ids.numpy()[source], -1)
+    logprobs = np.where(emitted, result.logprobs.numpy()[source], np.nan).astype(np.float32)
+    ranks = np.where(emitted, result.ranks.numpy()[source], 0)
+    top_ids = np.where(keep_top, result.top_ids.numpy()[source], -1)
+    top_logprobs = np.where(keep_top, result.top_logprobs.numpy()[source], -np.inf).astype(
+        np.float32
+    )
+    return token_ids, logprobs, ranks, top_ids, top_logprobs
+
+
+def _keep_emitted(
+    batch: StepBatch,
+    states: list[_RequestState],
+    num_draft: np.ndarray,  # [B] int64
+    counts: np.ndarray,  # [B] int32, entries each batch row emits
+    position_of: dict[int, int],  # sampling batch row -> its index among the S
+    token_ids: np.ndarray,  # [N] int64, the flat entries
+) -> None:
+    """Each sampling row's tokens as the step leaves them: its rejected drafts dropped and its
+    last emitted token added (the accepted drafts are there already)."""
+    at = 0
+    for b in range(len(counts)):
+        n = int(counts[b])
+        if b in position_of:
+            tokens = states[b].token_ids
+            kept = int(batch.context_lens[b]) - int(num_draft[b]) + n - 1
+            del tokens[kept:]
+            tokens.append(int(token_ids[at + n - 1]))
+        at += n
 
 
 def _drafted_rows(

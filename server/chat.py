@@ -176,13 +176,13 @@ def stream_chat(
         ids = _TokenIds(request.return_token_ids)
         async for output in choice.chain():
             if output is choice.first:
-                role = _choice(index, {"role": response_role, "content": ""})
-                no_output_yet = usage_body(tracker.num_prompt_tokens, 0)
-                first = _chunk(ctx, [role], no_output_yet if continuous_usage else None)
-                yield sse(_with_prompt(first, ctx, request, output))
-                if echo:
-                    echoed = _choice(index, {"content": echo})
-                    yield sse(_chunk(ctx, [echoed], no_output_yet if continuous_usage else None))
+                no_output_yet = (
+                    usage_body(tracker.num_prompt_tokens, 0) if continuous_usage else None
+                )
+                for event in _opening(
+                    ctx, request, output, index, response_role, echo, no_output_yet
+                ):
+                    yield event
             ids.add(output.token_ids)
             delta: dict[str, Any] = {}
             if output.reasoning and request.include_reasoning:
@@ -215,22 +215,54 @@ def stream_chat(
                 for piece in pieces:
                     yield sse(_chunk(ctx, [piece], usage_now()))
                 continue
-            forced, held = calls.release(output.finish_reason) if named is None else ([], "")
-            if forced:
-                delta = {"tool_calls": [_tool_call_piece(piece) for piece in forced]}
-                pieces.append(ids.take(_choice(index, delta)))
-            elif held:
-                pieces.append(ids.take(_choice(index, {"content": held})))
-            # As vLLM streams it: the last piece carries the finish (an empty delta when the
-            # last token brought no text), so no chunk repeats the usage of the one before.
-            last = pieces.pop() if pieces else ids.take(_choice(index, {}))
-            last["finish_reason"] = calls.finish_reason(output.finish_reason)
-            last["stop_reason"] = output.stop_reason
+            last = _finish_piece(pieces, output, index, calls, ids, named)
             for piece in pieces:
                 yield sse(_chunk(ctx, [piece], usage_now()))
             yield finish_event(_chunk(ctx, [last], usage_now()), ctx, tracker, include_usage)
 
     return sse_stream(choices, events, usage if include_usage else None, ctx.request_id)
+
+
+def _opening(
+    ctx: ResponseContext,
+    request: ChatCompletionRequest,
+    first: RequestOutput,
+    index: int,
+    role: str,
+    echo: str,
+    usage: dict[str, int] | None,
+) -> list[bytes]:
+    """The events that open a choice's stream: the role's chunk (with vLLM's extras about the
+    prompt), then the echoed text's when the request echoes."""
+    opening = _chunk(ctx, [_choice(index, {"role": role, "content": ""})], usage)
+    events = [sse(_with_prompt(opening, ctx, request, first))]
+    if echo:
+        events.append(sse(_chunk(ctx, [_choice(index, {"content": echo})], usage)))
+    return events
+
+
+def _finish_piece(
+    pieces: list[dict[str, Any]],
+    output: RequestOutput,
+    index: int,
+    calls: _Calls,
+    ids: _TokenIds,
+    named: str | None,
+) -> dict[str, Any]:
+    """The choice piece that carries a choice's finish, taken off the end of `pieces` (its last
+    output's, to which a forced call's held text is added first, as the calls or as content).
+    As vLLM streams it, the last piece carries the finish (an empty delta when the last token
+    brought no text), so no chunk repeats the usage of the one before."""
+    forced, held = calls.release(output.finish_reason) if named is None else ([], "")
+    if forced:
+        delta = {"tool_calls": [_tool_call_piece(piece) for piece in forced]}
+        pieces.append(ids.take(_choice(index, delta)))
+    elif held:
+        pieces.append(ids.take(_choice(index, {"content": held})))
+    last = pieces.pop() if pieces else ids.take(_choice(index, {}))
+    last["finish_reason"] = calls.finish_reason(output.finish_reason)
+    last["stop_reason"] = output.stop_reason
+    return last
 
 
 async def _collect_choice(

@@ -171,6 +171,26 @@ class Step:
     carries_long_prefill: bool = False  # a chunk of a long prompt (long_prefill_token_threshold)
 
 
+# A running request this step may advance, and the tokens it has left to compute.
+_Work = tuple[Sequence, int]
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """A step as Scheduler.schedule plans it: what is planned so far and what is left to plan."""
+
+    budget: int  # tokens the step may still carry
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    taken: set[int] = field(default_factory=set)  # handles in it: never preempted for another
+    copies: list[tuple[int, int]] = field(default_factory=list)  # beams' copy on write
+    hold_long: bool = False  # the streams are owed time: no long prompt's chunk this step
+    # Prompts partly prefilled after this step (those it finishes are not counted), and of them
+    # the long ones
+    partial: int = 0
+    partial_long: int = 0
+    carries_long: bool = False  # a chunk of a long prompt
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -315,14 +335,41 @@ class Scheduler:
     # -- planning --------------------------------------------------------------------------------
 
     def schedule(self) -> Step | None:
-        budget = self.config.max_num_batched_tokens
-        planned: list[ScheduledSeq] = []
-        taken: set[int] = set()  # handles in this step: never preempted to make room for another
-        # Decodes first, then unfinished prefills, then new requests. Beside decodes, prefills
-        # share a bounded allowance, which bounds the running streams' inter-token latency.
-        decodes: list[tuple[Sequence, int]] = []
-        prefills: list[tuple[Sequence, int]] = []
-        searches: list[Sequence] = []  # beam searches' leaders whose beams are due a step
+        """The next step, or None when nothing can run: the running requests first (beam
+        searches' rows, decodes, then chunks of unfinished prefills), then waiting requests
+        admitted while budget, blocks and sequence slots last. A request that needs a block when
+        none is free preempts others (_make_room)."""
+        decodes, prefills, searches = self._running_work()
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        drafts = self._drafts(decodes, prefills, plan.budget)
+        for leader in searches:
+            rows = self._plan_beams(leader, plan.budget, plan.taken, plan.copies)
+            plan.seqs.extend(rows)
+            plan.budget -= len(rows)
+        decoding = bool(decodes or searches)
+        # Counted after the searches' rows: making room for those may have preempted a prefill.
+        plan.hold_long = decoding and self._long_prefill_s > self.config.long_prefill_share * (
+            self._decoding_s
+        )
+        plan.partial = len(prefills)
+        plan.partial_long = sum(1 for seq, _ in prefills if self._is_long(seq))
+        self._schedule_running(plan, decodes, drafts, prefill=False)
+        # Beside decodes, prefills share a bounded allowance, which bounds the running streams'
+        # inter-token latency.
+        if plan.seqs:
+            plan.budget = min(plan.budget, self.config.max_prefill_tokens_while_decoding)
+        self._schedule_running(plan, prefills, drafts, prefill=True)
+        self._admit_waiting(plan)
+        if not plan.seqs:
+            return None
+        return self._dispatch(plan, decoding)
+
+    def _running_work(self) -> tuple[list[_Work], list[_Work], list[Sequence]]:
+        """The running requests this step may advance: decodes and unfinished prefills, each with
+        the tokens it has left to compute, and beam searches' leaders whose beams are due a step."""
+        decodes: list[_Work] = []
+        prefills: list[_Work] = []
+        searches: list[Sequence] = []
         for seq in self.running:
             if seq.beam is not None and (seq.beam.beams or seq.pending_outputs):
                 if seq.beam.beams and not seq.steps_in_flight:
@@ -333,52 +380,51 @@ class Scheduler:
                 continue  # its last token is in flight, or its drafts are being verified
             left = seq.num_prompt + num_outputs - seq.num_computed  # num_tokens - num_computed
             (decodes if left == 1 else prefills).append((seq, left))
-        drafts = self._drafts(decodes, prefills, budget)
+        return decodes, prefills, searches
+
+    def _schedule_running(
+        self,
+        plan: _StepPlan,
+        work: list[_Work],
+        drafts: dict[int, np.ndarray],  # handle -> [D] int32, the drafts a decode carries
+        prefill: bool,  # `work` is unfinished prefills (else decodes)
+    ) -> None:
+        """Plan running requests in order while the budget lasts: a decode's token (and its
+        drafts, cut to the budget), or a prefill's next chunk; one whose chunk crosses into a new
+        block when none is free preempts others, or is itself preempted (_make_room)."""
         capacity = self.blocks.block_size
-        copies: list[tuple[int, int]] = []
-        for leader in searches:
-            rows = self._plan_beams(leader, budget, taken, copies)
-            planned.extend(rows)
-            budget -= len(rows)
-        decoding = bool(decodes or searches)
-        hold_long = decoding and self._long_prefill_s > self.config.long_prefill_share * (
-            self._decoding_s
-        )
-        carries_long = False
-        # prompts partly prefilled after this step (those this step finishes are not counted)
-        partial = len(prefills)
-        partial_long = sum(1 for seq, _ in prefills if self._is_long(seq))
-        for group in (decodes, prefills):
-            if group is prefills and planned:
-                budget = min(budget, self.config.max_prefill_tokens_while_decoding)
-            for seq, left in group:
-                if budget == 0:
-                    break
-                if seq.status != Status.RUNNING:
-                    continue  # preempted while making room for an earlier one
-                long = group is prefills and self._is_long(seq)
-                if long and hold_long:
-                    continue  # the streams' share of time: this step is theirs
-                draft = drafts.get(seq.handle)
-                if draft is not None and len(draft) >= budget:
-                    draft = draft[: budget - 1] if budget > 1 else None
-                count = min(left, budget) + (0 if draft is None else len(draft))
-                if long:
-                    count = min(count, self.config.long_prefill_token_threshold)
-                    carries_long = True
-                need = seq.num_computed + count
-                # Most steps stay inside the last block: only a crossing asks for room.
-                if need > len(seq.blocks) * capacity and not self._make_room(
-                    seq, taken, functools.partial(self.blocks.grow, seq.blocks, need)
-                ):
-                    continue
-                planned.append(self._plan(seq, count, count >= left, draft))
-                if group is prefills and count >= left:
-                    partial -= 1
-                if left > 1 or seq.num_computed == seq.num_prompt:  # a prefill chunk
-                    self._register_prefix(seq)
-                taken.add(seq.handle)
-                budget -= count
+        for seq, left in work:
+            if plan.budget == 0:
+                break
+            if seq.status != Status.RUNNING:
+                continue  # preempted while making room for an earlier one
+            long = prefill and self._is_long(seq)
+            if long and plan.hold_long:
+                continue  # the streams' share of time: this step is theirs
+            draft = drafts.get(seq.handle)
+            if draft is not None and len(draft) >= plan.budget:
+                draft = draft[: plan.budget - 1] if plan.budget > 1 else None
+            count = min(left, plan.budget) + (0 if draft is None else len(draft))
+            if long:
+                count = min(count, self.config.long_prefill_token_threshold)
+                plan.carries_long = True
+            need = seq.num_computed + count
+            # Most steps stay inside the last block: only a crossing asks for room.
+            if need > len(seq.blocks) * capacity and not self._make_room(
+                seq, plan.taken, functools.partial(self.blocks.grow, seq.blocks, need)
+            ):
+                continue
+            plan.seqs.append(self._plan(seq, count, count >= left, draft))
+            if prefill and count >= left:
+                plan.partial -= 1
+            if left > 1 or seq.num_computed == seq.num_prompt:  # a prefill chunk
+                self._register_prefix(seq)
+            plan.taken.add(seq.handle)
+            plan.budget -= count
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests by (priority, arrival) while budget, blocks and sequence slots
+        last, each with the first chunk of its prompt (after the cached blocks it begins with)."""
         loras = self._running_loras()
         # A beam search runs as many rows as beams: the others count against max_num_seqs too.
         beam_rows = sum(
@@ -386,41 +432,31 @@ class Scheduler:
             for g in self.beam_groups.values()
             if g.leader is not None and g.leader.status == Status.RUNNING
         )
-        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
-            # A preempted request waits for its steps in flight before it is recomputed; one
-            # whose adapter would make the running requests' more than --max-loras waits for
-            # the requests of one of theirs to finish (vLLM's rule), and the next may go first.
+        while plan.budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             # A long prompt waits while the long ones prefilling are as many as allowed, or while
             # the streams are owed time; shorter ones are admitted past it (vLLM's rule).
-            long_closed = hold_long or partial_long >= self.config.max_long_partial_prefills
+            long_closed = (
+                plan.hold_long or plan.partial_long >= self.config.max_long_partial_prefills
+            )
             if (
                 self.config.max_num_partial_prefills
-                and partial >= self.config.max_num_partial_prefills
+                and plan.partial >= self.config.max_num_partial_prefills
             ):
                 break
-            admit = next(
-                (
-                    s
-                    for s in self.waiting
-                    if s.steps_in_flight == 0
-                    and (not s.lora_id or s.lora_id in loras or len(loras) < self.config.max_loras)
-                    and not (long_closed and self._is_long(s))
-                ),
-                None,
-            )
+            admit = self._next_admissible(loras, long_closed)
             if admit is None:
                 break
             extra = 0 if admit.beam is None else admit.beam.width - 1
             if self.running and len(self.running) + beam_rows + extra >= self.config.max_num_seqs:
                 break  # (a search wider than max_num_seqs runs alone)
             cached = self._take_cached_prefix(admit)
-            count = min(admit.num_tokens - admit.num_computed, budget)
+            count = min(admit.num_tokens - admit.num_computed, plan.budget)
             if self._is_long(admit):
                 count = min(count, self.config.long_prefill_token_threshold)
-                carries_long = True
-                partial_long += 1
+                plan.carries_long = True
+                plan.partial_long += 1
             if admit.num_computed + count < admit.num_tokens:
-                partial += 1
+                plan.partial += 1
             if not self.blocks.grow(admit.blocks, admit.num_computed + count):
                 if cached:  # it stays waiting: give the cached blocks back
                     self.blocks.free(admit.blocks)
@@ -433,12 +469,33 @@ class Scheduler:
             if admit.lora_id:
                 loras.add(admit.lora_id)
             beam_rows += extra
-            planned.append(self._plan(admit, count, admit.num_computed + count == admit.num_tokens))
+            plan.seqs.append(
+                self._plan(admit, count, admit.num_computed + count == admit.num_tokens)
+            )
             self._register_prefix(admit)
-            budget -= count
-        if not planned:
-            return None
-        new = [p.seq for p in planned if not p.seq.sent_to_execute]
+            plan.budget -= count
+
+    def _next_admissible(self, loras: set[int], long_closed: bool) -> Sequence | None:
+        """The first waiting request that may be admitted now (`loras`: the running requests'
+        adapters; `long_closed`: no long prompt may start). A preempted request waits for its
+        steps in flight before it is recomputed; one whose adapter would make the running
+        requests' more than --max-loras waits for the requests of one of theirs to finish
+        (vLLM's rule), and the next may go first."""
+        return next(
+            (
+                s
+                for s in self.waiting
+                if s.steps_in_flight == 0
+                and (not s.lora_id or s.lora_id in loras or len(loras) < self.config.max_loras)
+                and not (long_closed and self._is_long(s))
+            ),
+            None,
+        )
+
+    def _dispatch(self, plan: _StepPlan, decoding: bool) -> Step:
+        """The planned step, numbered and put in flight, with the requests execute meets in it
+        for the first time and the handles it may forget."""
+        new = [p.seq for p in plan.seqs if not p.seq.sent_to_execute]
         for seq in new:
             seq.sent_to_execute = True
         after_result = (
@@ -446,13 +503,13 @@ class Scheduler:
         )
         step = Step(
             self._next_step,
-            planned,
+            plan.seqs,
             new,
             self._to_free,
             after_result,
-            copies,
+            plan.copies,
             beside_decodes=decoding,
-            carries_long_prefill=carries_long,
+            carries_long_prefill=plan.carries_long,
         )
         self._to_free = []
         self._next_step += 1

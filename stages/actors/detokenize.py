@@ -6,6 +6,8 @@ A stop-string hit finishes the request here and tells the scheduler to free it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from pipeline.actor import AsyncActor
@@ -88,22 +90,31 @@ class DetokenizeActor(AsyncActor):
                 state.parser.feed(text, False)
 
     def process(self, batch: TokenBatch) -> tuple[dict[str, np.ndarray] | None, list[int]]:
+        """One batch of sampled tokens: its new requests added (a resumed one replayed), its prompt
+        logprobs kept, its rows fed; -> (the deltas, None when no row's request is here, and the
+        requests a stop string finished)."""
         for handle, params in batch.new:
             self.detok.add(handle, params)
             self.replay(handle, params.replay_ids)
         if len(batch.prompt.rows):
             self.gather_prompt_logprobs(batch.prompt)
-        out_rows, texts, extras, stopped = [], [], [], []
+        out_rows, texts, extras, stopped = self.feed_rows(batch)
+        if not out_rows:
+            return None, stopped
+        return deltas.pack_deltas(out_rows, texts, extras), stopped
+
+    def feed_rows(
+        self, batch: TokenBatch
+    ) -> tuple[list[tuple[int, int, int, int, int]], list[str], list[DeltaExtra | None], list[int]]:
+        """Each row's token through its request's text state and parsers: (DELTA_ROW's fields,
+        texts and extras, of the rows whose request is here; the requests a stop string
+        finished)."""
+        out_rows: list[tuple[int, int, int, int, int]] = []
+        texts: list[str] = []
+        extras: list[DeltaExtra | None] = []
+        stopped: list[int] = []
         rows = batch.rows
-        columns = zip(
-            rows["handle"].tolist(),
-            rows["token_id"].tolist(),
-            rows["finish"].tolist(),
-            rows["num_prompt_tokens"].tolist(),
-            rows["num_output_tokens"].tolist(),
-            strict=True,
-        )
-        for i, (handle, token, finish, num_prompt, num_output) in enumerate(columns):
+        for i, (handle, token, finish, num_prompt, num_output) in enumerate(_columns(rows)):
             state = self.detok.states.get(handle)
             if state is None:
                 continue
@@ -167,9 +178,20 @@ class DetokenizeActor(AsyncActor):
                         prompt_ids,
                     )
                 )
-        if not out_rows:
-            return None, stopped
-        return deltas.pack_deltas(out_rows, texts, extras), stopped
+        return out_rows, texts, extras, stopped
+
+
+def _columns(rows: np.ndarray) -> Iterator[tuple[int, int, int, int, int]]:  # rows: [B] TOKEN_ROW
+    """Each row's (handle, token id, finish, prompt tokens, output tokens) as Python ints: one
+    tolist a column, not one a row."""
+    return zip(
+        rows["handle"].tolist(),
+        rows["token_id"].tolist(),
+        rows["finish"].tolist(),
+        rows["num_prompt_tokens"].tolist(),
+        rows["num_output_tokens"].tolist(),
+        strict=True,
+    )
 
 
 def _text(data: bytes) -> str:

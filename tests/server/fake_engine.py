@@ -22,6 +22,7 @@ from stages.api import (
     RenderedPromptInfo,
     RequestMetrics,
     RequestOutput,
+    SamplingParams,
     TextPrompt,
     TokenLogprob,
     TokensPrompt,
@@ -40,6 +41,29 @@ def _text(content: object) -> str:
     if isinstance(content, list):
         return "\n".join(part["text"] for part in content)
     return str(content or "")
+
+
+def _word_finish(
+    text_so_far: str,
+    text: str,
+    sampling: SamplingParams,
+    num_words_out: int,  # this word's included
+    max_tokens: int,
+    num_words: int,  # in the whole reply
+) -> tuple[str, str | None, str | None]:  # -> (the word's text to send, finish, stop string)
+    """Whether the reply ends at this word: at the first stop string the output then holds (the
+    text cut there, the stop string kept when the request includes it), at max_tokens, or at its
+    last word."""
+    full = text_so_far + text
+    hit = next((s for s in sampling.stop if s in full), None)
+    if hit is not None:
+        cut = full.index(hit) + (len(hit) if sampling.include_stop_str_in_output else 0)
+        return full[:cut][len(text_so_far) :], "stop", hit
+    if num_words_out == max_tokens:
+        return text, "length", None
+    if num_words_out == num_words:
+        return text, "stop", None
+    return text, None, None
 
 
 @dataclass
@@ -135,6 +159,20 @@ class FakeEngine:
         top = ((token_id, text, text.encode(), logprob), *alternatives)
         return TokenLogprob(token_id, text, text.encode(), logprob, 1, top[:top_n])
 
+    def _prompt_logprobs(
+        self, prompt_ids: list[int], top_n: int | None
+    ) -> tuple[TokenLogprob | None, ...] | None:
+        """Each prompt token's logprobs after the first (which has none), when asked for."""
+        if top_n is None:
+            return None
+        return (
+            None,
+            *(
+                self._logprob(t, " " + self._words.get(t, f"<{t}>"), i, top_n)
+                for i, t in enumerate(prompt_ids[1:])
+            ),
+        )
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return self._generate(request)
 
@@ -169,17 +207,7 @@ class FakeEngine:
         prompt_ids, max_tokens = self._render(request)
         sampling = request.sampling
         words = self._reply_words(request)
-        prompt_logprobs = None
-        if sampling.prompt_logprobs is not None:
-            prompt_logprobs = (
-                None,
-                *(
-                    self._logprob(
-                        t, " " + self._words.get(t, f"<{t}>"), i, sampling.prompt_logprobs
-                    )
-                    for i, t in enumerate(prompt_ids[1:])
-                ),
-            )
+        prompt_logprobs = self._prompt_logprobs(prompt_ids, sampling.prompt_logprobs)
         parser = None
         if request.reasoning_parser or request.tool_call_parser:
             # the detokenize stage's parsers, on the echoed words
@@ -200,17 +228,9 @@ class FakeEngine:
                 first_token_ns = first_token_ns or time.monotonic_ns()
                 text = word if index == 0 else " " + word
                 token_id = self.word_id(word)
-                finish, stop_reason = None, None
-                hit = next((s for s in sampling.stop if s in text_so_far + text), None)
-                if hit is not None:
-                    full = text_so_far + text
-                    cut = full.index(hit) + (len(hit) if sampling.include_stop_str_in_output else 0)
-                    text = full[:cut][len(text_so_far) :]
-                    finish, stop_reason = "stop", hit
-                elif index + 1 == max_tokens:
-                    finish = "length"
-                elif index + 1 == len(words):
-                    finish = "stop"
+                text, finish, stop_reason = _word_finish(
+                    text_so_far, text, sampling, index + 1, max_tokens, len(words)
+                )
                 text_so_far += text
                 reasoning, calls = "", ()
                 if parser is not None:
