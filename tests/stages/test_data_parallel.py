@@ -230,7 +230,7 @@ def test_the_server_is_down_only_once_every_replica_gave_up(replicas):
 
 
 def test_replicas_of_two_tensor_parallel_ranks_each_write_the_text_of_one_process(replicas):
-    """DP=2 x TP=2 (the README's 4-GPU layout, on gloo): each replica's group has a rendezvous
+    """DP=2 x TP=2 (docs/SERVING.md's 4-GPU layout, on gloo): each replica's group has a rendezvous
     of its own, and every request writes the greedy tokens of one process."""
     prompts = [f"Question {i}: what is the weather on day {i}?" for i in range(4)]
     engine, runner = replicas(data_parallel_size=1)
