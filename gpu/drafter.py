@@ -59,9 +59,9 @@ class Drafter:
         # drafts feeds them before its input token.
         self._lengths: dict[int, int] = {}
 
-    def free(self, request_ids: list[int]) -> None:
-        for request_id in request_ids:
-            self._lengths.pop(request_id, None)
+    def free(self, handles: list[int]) -> None:
+        for handle in handles:
+            self._lengths.pop(handle, None)
 
     def propose(
         self,
@@ -77,12 +77,12 @@ class Drafter:
         block_size = self.kv_cache.block_size
         rows: list[_Row] = []
         histories: dict[int, list[int]] = {}  # drafting rows: their tokens, drafts appended
-        for b, request_id in enumerate(batch.request_ids.tolist()):
+        for b, handle in enumerate(batch.handles.tolist()):
             first = int(batch.positions[starts[b]])
             known_end = first + int(starts[b + 1] - starts[b]) - int(num_draft[b])
-            feed_from = min(self._lengths.get(request_id, first), first)
+            feed_from = min(self._lengths.get(handle, first), first)
             if not num_draft[b] and first >= batch.prompt_lens[b]:  # caught up when it drafts
-                self._lengths[request_id] = feed_from
+                self._lengths[handle] = feed_from
                 continue
             earlier = known_tokens[b][feed_from:first]
             tokens = np.concatenate(
@@ -104,11 +104,11 @@ class Drafter:
                 ]
             else:
                 rows.append(_Row(b, positions, tokens, slots))
-            self._lengths[request_id] = known_end
+            self._lengths[handle] = known_end
             if num_draft[b]:
                 histories[b] = [*known_tokens[b][:first], *tokens[first - feed_from :].tolist()]
                 # Draft j's KV is written by pass j; the last draft's never is.
-                self._lengths[request_id] = known_end + int(num_draft[b]) - 1
+                self._lengths[handle] = known_end + int(num_draft[b]) - 1
 
         order = list(histories)  # the drafting rows, in batch order
         probs: dict[int, list[torch.Tensor]] = {b: [] for b in order}

@@ -105,7 +105,7 @@ class RunnerConfig:
 class StepBatch:
     """One engine step: B sequences, T new tokens in all, flattened in sequence order."""
 
-    request_ids: np.ndarray  # [B] int64
+    handles: np.ndarray  # [B] int64, each row's request (the engine's handle, stages/api.py)
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
     query_start_loc: np.ndarray  # [B + 1] int32, cumulative query lengths
@@ -368,7 +368,7 @@ class ModelRunner:
         if tensor_parallel is None or tensor_parallel.samples:
             probe.step(batch)
         else:  # rank 0's forward of that step, in lockstep with it through the collectives
-            rows = len(batch.request_ids)
+            rows = len(batch.handles)
             inputs, _ = network_inputs(
                 batch, batch.sample, np.zeros(rows, np.int64), np.zeros(rows, bool)
             )
@@ -455,7 +455,7 @@ class ModelRunner:
         return kernels_name(self.model.kernels)
 
     @property
-    def tracked_request_ids(self) -> frozenset[int]:
+    def tracked_handles(self) -> frozenset[int]:
         """Requests whose token history the runner holds (seen and not yet freed)."""
         return frozenset(self._requests)
 
@@ -463,11 +463,11 @@ class ModelRunner:
         """Copy KV blocks before a step (beam search's copy on write)."""
         self.kv_cache.copy_blocks(torch.from_numpy(pairs.astype(np.int64)).to(self.device))
 
-    def free(self, request_ids: np.ndarray | list[int]) -> None:
+    def free(self, handles: np.ndarray | list[int]) -> None:
         """Forget finished or aborted requests."""
-        ids = np.asarray(request_ids, dtype=np.int64).tolist()
-        for request_id in ids:
-            self._requests.pop(request_id, None)
+        ids = np.asarray(handles, dtype=np.int64).tolist()
+        for handle in ids:
+            self._requests.pop(handle, None)
         if self.drafter is not None:
             self.drafter.free(ids)
 
@@ -486,7 +486,7 @@ class ModelRunner:
 
     def _step(self, batch: StepBatch, share: Callable[[ForwardInputs], None] | None) -> StepOutput:
         starts = batch.query_start_loc.astype(np.int64)
-        states = [self._requests.setdefault(int(r), _RequestState()) for r in batch.request_ids]
+        states = [self._requests.setdefault(int(r), _RequestState()) for r in batch.handles]
         samples = np.asarray(batch.sample, dtype=bool)
         num_draft = (
             np.zeros(len(states), np.int64)
@@ -919,7 +919,7 @@ def profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> StepBatch:
     query_start_loc = np.zeros(rows + 1, np.int32)
     np.cumsum(lens, out=query_start_loc[1:])
     return StepBatch(
-        request_ids=np.arange(rows, dtype=np.int64),
+        handles=np.arange(rows, dtype=np.int64),
         input_ids=np.zeros(num_tokens, np.int64),
         positions=positions,
         query_start_loc=query_start_loc,
@@ -1113,7 +1113,7 @@ def network_inputs(
     of its drafts)."""
     starts = batch.query_start_loc.astype(np.int64)
     rows: list[np.ndarray] = []
-    for b in range(len(batch.request_ids)):
+    for b in range(len(batch.handles)):
         if wants_prompt[b]:
             rows.append(np.arange(starts[b], starts[b + 1]))
         elif samples[b]:  # the input token's position, and each draft's

@@ -146,7 +146,7 @@ def verify_batch(
     seq = np.repeat(np.arange(batch), rows)
     slots = tables[seq, positions // block].astype(np.int64) * block + positions % block
     return StepBatch(
-        request_ids=np.arange(batch, dtype=np.int64),
+        handles=np.arange(batch, dtype=np.int64),
         input_ids=rng.integers(0, runner.model_config.vocab_size, batch * rows),
         positions=positions,
         query_start_loc=np.arange(0, batch * rows + 1, rows, dtype=np.int32),
@@ -166,7 +166,7 @@ def prefill_batch(runner: ModelRunner, tokens: int, rng: np.random.Generator) ->
     tables = np.arange(-(-tokens // block), dtype=np.int32)[None, :]
     positions = np.arange(tokens, dtype=np.int64)
     return StepBatch(
-        request_ids=np.array([10_000], np.int64),
+        handles=np.array([10_000], np.int64),
         input_ids=rng.integers(0, runner.model_config.vocab_size, tokens),
         positions=positions,
         query_start_loc=np.array([0, tokens], np.int32),

@@ -113,6 +113,9 @@ class LoraRequest(msgspec.Struct, frozen=True, array_like=True):
 class GenerateRequest(msgspec.Struct, frozen=True):
     """One request to the engine; the render stage receives it as it is (msgpack)."""
 
+    # The client's id (the response's; the n choices of one request share it). The engine gives
+    # each GenerateRequest an int64 handle when it starts it (Engine.generate, Engine.render):
+    # the stages, the rings and gpu/ know a request by that handle alone.
     request_id: str
     prompt: Prompt
     sampling: SamplingParams = SamplingParams()

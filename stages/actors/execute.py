@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -65,6 +65,17 @@ if TYPE_CHECKING:
 MATCHER_POLL_S = 0.002
 
 
+@dataclass(slots=True)
+class AdmittedRequest:
+    """What execute keeps of one request between its first step and its release. (A grammar's
+    matcher lives in `grammars`, the collection that computes every row's mask at once.)"""
+
+    sampling: RequestSampling
+    thinking: ThinkingTracker | None  # with a thinking_token_budget
+    lora: LoraRequest | None  # with an adapter
+    last_token: int = -1  # the token it sampled last: a plan made a step ahead names it -1
+
+
 class ExecuteActor(SyncActor):
     def warm_up(self) -> None:
         import torch  # only this stage imports torch
@@ -110,11 +121,11 @@ class ExecuteActor(SyncActor):
             )
         if spec is not None and spec.model is not None and self.runner.drafter is None:
             self.runner.attach_drafter(spec.model)  # beside a cache of a given size
-        self.sampling: dict[int, RequestSampling] = {}
-        self.last_token: dict[int, int] = {}
-        self.with_bad_words: set[int] = set()  # steps without them skip building their arrays
-        self.thinking: dict[int, ThinkingTracker] = {}  # requests with a thinking_token_budget
-        self.loras: dict[int, LoraRequest] = {}  # requests with an adapter
+        # Each request from its first step (admit) to its release (forget), by handle; and how
+        # many of them have bad words (none: steps skip building their arrays), a thinking
+        # budget, an adapter.
+        self.requests: dict[int, AdmittedRequest] = {}
+        self.num_with_bad_words = self.num_thinking = self.num_with_lora = 0
         # Built now (~0.25 s and ~30 MB for a 49k vocabulary), not at the first structured-output
         # request: llguidance holds the GIL while it builds its tokenizer, which would stop every
         # running stream that long, even from a worker thread.
@@ -186,14 +197,14 @@ class ExecuteActor(SyncActor):
                 spans.SPAN_FORWARD,
                 started,
                 finished,
-                batch=len(batch.request_ids),
+                batch=len(batch.handles),
                 tokens=len(batch.input_ids),
                 wait_ns=started - waited,
                 depth=depth,
                 cpu_ns=time.process_time_ns() - cpu,
             )
-            self.advance(batch.request_ids, output.num_tokens, output.token_ids)
-            result = _result(step.step_id, batch.request_ids, output, started, finished)
+            self.advance(batch.handles, output.num_tokens, output.token_ids)
+            result = _result(step.step_id, batch.handles, output, started, finished)
             outbox.send(results.RESULT, results.pack_result(result))
             self.ctx.heartbeat()
 
@@ -227,11 +238,7 @@ class ExecuteActor(SyncActor):
 
     def forget(self, handles: np.ndarray) -> None:
         for handle in handles.tolist():
-            self.sampling.pop(handle, None)
-            self.last_token.pop(handle, None)
-            self.with_bad_words.discard(handle)
-            self.thinking.pop(handle, None)
-            self.loras.pop(handle, None)
+            self.release(handle)
             building = self.building.pop(handle, None)
             if building is not None:  # aborted before its matcher was done
                 building.cancel()
@@ -248,19 +255,30 @@ class ExecuteActor(SyncActor):
                 vocab_size = self.runner.model_config.vocab_size
                 params = scoring_sampling(params, request.stop_token_ids, vocab_size)
             sampling = RequestSampling.of(params, request.stop_token_ids, request.bad_words)
-            self.sampling[handle] = sampling
-            if sampling.has_bad_words:
-                self.with_bad_words.add(handle)
+            tracker = None
             if request.thinking is not None:
                 tracker = ThinkingTracker(request.thinking)
                 for token in () if request.resume is None else request.resume.output_ids:
                     tracker.forced()
                     tracker.consume(token)
-                self.thinking[handle] = tracker
-            if request.lora is not None:
-                self.loras[handle] = request.lora
+            self.hold(handle, AdmittedRequest(sampling, tracker, request.lora))
             if request.grammar and handle not in self.grammars:
                 raise RuntimeError(f"request {handle} was planned before its grammar matcher")
+
+    def hold(self, handle: int, request: AdmittedRequest) -> None:
+        """Keep a request from its first step on (in place of any it replaces)."""
+        self.release(handle)
+        self.requests[handle] = request
+        self.num_with_bad_words += request.sampling.has_bad_words
+        self.num_thinking += request.thinking is not None
+        self.num_with_lora += request.lora is not None
+
+    def release(self, handle: int) -> None:
+        request = self.requests.pop(handle, None)
+        if request is not None:
+            self.num_with_bad_words -= request.sampling.has_bad_words
+            self.num_thinking -= request.thinking is not None
+            self.num_with_lora -= request.lora is not None
 
     def batch_of(self, step: PlannedStep) -> StepBatch:
         from gpu.runner import StepBatch
@@ -277,8 +295,9 @@ class ExecuteActor(SyncActor):
             first_draft = seqs["query_start"] + seqs["query_len"] - seqs["num_draft"]
             inputs = unknown < first_draft[owner]
             unknown, owner = unknown[inputs], owner[inputs]
-            input_ids[unknown] = [self.last_token[int(h)] for h in handles[owner]]
-        requests = [self.sampling[h] for h in handles.tolist()]
+            input_ids[unknown] = [self.requests[int(h)].last_token for h in handles[owner]]
+        admitted = [self.requests[h] for h in handles.tolist()]
+        requests = [a.sampling for a in admitted]
         grammars = self.grammars if len(self.grammars) else None
         bitmask = (
             grammars.masks(handles.tolist(), seqs["sample"].tolist())
@@ -290,11 +309,11 @@ class ExecuteActor(SyncActor):
         if bitmask.shape[1] and num_draft.any():
             grammar_masks = self.grammar_masks(handles.tolist())
         forced_along = None
-        if self.thinking and num_draft.any():
-            forced_along = self.forced_along(handles.tolist())
-        lora_ids, lora_paths = self.adapters_of(handles)
+        if self.num_thinking and num_draft.any():
+            forced_along = self.forced_along(admitted)
+        lora_ids, lora_paths = self.adapters_of(admitted)
         return StepBatch(
-            request_ids=handles,
+            handles=handles,
             input_ids=input_ids,
             positions=step.positions.astype(np.int64),
             query_start_loc=step.query_start_loc.astype(np.int32),
@@ -306,8 +325,8 @@ class ExecuteActor(SyncActor):
             sampling=gather(
                 requests,
                 bitmask,
-                bool(self.with_bad_words),
-                self.forced_tokens(handles, seqs["sample"]) if self.thinking else None,
+                self.num_with_bad_words > 0,
+                self.forced_tokens(admitted, seqs["sample"]) if self.num_thinking else None,
             ),
             prompt_logprobs=np.array([r.prompt_logprobs for r in requests], np.int32),
             num_draft=num_draft if num_draft.any() else None,
@@ -318,12 +337,12 @@ class ExecuteActor(SyncActor):
             block_copies=step.block_copies,  # beams about to write blocks they shared
         )
 
-    def adapters_of(self, handles: np.ndarray) -> tuple[np.ndarray | None, dict[int, str]]:
+    def adapters_of(self, rows: list[AdmittedRequest]) -> tuple[np.ndarray | None, dict[int, str]]:
         """Each row's adapter id (0: the base model) and each adapter's path; (None, {}) when no
-        row has one."""
-        if not self.loras:
+        request has one."""
+        if not self.num_with_lora:
             return None, {}
-        found = [self.loras.get(h) for h in handles.tolist()]
+        found = [row.lora for row in rows]
         ids = np.array([0 if lora is None else lora.lora_id for lora in found], np.int64)
         return ids, {lora.lora_id: lora.path for lora in found if lora is not None}
 
@@ -341,26 +360,25 @@ class ExecuteActor(SyncActor):
 
         return masks
 
-    def forced_along(self, handles: list[int]) -> ForcedAlong:
+    def forced_along(self, rows: list[AdmittedRequest]) -> ForcedAlong:
         """What the runner asks of a step's thinking budgets once its drafts are known: the token
         forced at a row's next position and after each draft, as if it had taken them (the
         tracker does not move), or None for a row without a budget."""
-        thinking = self.thinking
 
         def along(row: int, drafts: list[int]) -> list[int] | None:
-            tracker = thinking.get(handles[row])
+            tracker = rows[row].thinking
             return None if tracker is None else tracker.forced_along(drafts)
 
         return along
 
-    def forced_tokens(self, handles: np.ndarray, sample: np.ndarray) -> np.ndarray:  # -> [S] int32
+    def forced_tokens(
+        self, rows: list[AdmittedRequest], sample: np.ndarray
+    ) -> np.ndarray:  # -> [S] int32
         """Per row the token its thinking budget forces at its next position (the end tag's, once
         spent), or -1; a row's positions after drafts are forced_along's."""
-        forced = np.full(len(handles), -1, np.int32)
-        for row, (handle, samples) in enumerate(
-            zip(handles.tolist(), sample.tolist(), strict=True)
-        ):
-            tracker = self.thinking.get(handle)
+        forced = np.full(len(rows), -1, np.int32)
+        for row, (admitted, samples) in enumerate(zip(rows, sample.tolist(), strict=True)):
+            tracker = admitted.thinking
             if samples and tracker is not None:
                 forced[row] = tracker.forced()
         return forced
@@ -372,10 +390,11 @@ class ExecuteActor(SyncActor):
         tokens = sampled.tolist()
         at = 0
         for handle, count in zip(handles.tolist(), num_tokens.tolist(), strict=True):
-            tracker = self.thinking.get(handle)
+            request = self.requests[handle]
+            tracker = request.thinking
             for token in tokens[at : at + count]:
                 if token >= 0:
-                    self.last_token[handle] = token
+                    request.last_token = token
                     if grammars is not None:
                         grammars.consume(handle, token)
                     if tracker is not None:

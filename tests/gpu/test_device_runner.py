@@ -52,13 +52,13 @@ def random_runner(path: str, **config) -> ModelRunner:
 
 
 def runner_step(
-    pool: BlockPool, chunks: list[tuple[PagedSequence, int]], request_ids: list[int]
+    pool: BlockPool, chunks: list[tuple[PagedSequence, int]], handles: list[int]
 ) -> StepBatch:
     """The chunks as one runner step in which every row samples greedily."""
     step = build_step(pool, chunks)
     rows = len(chunks)
     return StepBatch(
-        request_ids=np.array(request_ids, np.int64),
+        handles=np.array(handles, np.int64),
         input_ids=step.input_ids,
         positions=step.positions,
         query_start_loc=step.query_start_loc,
@@ -291,7 +291,7 @@ def test_the_profiled_step_is_the_largest_the_scheduler_plans_and_runs(tiny_rand
     runner = random_runner(tiny_random)
     out = runner.step(batch)
     assert (out.token_ids >= 0).all() and len(out.token_ids) == 8
-    assert len(profile_batch(5, 8, 16).request_ids) == 5  # fewer tokens than rows
+    assert len(profile_batch(5, 8, 16).handles) == 5  # fewer tokens than rows
 
 
 def test_presets_have_the_real_shapes_and_parameter_counts():

@@ -89,7 +89,7 @@ def speculate(
 
         out = runner.step(
             StepBatch(
-                request_ids=np.array([req.request_id], np.int64),
+                handles=np.array([req.handle], np.int64),
                 input_ids=step.input_ids,
                 positions=step.positions,
                 query_start_loc=step.query_start_loc,
@@ -220,7 +220,7 @@ def test_free_forgets_the_drafts_cache_positions(tiny_models, drafts):
     speculate(runner, req, 2)
     assert runner.drafter is not None and 5 in runner.drafter._lengths
     runner.free([5])
-    assert 5 not in runner.drafter._lengths and runner.tracked_request_ids == frozenset()
+    assert 5 not in runner.drafter._lengths and runner.tracked_handles == frozenset()
 
 
 def test_a_draft_with_another_vocabulary_size_is_refused(tiny_models, tmp_path):
@@ -336,7 +336,7 @@ def _batch(prompt: list[int], rows: int, drafts: int, sampling: SamplingArrays) 
     tables = np.arange(rows * 4, dtype=np.int32).reshape(rows, 4)
     owner = np.repeat(np.arange(rows), length)
     return StepBatch(
-        request_ids=np.arange(rows, dtype=np.int64),
+        handles=np.arange(rows, dtype=np.int64),
         input_ids=np.tile(np.array(prompt + [-1] * drafts, np.int64), rows),
         positions=positions,
         query_start_loc=(np.arange(rows + 1) * length).astype(np.int32),
@@ -377,7 +377,7 @@ def test_sampled_tokens_through_the_runner_follow_plain_decodings_distribution(t
     position = len(prompt)
     again = runner.step(
         StepBatch(
-            request_ids=redo.astype(np.int64),
+            handles=redo.astype(np.int64),
             input_ids=first[redo].astype(np.int64),
             positions=np.full(len(redo), position, np.int64),
             query_start_loc=np.arange(len(redo) + 1, dtype=np.int32),

@@ -15,7 +15,7 @@ from tests.gpu.paged import BlockPool, PagedSequence, build_step
 
 @dataclass
 class Request:
-    request_id: int
+    handle: int
     prompt: list[int]
     max_new_tokens: int
     sampling: dict = field(default_factory=dict)  # SamplingArrays field -> scalar or id list
@@ -60,7 +60,7 @@ def generate(
         step = build_step(pool, [(r.seq, n) for r, n in chunks])
         samples = np.array([r.seq.num_cached >= len(r.prompt) for r, _ in chunks])
         batch = StepBatch(
-            request_ids=np.array([r.request_id for r in live], np.int64),
+            handles=np.array([r.handle for r in live], np.int64),
             input_ids=step.input_ids,
             positions=step.positions,
             query_start_loc=step.query_start_loc,
@@ -194,9 +194,9 @@ def test_min_tokens_and_stop_ids_through_the_runner(llama_runner):
 def test_free_forgets_requests(llama_runner):
     requests = [Request(i, [1, 2, 3], 2) for i in (10, 11)]
     generate(llama_runner, requests)
-    assert llama_runner.tracked_request_ids == {10, 11}
+    assert llama_runner.tracked_handles == {10, 11}
     llama_runner.free(np.array([10]))
-    assert llama_runner.tracked_request_ids == {11}
+    assert llama_runner.tracked_handles == {11}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -34,7 +34,7 @@ def speculate(runner: ModelRunner, req: Request, drafts_for) -> list[tuple[int, 
         step = build_step(pool, [(seq, len(seq.token_ids) - seq.num_cached)])
         out = runner.step(
             StepBatch(
-                request_ids=np.array([req.request_id], np.int64),
+                handles=np.array([req.handle], np.int64),
                 input_ids=step.input_ids,
                 positions=step.positions,
                 query_start_loc=step.query_start_loc,
@@ -110,7 +110,7 @@ def test_logprobs_of_each_accepted_token_are_plain_decodings(runner):
         step = build_step(pool, [(seq, count)])
         out = runner.step(
             StepBatch(
-                request_ids=np.array([5], np.int64),
+                handles=np.array([5], np.int64),
                 input_ids=step.input_ids,
                 positions=step.positions,
                 query_start_loc=step.query_start_loc,
