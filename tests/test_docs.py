@@ -50,10 +50,12 @@ def _names(tree: ast.Module) -> set[str]:
 
 
 @cache
-def _index() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """Names per Python file (relative path), and the files defining each class."""
+def _index() -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, set[str]]]:
+    """Names per Python file (relative path), the files defining each class, and each class's
+    bases (by name)."""
     names: dict[str, set[str]] = {}
     classes: dict[str, set[str]] = {}
+    bases: dict[str, set[str]] = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             relative = str(path.relative_to(ROOT))
@@ -62,7 +64,18 @@ def _index() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
             for node in ast.walk(tree):
                 if isinstance(node, ast.ClassDef):
                     classes.setdefault(node.name, set()).add(relative)
-    return names, classes
+                    bases.setdefault(node.name, set()).update(
+                        b.id for b in node.bases if isinstance(b, ast.Name)
+                    )
+    return names, classes, bases
+
+
+def _has_attribute(cls: str, attribute: str) -> bool:
+    """Whether the class, or a class it is built on, defines the attribute."""
+    names, classes, bases = _index()
+    if any(f"{cls}.{attribute}" in names[f] for f in classes.get(cls, ())):
+        return True
+    return any(_has_attribute(base, attribute) for base in bases.get(cls, ()))
 
 
 def _candidates(reference: str) -> list[Path]:
@@ -73,7 +86,7 @@ def _candidates(reference: str) -> list[Path]:
 
 
 def _unresolved(text: str) -> list[str]:
-    names, classes = _index()
+    names, classes, _ = _index()
     wrong = []
     for quoted in re.findall(r"`([^`\n]+)`", text):
         if match := FILE_REFERENCE.fullmatch(quoted):
@@ -89,7 +102,7 @@ def _unresolved(text: str) -> list[str]:
                 wrong.append(f"{quoted}: no {symbol} in {reference}")
         elif (match := CLASS_ATTRIBUTE.fullmatch(quoted)) and match.group(1) in classes:
             cls, attribute = match.groups()
-            if not any(f"{cls}.{attribute}" in names[f] for f in classes[cls]):
+            if not _has_attribute(cls, attribute):
                 wrong.append(f"{quoted}: {cls} has no {attribute}")
     return wrong
 

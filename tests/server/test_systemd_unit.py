@@ -13,7 +13,7 @@ import pytest
 from pipeline.supervisor import SupervisorConfig
 from server.config import ServerConfig
 from server.serve import FINAL_WRITE_GRACE_S
-from stages.engine import STOP_ORDER
+from stages.engine_lifecycle import STOP_ORDER
 
 UNIT = Path(__file__).resolve().parents[2] / "deploy" / "pipeline-serve.service"
 INSTALLED_AT = "/opt/pipeline-serve"
