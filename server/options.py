@@ -687,5 +687,6 @@ def _vllm_cell(entry: Option) -> str:
 
 
 if __name__ == "__main__":
+    text = reference_markdown()
     with open(sys.argv[1], "w", encoding="utf-8") as out:
-        out.write(reference_markdown())
+        out.write(text)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from server import field_reference
 from server.arg_types import parse_bytes
 from server.cli import parse_args
 from server.config import ServerConfig
@@ -341,3 +342,12 @@ def test_the_flag_reference_is_the_parsers_own():
     assert committed == reference_markdown()
     flags = {s for a in build_parser()._actions for s in a.option_strings if s.startswith("--")}
     assert all(f"`{flag}`" in committed for flag in flags - {"--help"})
+
+
+def test_the_field_reference_is_the_schemas_own():
+    # docs/FIELDS.md is generated from server/schemas.py: a field added, renamed or re-described
+    # without regenerating it fails here, and every field a body decodes is in it.
+    committed = (Path(__file__).parents[2] / "docs" / "FIELDS.md").read_text(encoding="utf-8")
+    assert committed == field_reference.reference_markdown()
+    for _, kind in field_reference.BODIES:
+        assert all(f"`{name}`" in committed for name in kind.__struct_fields__)
