@@ -72,9 +72,7 @@ def _prompts(count: int) -> list[str]:
 
 
 async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
-    from pipeline.clock import now_ns
     from pipeline.names import names_in_shm
-    from stages.api import ChatPrompt, EngineError, GenerateRequest, SamplingParams
     from stages.config import EngineConfig
     from stages.engine import Engine
 
@@ -93,128 +91,15 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
         )
     )
     await engine.start()
-    prompts = _prompts(args.num_prompts)
-
-    def request(i: int, serial: str) -> GenerateRequest:
-        return GenerateRequest(
-            f"chaos-{serial}",
-            ChatPrompt([{"role": "user", "content": prompts[i]}]),
-            SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
-            arrival_ns=now_ns(),
-        )
-
-    async def text_of(req: GenerateRequest) -> str:
-        return "".join([out.text async for out in engine.generate(req)])
-
-    namespaces = {engine.supervisor.namespace}
-    kills: list[dict[str, Any]] = []
-    completed = lost = wrong = bombs_refused = non_readers_aborted = 0
-    errors: list[str] = []
+    run = _ChaosRun(args, engine)
     try:
-        reference = [await text_of(request(i, f"ref-{i}")) for i in range(len(prompts))]
-        done = asyncio.Event()
-        serials = iter(range(1 << 62))
-
-        async def worker(w: int) -> None:
-            nonlocal completed, lost, wrong
-            i = w % len(prompts)
-            while not done.is_set():
-                while not engine.ready:  # a closed-loop client backs off while it restarts
-                    await asyncio.sleep(0.05)
-                try:
-                    text = await text_of(request(i, str(next(serials))))
-                except EngineError as error:
-                    if error.status == 503 and not done.is_set():
-                        continue  # refused at the door during a restart: nothing was admitted
-                    lost += 1
-                    errors.append(error.message)
-                else:
-                    completed += 1
-                    wrong += text != reference[i]
-                i = (i + 1) % len(prompts)
-
-        async def bomber() -> None:
-            """Each bomb a 400 naming its limit (a 503 at the door during a restart is sent
-            again); anything else is counted lost."""
-            nonlocal bombs_refused, lost
-            rng = random.Random(args.seed + 1)
-            span_s = args.kills * args.kill_interval_s
-            for n in range(args.template_bombs):
-                await asyncio.sleep(rng.uniform(0.5, 1.5) * span_s / max(args.template_bombs, 1))
-                template, limit = BOMBS[n % len(BOMBS)]
-                prompt = ChatPrompt([{"role": "user", "content": "hi"}], chat_template=template)
-                sampling = SamplingParams(temperature=0.0, max_tokens=4)
-                while True:
-                    bomb = GenerateRequest(f"bomb-{n}", prompt, sampling, arrival_ns=now_ns())
-                    try:
-                        await text_of(bomb)
-                    except EngineError as error:
-                        if error.status == 503:
-                            await asyncio.sleep(0.05)
-                            continue
-                        if error.status == 400 and limit in error.message:
-                            bombs_refused += 1
-                            break
-                        errors.append(error.message)
-                    lost += 1
-                    break
-
-        async def non_reader() -> None:
-            """Streams read once and then not at all, one after another: each must be aborted
-            (the engine's count of such aborts goes up) while the others go on."""
-            nonlocal non_readers_aborted
-            rng = random.Random(args.seed + 2)
-            span_s = args.kills * args.kill_interval_s
-            for n in range(args.non_readers):
-                await asyncio.sleep(rng.uniform(0.5, 1.5) * span_s / max(args.non_readers, 1))
-                while not engine.ready:
-                    await asyncio.sleep(0.05)
-                before = engine.stats()["num_requests_aborted_unread_total"]
-                # all the room the model leaves: far more than the limit lets it leave unread
-                sampling = SamplingParams(temperature=0.0, ignore_eos=True, logprobs=5)
-                prompt = request(n % len(prompts), "x").prompt
-                req = GenerateRequest(f"unread-{n}", prompt, sampling, arrival_ns=now_ns())
-                outputs = engine.generate(req)
-                try:
-                    await anext(outputs)
-                    deadline = time.monotonic() + 60
-                    while time.monotonic() < deadline:
-                        if engine.stats()["num_requests_aborted_unread_total"] > before:
-                            non_readers_aborted += 1
-                            break
-                        await asyncio.sleep(0.05)
-                except EngineError as error:  # refused or failed before its first output
-                    errors.append(f"non-reader: {error.message}")
-                finally:
-                    await outputs.aclose()
-
-        async def killer() -> None:
-            rng = random.Random(args.seed)
-            for _ in range(args.kills):
-                await asyncio.sleep(rng.uniform(0.5, 1.5) * args.kill_interval_s)
-                stage = rng.choice(args.stages)
-                namespaces.add(engine.supervisor.namespace)
-                in_flight = int(engine.stats()["num_streams"])
-                started = time.monotonic()
-                os.kill(engine.supervisor.pids()[stage], signal.SIGKILL)
-                while engine.ready:
-                    await asyncio.sleep(0.005)
-                failure = engine.failure  # the stage the engine blames, while it restarts
-                while not engine.ready:
-                    await asyncio.sleep(0.005)
-                kills.append(
-                    {
-                        "stage": stage,
-                        "named": failure.actor if failure is not None else "",
-                        "recovery_s": time.monotonic() - started,
-                        "in_flight": in_flight,
-                    }
-                )
-            done.set()
-
+        await run.reference_pass()
         started = time.monotonic()
         await asyncio.gather(
-            killer(), bomber(), non_reader(), *(worker(w) for w in range(args.streams))
+            run.killer(),
+            run.bomber(),
+            run.non_reader(),
+            *(run.worker(w) for w in range(args.streams)),
         )
         duration = time.monotonic() - started
         # Schedule publishes its gauges after it has sent the last tokens on: let them settle.
@@ -222,39 +107,185 @@ async def run_chaos(args: ChaosArgs) -> dict[str, Any]:
         while engine.stats()["num_requests_running"] and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         stats = engine.stats()
-        blocks_held = int(stats["num_blocks"] - stats["num_free_blocks"])
-        still = {k: stats[k] for k in ("num_requests_running", "num_requests_waiting")}
     finally:
         await engine.stop()
-    left = [n for n in names_in_shm() if any(ns in n for ns in namespaces)]
-    recovery = {
-        stage: percentiles_ms([k["recovery_s"] for k in kills if k["stage"] == stage])
-        | {"kills": sum(k["stage"] == stage for k in kills)}
-        for stage in args.stages
-    }
-    return {
-        "model": "dummy" if args.dummy else args.model_path,
-        "streams": args.streams,
-        "duration_s": duration,
-        "requests": completed + lost,
-        "completed": completed,
-        "lost": lost,
-        "wrong_text": wrong,
-        "kills": len(kills),
-        # kills the engine blamed on another stage than the one killed (issue 37, item 3)
-        "misnamed_kills": sum(k["named"] != k["stage"] for k in kills),
-        "template_bombs": args.template_bombs,
-        "template_bombs_refused": bombs_refused,
-        "non_readers": args.non_readers,
-        "non_readers_aborted": non_readers_aborted,
-        "in_flight_at_kill": [k["in_flight"] for k in kills],
-        "recovery_ms": recovery,
-        "kill_log": kills,
-        "kv_blocks_held_after": blocks_held,
-        "scheduler_after": still,
-        "shm_names_left": left,
-        "errors": errors[:10],
-    }
+    left = [n for n in names_in_shm() if any(ns in n for ns in run.namespaces)]
+    return run.report(duration, stats, left)
+
+
+class _ChaosRun:
+    """One pass: the reference texts, the closed-loop workers, the killer, the template bombs
+    and the non-readers, and what they counted."""
+
+    def __init__(self, args: ChaosArgs, engine: Any) -> None:
+        self.args = args
+        self.engine = engine
+        self.prompts = _prompts(args.num_prompts)
+        self.reference: list[str] = []
+        self.done = asyncio.Event()
+        self.serials = iter(range(1 << 62))
+        self.namespaces = {engine.supervisor.namespace}
+        self.kills: list[dict[str, Any]] = []
+        self.completed = self.lost = self.wrong = 0
+        self.bombs_refused = self.non_readers_aborted = 0
+        self.errors: list[str] = []
+
+    def request(self, i: int, serial: str) -> Any:
+        from pipeline.clock import now_ns
+        from stages.api import ChatPrompt, GenerateRequest, SamplingParams
+
+        return GenerateRequest(
+            f"chaos-{serial}",
+            ChatPrompt([{"role": "user", "content": self.prompts[i]}]),
+            SamplingParams(temperature=0.0, max_tokens=self.args.max_tokens),
+            arrival_ns=now_ns(),
+        )
+
+    async def text_of(self, request: Any) -> str:
+        return "".join([out.text async for out in self.engine.generate(request)])
+
+    async def reference_pass(self) -> None:
+        """Every prompt once, greedy, before any kill: the texts every later run must equal."""
+        for i in range(len(self.prompts)):
+            self.reference.append(await self.text_of(self.request(i, f"ref-{i}")))
+
+    async def worker(self, w: int) -> None:
+        from stages.api import EngineError
+
+        i = w % len(self.prompts)
+        while not self.done.is_set():
+            while not self.engine.ready:  # a closed-loop client backs off while it restarts
+                await asyncio.sleep(0.05)
+            try:
+                text = await self.text_of(self.request(i, str(next(self.serials))))
+            except EngineError as error:
+                if error.status == 503 and not self.done.is_set():
+                    continue  # refused at the door during a restart: nothing was admitted
+                self.lost += 1
+                self.errors.append(error.message)
+            else:
+                self.completed += 1
+                self.wrong += text != self.reference[i]
+            i = (i + 1) % len(self.prompts)
+
+    async def bomber(self) -> None:
+        """Each bomb a 400 naming its limit (a 503 at the door during a restart is sent again);
+        anything else is counted lost."""
+        from pipeline.clock import now_ns
+        from stages.api import ChatPrompt, EngineError, GenerateRequest, SamplingParams
+
+        args = self.args
+        rng = random.Random(args.seed + 1)
+        span_s = args.kills * args.kill_interval_s
+        for n in range(args.template_bombs):
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * span_s / max(args.template_bombs, 1))
+            template, limit = BOMBS[n % len(BOMBS)]
+            prompt = ChatPrompt([{"role": "user", "content": "hi"}], chat_template=template)
+            sampling = SamplingParams(temperature=0.0, max_tokens=4)
+            while True:
+                bomb = GenerateRequest(f"bomb-{n}", prompt, sampling, arrival_ns=now_ns())
+                try:
+                    await self.text_of(bomb)
+                except EngineError as error:
+                    if error.status == 503:
+                        await asyncio.sleep(0.05)
+                        continue
+                    if error.status == 400 and limit in error.message:
+                        self.bombs_refused += 1
+                        break
+                    self.errors.append(error.message)
+                self.lost += 1
+                break
+
+    async def non_reader(self) -> None:
+        """Streams read once and then not at all, one after another: each must be aborted (the
+        engine's count of such aborts goes up) while the others go on."""
+        from pipeline.clock import now_ns
+        from stages.api import EngineError, GenerateRequest, SamplingParams
+
+        args, engine = self.args, self.engine
+        rng = random.Random(args.seed + 2)
+        span_s = args.kills * args.kill_interval_s
+        for n in range(args.non_readers):
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * span_s / max(args.non_readers, 1))
+            while not engine.ready:
+                await asyncio.sleep(0.05)
+            before = engine.stats()["num_requests_aborted_unread_total"]
+            # all the room the model leaves: far more than the limit lets it leave unread
+            sampling = SamplingParams(temperature=0.0, ignore_eos=True, logprobs=5)
+            prompt = self.request(n % len(self.prompts), "x").prompt
+            req = GenerateRequest(f"unread-{n}", prompt, sampling, arrival_ns=now_ns())
+            outputs = engine.generate(req)
+            try:
+                await anext(outputs)
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    if engine.stats()["num_requests_aborted_unread_total"] > before:
+                        self.non_readers_aborted += 1
+                        break
+                    await asyncio.sleep(0.05)
+            except EngineError as error:  # refused or failed before its first output
+                self.errors.append(f"non-reader: {error.message}")
+            finally:
+                await outputs.aclose()
+
+    async def killer(self) -> None:
+        args, engine = self.args, self.engine
+        rng = random.Random(args.seed)
+        for _ in range(args.kills):
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * args.kill_interval_s)
+            stage = rng.choice(args.stages)
+            self.namespaces.add(engine.supervisor.namespace)
+            in_flight = int(engine.stats()["num_streams"])
+            started = time.monotonic()
+            os.kill(engine.supervisor.pids()[stage], signal.SIGKILL)
+            while engine.ready:
+                await asyncio.sleep(0.005)
+            failure = engine.failure  # the stage the engine blames, while it restarts
+            while not engine.ready:
+                await asyncio.sleep(0.005)
+            self.kills.append(
+                {
+                    "stage": stage,
+                    "named": failure.actor if failure is not None else "",
+                    "recovery_s": time.monotonic() - started,
+                    "in_flight": in_flight,
+                }
+            )
+        self.done.set()
+
+    def report(self, duration: float, stats: dict[str, float], left: list[str]) -> dict[str, Any]:
+        args, kills = self.args, self.kills
+        recovery = {
+            stage: percentiles_ms([k["recovery_s"] for k in kills if k["stage"] == stage])
+            | {"kills": sum(k["stage"] == stage for k in kills)}
+            for stage in args.stages
+        }
+        return {
+            "model": "dummy" if args.dummy else args.model_path,
+            "streams": args.streams,
+            "duration_s": duration,
+            "requests": self.completed + self.lost,
+            "completed": self.completed,
+            "lost": self.lost,
+            "wrong_text": self.wrong,
+            "kills": len(kills),
+            # kills the engine blamed on another stage than the one killed (issue 37, item 3)
+            "misnamed_kills": sum(k["named"] != k["stage"] for k in kills),
+            "template_bombs": args.template_bombs,
+            "template_bombs_refused": self.bombs_refused,
+            "non_readers": args.non_readers,
+            "non_readers_aborted": self.non_readers_aborted,
+            "in_flight_at_kill": [k["in_flight"] for k in kills],
+            "recovery_ms": recovery,
+            "kill_log": kills,
+            "kv_blocks_held_after": int(stats["num_blocks"] - stats["num_free_blocks"]),
+            "scheduler_after": {
+                k: stats[k] for k in ("num_requests_running", "num_requests_waiting")
+            },
+            "shm_names_left": left,
+            "errors": self.errors[:10],
+        }
 
 
 def format_table(report: dict[str, Any]) -> str:

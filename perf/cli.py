@@ -4,18 +4,39 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pipeline-bench", description=__doc__)
     sub = parser.add_subparsers(dest="mode", required=True)
+    for add in (
+        _add_ring,
+        _add_broadcast,
+        _add_serve,
+        _add_offline,
+        _add_model,
+        _add_long_prompt,
+        _add_chaos,
+        _add_spec,
+        _add_dp,
+        _add_lora,
+        _add_beam,
+    ):
+        add(sub)
+    args = parser.parse_args(argv)
+    return RUNNERS[args.mode](args, parser)
 
+
+def _add_ring(sub: argparse._SubParsersAction) -> None:
     ring = sub.add_parser("ring", help="the shared-memory ring against mp.Queue and pyzmq+msgspec")
     ring.add_argument("--transports", default="ring,mp_queue,zmq_msgspec")
     ring.add_argument("--sizes", default="64,4096,65536,1048576", help="message sizes in bytes")
     ring.add_argument("--scale", type=float, default=1.0, help="scale the message counts")
     ring.add_argument("--json", dest="json_path", help="write the rows as JSON here")
 
+
+def _add_broadcast(sub: argparse._SubParsersAction) -> None:
     broadcast = sub.add_parser(
         "broadcast", help="the broadcast ring against N single-consumer rings, N reader processes"
     )
@@ -24,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     broadcast.add_argument("--scale", type=float, default=1.0, help="scale the message counts")
     broadcast.add_argument("--json", dest="json_path", help="write the rows as JSON here")
 
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser(
         "serve", help="streaming load generator for any OpenAI-compatible server"
     )
@@ -67,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         help="pipeline-serve only: per-stage figures and CPU per token from /debug/profile",
     )
 
+
+def _add_offline(sub: argparse._SubParsersAction) -> None:
     offline = sub.add_parser("offline", help="the engine in-process, without HTTP; where time goes")
     offline.add_argument("model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)")
     offline.add_argument(
@@ -96,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     offline.add_argument("--json", dest="json_path")
     offline.add_argument("--report", help="write the stage timeline (Gantt) PNG into this folder")
 
+
+def _add_model(sub: argparse._SubParsersAction) -> None:
     model = sub.add_parser("model", help="model runner prefill/decode throughput per weight format")
     model.add_argument("model", nargs="?", help="GGUF file or HF directory (default: SmolLM2)")
     model.add_argument(
@@ -145,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     model.add_argument("--json", dest="json_path")
 
+
+def _add_long_prompt(sub: argparse._SubParsersAction) -> None:
     long_prompt = sub.add_parser(
         "long-prompt", help="streams' tok/s before, during and after one long prompt's prefill"
     )
@@ -166,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     long_prompt.add_argument("--rounds", type=int, default=1)
     long_prompt.add_argument("--json", dest="json_path")
 
+
+def _add_chaos(sub: argparse._SubParsersAction) -> None:
     chaos = sub.add_parser(
         "chaos", help="streams under random SIGKILLs of stages: lost requests, recovery times"
     )
@@ -204,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     chaos.add_argument("--rounds", type=int, default=2, help="passes per side with --baseline")
 
+
+def _add_spec(sub: argparse._SubParsersAction) -> None:
     spec = sub.add_parser(
         "spec", help="speculative decoding on against off, two servers side by side, one table"
     )
@@ -248,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     spec.add_argument("--log-dir", default=".", help="where the two servers' logs go")
     spec.add_argument("--json", dest="json_path")
 
+
+def _add_dp(sub: argparse._SubParsersAction) -> None:
     dp = sub.add_parser(
         "dp",
         help="data-parallel routing: cache-aware against round robin, two DP=2 servers, one table",
@@ -264,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     dp.add_argument("--log-dir", default=".", help="where the servers' logs and workloads go")
     dp.add_argument("--json", dest="json_path")
 
+
+def _add_lora(sub: argparse._SubParsersAction) -> None:
     lora = sub.add_parser(
         "lora", help="LoRA adapters against the base model alone, one server, rounds interleaved"
     )
@@ -279,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     lora.add_argument("--port", type=int, default=8620)
     lora.add_argument("--json", dest="json_path")
 
+
+def _add_beam(sub: argparse._SubParsersAction) -> None:
     beam = sub.add_parser(
         "beam", help="beam search (width 4) against n=4 sampling on one server, interleaved"
     )
@@ -292,47 +331,35 @@ def main(argv: list[str] | None = None) -> int:
     beam.add_argument("--log-dir", default=".", help="where the server's log goes")
     beam.add_argument("--json", dest="json_path")
 
-    args = parser.parse_args(argv)
-    if args.mode == "dp":
-        return run_dp_cli(args)
-    if args.mode == "lora":
-        return run_lora_cli(args)
-    if args.mode == "beam":
-        return run_beam_cli(args)
-    if args.mode == "spec":
-        return run_spec_cli(args)
-    if args.mode == "model":
-        return run_model_cli(args)
-    if args.mode == "offline":
-        return run_offline_cli(args)
-    if args.mode == "chaos":
-        return run_chaos_cli(args, parser)
-    if args.mode == "long-prompt":
-        return run_long_prompt_cli(args)
-    if args.mode == "serve":
-        return run_serve_cli(args, parser)
-    if args.mode == "broadcast":
-        from perf import broadcast_bench
 
-        broadcast_bench.main(
-            [int(n) for n in args.readers.split(",") if n],
-            [int(n) for n in args.sizes.split(",") if n],
-            args.scale,
-            args.json_path,
-        )
-        return 0
-    if args.mode == "ring":
-        from perf import ring_bench
+def _run_broadcast(args: argparse.Namespace) -> int:
+    from perf import broadcast_bench
 
-        transports = [t for t in args.transports.split(",") if t]
-        unknown = set(transports) - set(ring_bench.TRANSPORTS)
-        if unknown:
-            parser.error(
-                f"unknown transports {sorted(unknown)}; choose from {ring_bench.TRANSPORTS}"
-            )
-        sizes = [int(s) for s in args.sizes.split(",") if s]
-        ring_bench.main(transports, sizes, args.scale, args.json_path)
+    broadcast_bench.main(
+        [int(n) for n in args.readers.split(",") if n],
+        [int(n) for n in args.sizes.split(",") if n],
+        args.scale,
+        args.json_path,
+    )
     return 0
+
+
+def _run_ring(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from perf import ring_bench
+
+    transports = [t for t in args.transports.split(",") if t]
+    unknown = set(transports) - set(ring_bench.TRANSPORTS)
+    if unknown:
+        parser.error(f"unknown transports {sorted(unknown)}; choose from {ring_bench.TRANSPORTS}")
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    ring_bench.main(transports, sizes, args.scale, args.json_path)
+    return 0
+
+
+def _without_parser(
+    run: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace, argparse.ArgumentParser], int]:
+    return lambda args, _parser: run(args)
 
 
 def run_serve_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -691,6 +718,22 @@ def run_offline_cli(args: argparse.Namespace) -> int:
         )
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+# Each mode's runner, given the parsed arguments and the parser (for its errors).
+RUNNERS: dict[str, Callable[[argparse.Namespace, argparse.ArgumentParser], int]] = {
+    "ring": _run_ring,
+    "broadcast": _without_parser(_run_broadcast),
+    "serve": run_serve_cli,
+    "offline": _without_parser(run_offline_cli),
+    "model": _without_parser(run_model_cli),
+    "long-prompt": _without_parser(run_long_prompt_cli),
+    "chaos": run_chaos_cli,
+    "spec": _without_parser(run_spec_cli),
+    "dp": _without_parser(run_dp_cli),
+    "lora": _without_parser(run_lora_cli),
+    "beam": _without_parser(run_beam_cli),
+}
 
 
 if __name__ == "__main__":

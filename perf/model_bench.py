@@ -368,12 +368,39 @@ def _weights_rows(
     """Prefill, and each batch's decode step (and verification), on one weight format; its native
     kernels against their bounds into `kernels` (CPU)."""
     cuda = torch.device(args.device).type == "cuda"
+    print(f"[{weights}] loading ...", file=sys.stderr, flush=True)
+    runner, share, close = _load(args, _runner_config(args, weights))
+    if (
+        args.baseline
+        and weights == "fp32"
+        and not cuda
+        and args.tensor_parallel_size == 1
+        and not baseline.decode_tok_per_s  # the unpaged torch model's: once for every level
+    ):
+        _measure_baseline(args, runner, rng, baseline)
+    rows = [_prefill_row(args, runner, share, weights, rng, baseline)]
+    for batch in args.batches:
+        rows.append(_decode_row(args, runner, share, weights, batch, bandwidth, rng, baseline))
+        if args.verify_drafts > 0:
+            rows.append(_verify_row(args, runner, share, weights, batch, rng))
+    if not cuda and args.tensor_parallel_size == 1:
+        kernels += kernel_rows(
+            runner.model, runner.kernels_name, weights, args.prefill_tokens, max(2, args.steps // 4)
+        )
+    close()
+    del runner
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _runner_config(args: ModelBenchArgs, weights: str) -> RunnerConfig:
+    """A runner of one weight format with KV room for the largest batch or the prefill."""
     max_batch = max(args.batches)
     per_seq = -(-(args.context + 1) // 16) + 1
-    rows: list[dict[str, Any]] = []
     dtype, quantization = WEIGHTS[weights]
     element = 4 if dtype == "float32" else 2
-    config = RunnerConfig(
+    return RunnerConfig(
         dtype=dtype,
         quantization=quantization,
         kv_cache_bytes=max(max_batch * per_seq, -(-args.prefill_tokens // 16) + 1)
@@ -386,88 +413,93 @@ def _weights_rows(
         max_num_seqs=max_batch,
         max_model_len=max(args.context + 1, args.prefill_tokens),
     )
-    print(f"[{weights}] loading ...", file=sys.stderr, flush=True)
-    runner, share, close = _load(args, config)
+
+
+def _measure_baseline(
+    args: ModelBenchArgs, runner: ModelRunner, rng: np.random.Generator, baseline: _Baseline
+) -> None:
+    """The plain unpaged fp32 torch model's prefill and decode speeds, into `baseline`."""
     c = runner.model_config
-    if (
-        args.baseline
-        and weights == "fp32"
-        and not cuda
-        and args.tensor_parallel_size == 1
-        and not baseline.decode_tok_per_s  # the unpaged torch model's: once for every level
-    ):
-        print("[baseline] unpaged fp32 ...", file=sys.stderr, flush=True)
-        base = UnpagedBaseline(runner.model, 1, args.prefill_tokens + 1)
-        prompt = torch.from_numpy(rng.integers(0, c.vocab_size, (1, args.prefill_tokens)))
-        baseline.prefill_tok_per_s = args.prefill_tokens / _median_time(
-            partial(base.forward, prompt, 0), 2
+    print("[baseline] unpaged fp32 ...", file=sys.stderr, flush=True)
+    base = UnpagedBaseline(runner.model, 1, args.prefill_tokens + 1)
+    prompt = torch.from_numpy(rng.integers(0, c.vocab_size, (1, args.prefill_tokens)))
+    baseline.prefill_tok_per_s = args.prefill_tokens / _median_time(
+        partial(base.forward, prompt, 0), 2
+    )
+    for batch in args.batches:
+        base = UnpagedBaseline(runner.model, batch, args.context + 1)
+        token = torch.from_numpy(rng.integers(0, c.vocab_size, (batch, 1)))
+        baseline.decode_tok_per_s[batch] = batch / _median_time(
+            partial(base.forward, token, args.context), args.steps
         )
-        for batch in args.batches:
-            base = UnpagedBaseline(runner.model, batch, args.context + 1)
-            token = torch.from_numpy(rng.integers(0, c.vocab_size, (batch, 1)))
-            baseline.decode_tok_per_s[batch] = batch / _median_time(
-                partial(base.forward, token, args.context), args.steps
-            )
+
+
+def _prefill_row(
+    args: ModelBenchArgs,
+    runner: ModelRunner,
+    share: Callable[[ForwardInputs], None] | None,
+    weights: str,
+    rng: np.random.Generator,
+    baseline: _Baseline,
+) -> dict[str, Any]:
     step = prefill_batch(runner, args.prefill_tokens, rng)
     seconds = _median_time(partial(runner.step, step, share), 2)
     runner.free([10_000])
-    rows.append(
-        {
-            "mode": "prefill",
-            "kernels": runner.kernels_name,
-            "batch": 1,
-            "context": args.prefill_tokens,
-            "weights": weights,
-            "tok_per_s": args.prefill_tokens / seconds,
-            "baseline_tok_per_s": baseline.prefill_tok_per_s,
-            "roofline_fraction": None,
-        }
-    )
     print(
         f"[{runner.kernels_name} {weights}] prefill {args.prefill_tokens}: {args.prefill_tokens / seconds:.0f} tok/s",
         file=sys.stderr,
     )
-    for batch in args.batches:
-        step = decode_batch(runner, batch, args.context, rng)
-        eager_seconds = None
-        if runner.graphs is not None:
-            eager_seconds, seconds = _eager_and_graphed(runner, step, args.steps)
-        else:
-            seconds = _median_time(partial(runner.step, step, share), args.steps)
-        runner.free(np.arange(batch))
-        kv_bytes = batch * (args.context + 1) * _kv_row_bytes(args.model_path, element) * 2
-        w_bytes = weight_bytes_read(runner.model, batch)
-        ideal = (w_bytes + kv_bytes) / (bandwidth * 1e9)
-        rows.append(
-            {
-                "mode": "decode",
-                "kernels": runner.kernels_name,
-                "batch": batch,
-                "context": args.context,
-                "weights": weights,
-                "tok_per_s": batch / seconds,
-                "baseline_tok_per_s": baseline.decode_tok_per_s.get(batch, 0.0),
-                "roofline_fraction": ideal / seconds,
-                "step_ms": seconds * 1e3,
-                "bytes_per_step": w_bytes + kv_bytes,
-                "eager_tok_per_s": None if eager_seconds is None else batch / eager_seconds,
-            }
-        )
-        print(
-            f"[{runner.kernels_name} {weights}] decode batch {batch}: {batch / seconds:.0f} tok/s ({seconds * 1e3:.1f} ms/step)",
-            file=sys.stderr,
-        )
-        if args.verify_drafts > 0:
-            rows.append(_verify_row(args, runner, share, weights, batch, rng))
-    if not cuda and args.tensor_parallel_size == 1:
-        kernels += kernel_rows(
-            runner.model, runner.kernels_name, weights, args.prefill_tokens, max(2, args.steps // 4)
-        )
-    close()
-    del runner
-    if cuda:
-        torch.cuda.empty_cache()
-    return rows
+    return {
+        "mode": "prefill",
+        "kernels": runner.kernels_name,
+        "batch": 1,
+        "context": args.prefill_tokens,
+        "weights": weights,
+        "tok_per_s": args.prefill_tokens / seconds,
+        "baseline_tok_per_s": baseline.prefill_tok_per_s,
+        "roofline_fraction": None,
+    }
+
+
+def _decode_row(
+    args: ModelBenchArgs,
+    runner: ModelRunner,
+    share: Callable[[ForwardInputs], None] | None,
+    weights: str,
+    batch: int,
+    bandwidth: float,
+    rng: np.random.Generator,
+    baseline: _Baseline,
+) -> dict[str, Any]:
+    """One batch's decode step, against the memory roofline at `bandwidth` GB/s."""
+    step = decode_batch(runner, batch, args.context, rng)
+    eager_seconds = None
+    if runner.graphs is not None:
+        eager_seconds, seconds = _eager_and_graphed(runner, step, args.steps)
+    else:
+        seconds = _median_time(partial(runner.step, step, share), args.steps)
+    runner.free(np.arange(batch))
+    element = 4 if WEIGHTS[weights][0] == "float32" else 2
+    kv_bytes = batch * (args.context + 1) * _kv_row_bytes(args.model_path, element) * 2
+    w_bytes = weight_bytes_read(runner.model, batch)
+    ideal = (w_bytes + kv_bytes) / (bandwidth * 1e9)
+    print(
+        f"[{runner.kernels_name} {weights}] decode batch {batch}: {batch / seconds:.0f} tok/s ({seconds * 1e3:.1f} ms/step)",
+        file=sys.stderr,
+    )
+    return {
+        "mode": "decode",
+        "kernels": runner.kernels_name,
+        "batch": batch,
+        "context": args.context,
+        "weights": weights,
+        "tok_per_s": batch / seconds,
+        "baseline_tok_per_s": baseline.decode_tok_per_s.get(batch, 0.0),
+        "roofline_fraction": ideal / seconds,
+        "step_ms": seconds * 1e3,
+        "bytes_per_step": w_bytes + kv_bytes,
+        "eager_tok_per_s": None if eager_seconds is None else batch / eager_seconds,
+    }
 
 
 def _verify_row(

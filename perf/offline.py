@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +49,26 @@ async def _worker(one, pending: list[int], samples: dict[str, list[float]]) -> i
 
 
 async def run_offline(args: OfflineArgs) -> tuple[dict[str, Any], list[tuple[str, float, float]]]:
-    from pipeline.clock import now_ns
-    from stages.api import GenerateRequest, SamplingParams, TokensPrompt
+    engine = _engine(args)
+    await engine.start()
+    one = _requester(engine, args, np.random.default_rng(args.seed))
+    runs: list[dict[str, Any]] = []
+    gantt: list[tuple[str, float, float]] = []
+    try:
+        for concurrency in args.concurrency:
+            run, spans = await _run_level(engine, one, concurrency, args.num_requests)
+            runs.append(run)
+            gantt = gantt_spans(spans, args.gantt_seconds)
+    finally:
+        await engine.stop()
+    return {"runs": runs}, gantt
+
+
+def _engine(args: OfflineArgs) -> Any:
     from stages.config import EngineConfig
     from stages.engine import Engine
 
-    engine = Engine(
+    return Engine(
         EngineConfig(
             model_path=args.model_path,
             dummy=args.dummy,
@@ -71,12 +86,18 @@ async def run_offline(args: OfflineArgs) -> tuple[dict[str, Any], list[tuple[str
             log_level="warning",
         )
     )
-    await engine.start()
-    rng = np.random.default_rng(args.seed)
+
+
+def _requester(
+    engine: Any, args: OfflineArgs, rng: np.random.Generator
+) -> Callable[[int, dict[str, list[float]]], Awaitable[int]]:
+    """`one(i, samples)`: request i, a random prompt of special-token-free ids, greedy to
+    max_tokens; its TTFT and ITLs into samples; its token count."""
+    from pipeline.clock import now_ns
+    from stages.api import GenerateRequest, SamplingParams, TokensPrompt
+
     vocab = engine.bundle.vocab_size
     special = np.array(sorted(engine.bundle.special_token_ids), np.int64)
-    runs: list[dict[str, Any]] = []
-    gantt: list[tuple[str, float, float]] = []
 
     def prompt() -> TokensPrompt:
         ids = rng.integers(0, vocab, args.prompt_tokens)
@@ -103,33 +124,34 @@ async def run_offline(args: OfflineArgs) -> tuple[dict[str, Any], list[tuple[str
                 tokens += len(out.token_ids)
         return tokens
 
-    try:
-        for concurrency in args.concurrency:
-            count = args.num_requests or max(8, 4 * concurrency)
-            await asyncio.gather(
-                *(one(-1, {"ttft": [], "itl": []}) for _ in range(min(concurrency, 4)))
-            )
-            engine.read_traces()
-            cpu0, wall0 = engine.cpu_seconds(), time.perf_counter()
-            samples: dict[str, list[float]] = {"ttft": [], "itl": []}
-            pending = list(range(count))
-            workers = (_worker(one, pending, samples) for _ in range(concurrency))
-            tokens = sum(await asyncio.gather(*workers))
-            wall = time.perf_counter() - wall0
-            spans, cpu1 = engine.read_traces(), engine.cpu_seconds()
-            runs.append(
-                {
-                    "concurrency": concurrency,
-                    "completed": count,
-                    "duration_s": wall,
-                    "output_tok_per_s": tokens / wall,
-                    "ttft_ms": percentiles_ms(samples["ttft"]),
-                    "itl_ms": percentiles_ms(samples["itl"]),
-                    "stages": stage_figures(spans, wall),
-                    "overhead": overhead_per_token(cpu0, cpu1, spans, tokens),
-                }
-            )
-            gantt = gantt_spans(spans, args.gantt_seconds)
-    finally:
-        await engine.stop()
-    return {"runs": runs}, gantt
+    return one
+
+
+async def _run_level(
+    engine: Any,
+    one: Callable[[int, dict[str, list[float]]], Awaitable[int]],
+    concurrency: int,
+    num_requests: int,
+) -> tuple[dict[str, Any], Any]:
+    """One concurrency level after a short warm-up: its figures, and the stages' spans."""
+    count = num_requests or max(8, 4 * concurrency)
+    await asyncio.gather(*(one(-1, {"ttft": [], "itl": []}) for _ in range(min(concurrency, 4))))
+    engine.read_traces()
+    cpu0, wall0 = engine.cpu_seconds(), time.perf_counter()
+    samples: dict[str, list[float]] = {"ttft": [], "itl": []}
+    pending = list(range(count))
+    workers = (_worker(one, pending, samples) for _ in range(concurrency))
+    tokens = sum(await asyncio.gather(*workers))
+    wall = time.perf_counter() - wall0
+    spans, cpu1 = engine.read_traces(), engine.cpu_seconds()
+    run = {
+        "concurrency": concurrency,
+        "completed": count,
+        "duration_s": wall,
+        "output_tok_per_s": tokens / wall,
+        "ttft_ms": percentiles_ms(samples["ttft"]),
+        "itl_ms": percentiles_ms(samples["itl"]),
+        "stages": stage_figures(spans, wall),
+        "overhead": overhead_per_token(cpu0, cpu1, spans, tokens),
+    }
+    return run, spans
