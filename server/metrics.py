@@ -27,6 +27,8 @@ _LATENCY_BUCKETS_S = (
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's REQUEST_PARAMS_N_BUCKETS
+_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)  # vLLM's REQUEST_NUM_PREEMPTIONS_BUCKETS
 
 # Gauges a dashboard expects even before the engine reports them.
 _ENGINE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
@@ -191,6 +193,32 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
         )
+        self.request_params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
+        )
+        self.request_max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Most generation tokens of one request's choices.",
+            _TOKEN_BUCKETS,
+        )
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            _TOKEN_BUCKETS,
+        )
+        self.request_num_preemptions = histogram(
+            "vllm:request_num_preemptions",
+            "Times a request was preempted.",
+            _PREEMPTION_BUCKETS,
+        )
+        self.time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Decode time per output token after the first, per request.",
+            _LATENCY_BUCKETS_S,
+        )
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens taken from the prefix cache."
+        )
         self._per_token = _PerTokenCollector(model_name, _LATENCY_BUCKETS_S)
         self.registry.register(self._per_token)
         owned.update(
@@ -224,17 +252,33 @@ class ServerMetrics:
         num_prompt_tokens: int,
         num_output_tokens: int,
         metrics: RequestMetrics | None,
+        max_tokens: int | None = None,
     ) -> None:
+        """One engine request (one choice) finished; `max_tokens` as the request set it."""
         name = self._model_name
         self.request_success.labels(name, finish_reason).inc()
         self.e2e.labels(name).observe(e2e_s)
         self.request_prompt_tokens.labels(name).observe(num_prompt_tokens)
         self.request_generation_tokens.labels(name).observe(num_output_tokens)
+        if max_tokens:  # as vLLM: only a request that set one
+            self.request_params_max_tokens.labels(name).observe(max_tokens)
         if metrics is not None:
             self.queue.labels(name).observe(metrics.queue_s)
             self.prefill.labels(name).observe(metrics.prefill_s)
             self.decode.labels(name).observe(metrics.decode_s)
             self.inference.labels(name).observe(metrics.prefill_s + metrics.decode_s)
+            self.request_num_preemptions.labels(name).observe(metrics.num_preemptions)
+            self.prompt_tokens_cached.labels(name).inc(metrics.num_cached_prompt_tokens)
+            # vLLM's: the first token came with the prefill, so it is not counted
+            after_first = metrics.num_generated_tokens - 1
+            per_token = metrics.decode_s / after_first if after_first > 0 else 0.0
+            self.time_per_output_token.labels(name).observe(per_token)
+
+    def observe_request(self, n: int, max_num_generation_tokens: int) -> None:
+        """A request's n choices all finished: its n, and the most tokens one of them made."""
+        name = self._model_name
+        self.request_params_n.labels(name).observe(n)
+        self.request_max_generation_tokens.labels(name).observe(max_num_generation_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -31,6 +31,7 @@ from server.render import token_in_request
 from server.schemas import ChatCompletionRequest, check_max_logprobs
 from server.serving import (
     Choice,
+    ChoiceGroup,
     ResponseContext,
     ServerLoad,
     Tracker,
@@ -470,8 +471,17 @@ class OpenAIServing:
                 )
                 requests.append(msgspec.structs.replace(generate_request, sampling=sampling))
         log_outputs = self.config.enable_log_outputs
+        choice_group = ChoiceGroup(self.metrics, len(requests))
         trackers = [
-            Tracker(self.metrics, r.request_id, r.arrival_ns, log_outputs) for r in requests
+            Tracker(
+                self.metrics,
+                r.request_id,
+                r.arrival_ns,
+                log_outputs,
+                r.sampling.max_tokens,
+                choice_group,
+            )
+            for r in requests
         ]
         started = await asyncio.gather(
             *(start(self.engine, r, self.drain) for r in requests), return_exceptions=True

@@ -69,15 +69,40 @@ def usage_body(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]
     }
 
 
+class ChoiceGroup:
+    """The n choices of one request, for the metrics vLLM takes per request once all of them
+    have finished (request_params_n, request_max_num_generation_tokens)."""
+
+    def __init__(self, metrics: ServerMetrics, n: int) -> None:
+        self._metrics = metrics
+        self._n = n
+        self._left = n
+        self._most_tokens = 0
+
+    def finished(self, num_output_tokens: int) -> None:
+        self._left -= 1
+        self._most_tokens = max(self._most_tokens, num_output_tokens)
+        if self._left == 0:
+            self._metrics.observe_request(self._n, self._most_tokens)
+
+
 class Tracker:
     """Follows one request's outputs: usage so far, finish, and the server-wide metrics."""
 
     def __init__(
-        self, metrics: ServerMetrics, request_id: str, arrival_ns: int, log_outputs: bool = False
+        self,
+        metrics: ServerMetrics,
+        request_id: str,
+        arrival_ns: int,
+        log_outputs: bool = False,
+        max_tokens: int | None = None,  # the request's, after defaults (None: the room left)
+        group: ChoiceGroup | None = None,  # None: a request of one choice
     ) -> None:
         self._metrics = metrics
         self._request_id = request_id
         self._arrival_ns = arrival_ns
+        self._max_tokens = max_tokens
+        self._group = ChoiceGroup(metrics, 1) if group is None else group
         self._last_output_ns: int | None = None
         # --enable-log-outputs: the text and token ids, logged when the request finishes
         self._output: tuple[list[str], list[int]] | None = ([], []) if log_outputs else None
@@ -147,7 +172,9 @@ class Tracker:
             self.num_prompt_tokens,
             self.num_output_tokens,
             self.request_metrics,
+            self._max_tokens,
         )
+        self._group.finished(self.num_output_tokens)
 
 
 async def close_outputs(outputs: AsyncIterator[Any]) -> None:

@@ -34,6 +34,7 @@ from stages.engine_state import Flight
 from stages.lora import LoraError, read_adapter
 from stages.rings import common, requests
 from stages.rings.gauges import GAUGES
+from stages.text.checkpoint import resolve_kv_cache_dtype
 from stages.text.prompts import prompt_token_ids
 
 # Retry-After of a 429: a place frees about as often as a request finishes.
@@ -211,7 +212,23 @@ class Engine(EngineLifecycle):
         stats["num_stage_recoveries_total"] = self.num_recoveries
         if self._info.kernels is not None:  # an info gauge: which kernels run the model
             stats[f"kernels_info{{kernels={self._info.kernels}}}"] = 1.0
+        stats[self._cache_config_info] = 1.0
         return stats
+
+    @property
+    def _cache_config_info(self) -> str:
+        """vLLM's info gauge of the KV cache's configuration, as a labelled key."""
+        config = self.config
+        cache_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, config.dtype, config.quantization
+        )
+        labels = {
+            "block_size": config.block_size,
+            "cache_dtype": cache_dtype,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "num_gpu_blocks": self.num_blocks,  # vLLM's name; the cache's blocks on any device
+        }
+        return "cache_config_info{" + ",".join(f"{k}={v}" for k, v in labels.items()) + "}"
 
     def read_traces(self) -> dict[str, np.ndarray]:
         """Each stage's spans (pipeline/trace.py SPAN records) since the last call."""

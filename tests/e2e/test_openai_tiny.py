@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -88,6 +89,20 @@ def test_the_kernels_that_run_the_model_are_named(server, server_log):
     assert json.loads(version)["kernels"] == expected
     _, text = http_get(port, "/metrics")
     assert f'vllm:kernels_info{{kernels="{expected}",model_name="tiny"}} 1.0' in text
+
+
+def test_the_kv_cache_configuration_is_an_info_gauge(server):
+    """vLLM's cache_config_info: the cache's block size, element type, prefix caching and block
+    count as labels of a gauge at 1."""
+    port, _ = server
+    _, text = http_get(port, "/metrics")
+    info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and info[0].endswith(" 1.0")
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info[0]))
+    assert labels["block_size"] == "16" and labels["enable_prefix_caching"] == "True"
+    assert labels["cache_dtype"] in ("float32", "bfloat16")
+    # the engine's count, known at start (schedule's gauge of it comes with its first step)
+    assert int(labels["num_gpu_blocks"]) > 0
 
 
 def test_non_streaming_usage_and_metrics(client):

@@ -393,3 +393,33 @@ async def test_a_priority_needs_the_priority_policy(make_app: Any, engine: FakeE
     app = make_app(scheduling_policy="priority")
     assert (await app.test_client().post(CHAT, json=chat(priority=3))).status_code == 200
     assert engine.requests[-1].priority == 3
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of one unlabelled-but-for-model_name sample of the exposition text."""
+    prefix = f'{name}{{model_name="fake-model"}} '
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, (name, lines)
+    return float(lines[0].removeprefix(prefix))
+
+
+async def test_the_per_request_histograms_vllm_exports(app: Quart, engine: FakeEngine) -> None:
+    """vLLM's request_params_n and request_max_num_generation_tokens count a request once its
+    choices are done; request_params_max_tokens, request_num_preemptions and
+    request_time_per_output_token_seconds count each of them."""
+    client = app.test_client()
+    one = await (await client.post(CHAT, json=chat(max_tokens=5))).get_json()
+    three = await (await client.post(CHAT, json=chat(n=3, max_tokens=7))).get_json()
+    assert len(three["choices"]) == 3
+    text = (await (await client.get("/metrics")).get_data()).decode()
+    assert _sample(text, "vllm:request_params_n_count") == 2
+    assert _sample(text, "vllm:request_params_n_sum") == 1 + 3
+    assert _sample(text, "vllm:request_params_max_tokens_count") == 1 + 3
+    assert _sample(text, "vllm:request_params_max_tokens_sum") == 5 + 3 * 7
+    assert _sample(text, "vllm:request_max_num_generation_tokens_count") == 2
+    # the first request's one choice, and at least the mean of the other's three
+    most = _sample(text, "vllm:request_max_num_generation_tokens_sum")
+    assert most >= one["usage"]["completion_tokens"] + three["usage"]["completion_tokens"] / 3
+    assert _sample(text, "vllm:request_num_preemptions_count") == 4
+    assert _sample(text, "vllm:request_time_per_output_token_seconds_count") == 4
+    assert _sample(text, "vllm:prompt_tokens_cached_total") == 0
