@@ -130,7 +130,7 @@ class ActorContext:
         self._control.beat(self._index)
 
     def set_gauges(self, values: list[float]) -> None:
-        """Publish up to NUM_GAUGES (32) numbers for the owner to read (Supervisor.gauges)."""
+        """Publish up to NUM_GAUGES (64) numbers for the owner to read (Supervisor.gauges)."""
         self._control.set_gauges(self._index, values)
 
     def close_rings(self) -> None:

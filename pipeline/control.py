@@ -19,7 +19,7 @@ from pipeline.clock import now_ns
 from pipeline.kept import inherit_fd, inherited_fd
 
 ROW_BYTES = 1024
-NUM_GAUGES = 32
+NUM_GAUGES = 64
 GAUGES_AT = 64  # float64 gauges an actor publishes for the owner (what each means is the actor's)
 ERROR_AT = GAUGES_AT + 8 * NUM_GAUGES
 ERROR_BYTES = ROW_BYTES - ERROR_AT
@@ -108,8 +108,10 @@ class ControlBlock:
         return int(self._ints[i, F_HEARTBEAT])
 
     def set_gauges(self, i: int, values: list[float]) -> None:
+        if len(values) > NUM_GAUGES:
+            raise ValueError(f"{len(values)} gauges; a control row holds {NUM_GAUGES}")
         first = GAUGES_AT // 8
-        self._floats[i, first : first + len(values)] = values[:NUM_GAUGES]
+        self._floats[i, first : first + len(values)] = values
 
     def gauges(self, i: int) -> list[float]:
         first = GAUGES_AT // 8

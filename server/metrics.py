@@ -19,6 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from stages.api import RequestMetrics
 
@@ -59,6 +60,7 @@ class _EngineStatsCollector(Collector):
             values.setdefault(name, {})[labels] = float(value)
         for name in _ENGINE_GAUGES:
             values.setdefault(name, {(): 0.0})
+        yield from self._histograms(values)
         for name, samples in sorted(values.items()):
             full = f"vllm:{name}"
             if full in self._owned:
@@ -77,6 +79,36 @@ class _EngineStatsCollector(Collector):
             for labels, value in samples.items():
                 given = dict(labels)
                 family.add_metric([self._model_name, *(given.get(e, "") for e in extra)], value)
+            yield family
+
+    def _histograms(
+        self, values: dict[str, dict[tuple[tuple[str, str], ...], float]]
+    ) -> Iterator[Metric]:
+        """The engine's histograms, taken out of `values`: a name whose samples carry an `le`
+        label holds cumulative bucket counts, and `<name>_sum` their sum."""
+        names = [n for n, samples in values.items() if any("le" in dict(k) for k in samples)]
+        for name in sorted(names):
+            samples, sums = values.pop(name), values.pop(f"{name}_sum", {})
+            full = f"vllm:{name}"
+            if full in self._owned:
+                continue
+            series: dict[tuple[tuple[str, str], ...], list[tuple[str, float]]] = {}
+            for labels, value in samples.items():
+                rest = tuple((k, v) for k, v in labels if k != "le")
+                bound = floatToGoString(float(dict(labels)["le"]))  # as prometheus writes it
+                series.setdefault(rest, []).append((bound, value))
+            extra = sorted({label for labels in series for label, _ in labels})
+            family = HistogramMetricFamily(
+                full, f"engine histogram {name}", labels=["model_name", *extra]
+            )
+            for labels, buckets in series.items():
+                given = dict(labels)
+                buckets.sort(key=lambda bucket: float(bucket[0]))  # "+Inf" sorts last
+                family.add_metric(
+                    [self._model_name, *(given.get(e, "") for e in extra)],
+                    buckets,
+                    sums.get(labels, 0.0),
+                )
             yield family
 
 
@@ -154,84 +186,90 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
-        labels = ["model_name"]
-        owned: set[str] = set()
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            owned.update((name, f"{name}_total"))
-            return Counter(name, doc, [*labels, *extra], registry=self.registry)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            owned.add(name)
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
-
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
-        self.request_success = counter(
-            "vllm:request_success", "Finished requests by finish reason.", ("finished_reason",)
-        )
-        self.ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS_S
-        )
-        self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to last output.", _LATENCY_BUCKETS_S
-        )
-        self.queue = histogram(
-            "vllm:request_queue_time_seconds", "Time waiting to be scheduled.", _LATENCY_BUCKETS_S
-        )
-        self.prefill = histogram(
-            "vllm:request_prefill_time_seconds", "Time in prefill.", _LATENCY_BUCKETS_S
-        )
-        self.decode = histogram(
-            "vllm:request_decode_time_seconds", "Time in decode.", _LATENCY_BUCKETS_S
-        )
-        self.inference = histogram(
-            "vllm:request_inference_time_seconds", "Prefill plus decode.", _LATENCY_BUCKETS_S
-        )
-        self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
-        )
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
-        )
-        self.request_params_n = histogram(
-            "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
-        )
-        self.request_max_generation_tokens = histogram(
-            "vllm:request_max_num_generation_tokens",
-            "Most generation tokens of one request's choices.",
-            _TOKEN_BUCKETS,
-        )
-        self.request_params_max_tokens = histogram(
-            "vllm:request_params_max_tokens",
-            "Histogram of the max_tokens request parameter.",
-            _TOKEN_BUCKETS,
-        )
-        self.request_num_preemptions = histogram(
-            "vllm:request_num_preemptions",
-            "Times a request was preempted.",
-            _PREEMPTION_BUCKETS,
-        )
-        self.time_per_output_token = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Decode time per output token after the first, per request.",
-            _LATENCY_BUCKETS_S,
-        )
-        self.prompt_tokens_cached = counter(
-            "vllm:prompt_tokens_cached", "Prompt tokens taken from the prefix cache."
-        )
+        self._owned: set[str] = set()  # names exported here; the engine's copies are skipped
+        self._declare_latencies()
+        self._declare_counts()
         self._per_token = _PerTokenCollector(model_name, _LATENCY_BUCKETS_S)
         self.registry.register(self._per_token)
-        owned.update(
+        self._owned.update(
             (
                 "vllm:generation_tokens",
                 "vllm:generation_tokens_total",
                 "vllm:inter_token_latency_seconds",
             )
         )
-        self.registry.register(_EngineStatsCollector(stats, model_name, frozenset(owned)))
+        self.registry.register(_EngineStatsCollector(stats, model_name, frozenset(self._owned)))
         # The per-token paths use these children directly: `.labels()` costs a lock and a lookup.
         self._prompt_tokens = self.prompt_tokens.labels(model_name)
         self._ttft = self.ttft.labels(model_name)
+
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        self._owned.update((name, f"{name}_total"))
+        return Counter(name, doc, ["model_name", *extra], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        self._owned.add(name)
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+    def _declare_latencies(self) -> None:
+        """The prompt and success counters and each request's latencies (vLLM's names)."""
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.request_success = self._counter(
+            "vllm:request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        self.ttft = self._histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS_S
+        )
+        self.e2e = self._histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to last output.", _LATENCY_BUCKETS_S
+        )
+        self.queue = self._histogram(
+            "vllm:request_queue_time_seconds", "Time waiting to be scheduled.", _LATENCY_BUCKETS_S
+        )
+        self.prefill = self._histogram(
+            "vllm:request_prefill_time_seconds", "Time in prefill.", _LATENCY_BUCKETS_S
+        )
+        self.decode = self._histogram(
+            "vllm:request_decode_time_seconds", "Time in decode.", _LATENCY_BUCKETS_S
+        )
+        self.inference = self._histogram(
+            "vllm:request_inference_time_seconds", "Prefill plus decode.", _LATENCY_BUCKETS_S
+        )
+
+    def _declare_counts(self) -> None:
+        """Each request's token counts and parameters, and the cached prompt tokens."""
+        self.request_prompt_tokens = self._histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = self._histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        )
+        self.request_params_n = self._histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
+        )
+        self.request_max_generation_tokens = self._histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Most generation tokens of one request's choices.",
+            _TOKEN_BUCKETS,
+        )
+        self.request_params_max_tokens = self._histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            _TOKEN_BUCKETS,
+        )
+        self.request_num_preemptions = self._histogram(
+            "vllm:request_num_preemptions",
+            "Times a request was preempted.",
+            _PREEMPTION_BUCKETS,
+        )
+        self.time_per_output_token = self._histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Decode time per output token after the first, per request.",
+            _LATENCY_BUCKETS_S,
+        )
+        self.prompt_tokens_cached = self._counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens taken from the prefix cache."
+        )
 
     def observe_first_output(self, num_prompt_tokens: int, ttft_s: float) -> None:
         self._prompt_tokens.inc(num_prompt_tokens)

@@ -33,7 +33,7 @@ from stages.engine_readers import merge_outputs, unread_cost
 from stages.engine_state import Flight
 from stages.lora import LoraError, read_adapter
 from stages.rings import common, requests
-from stages.rings.gauges import GAUGES
+from stages.rings.gauges import unpack_gauges
 from stages.text.checkpoint import resolve_kv_cache_dtype
 from stages.text.prompts import prompt_token_ids
 
@@ -196,15 +196,9 @@ class Engine(EngineLifecycle):
             raise EngineError(f"token id {bad[0]} is out of vocabulary", param="tokens")
 
     def stats(self) -> Mapping[str, float]:
-        values = self.supervisor.gauges("schedule")
-        stats = dict(zip(GAUGES, values, strict=False))
         spec = self.config.speculative
-        if spec is not None:  # schedule publishes them after GAUGES, one per draft position
-            per_pos = values[len(GAUGES) : len(GAUGES) + spec.num_speculative_tokens]
-            for position, value in enumerate(per_pos):
-                stats[f"spec_decode_num_accepted_tokens_per_pos_total{{position={position}}}"] = (
-                    value
-                )
+        num_drafts = 0 if spec is None else spec.num_speculative_tokens
+        stats = unpack_gauges(self.supervisor.gauges("schedule"), num_drafts)
         stats["num_streams"] = len(self._flights)
         stats["num_requests_rejected_total"] = self.num_rejected  # 429: too many waiting
         # aborted because their client left more than --max-unread-tokens unread

@@ -30,7 +30,7 @@ from stages.config import EngineConfig, resolve_max_model_len
 from stages.kv_size import planned_num_blocks
 from stages.rings import common, plan, prompts, results, tokens
 from stages.rings.common import FINISH_STOP, PromptLogprobs
-from stages.rings.gauges import GAUGES
+from stages.rings.gauges import StepTokens, pack_gauges
 from stages.rings.prompts import RenderedPrompt
 from stages.scheduler import Scheduler, SchedulerConfig, Sequence, Status
 from stages.text.snapshot import tokenizer_of
@@ -71,6 +71,7 @@ class ScheduleActor(AsyncActor):
         self.admitted: deque[int] = deque(maxlen=ADMITTED_MEMORY)
         self.admitted_set: set[int] = set()
         self.detok_link = DetokLink(self.ctx, self.live_sequences)
+        self.step_tokens = StepTokens()  # the steps planned, by their tokens (for /metrics)
 
     def live_sequences(self) -> Iterator[Sequence]:
         return (s for s in self.scheduler.by_handle.values() if s.status != Status.FINISHED)
@@ -218,6 +219,7 @@ class ScheduleActor(AsyncActor):
                     if s.seq.scheduled_ns == 0:
                         s.seq.scheduled_ns = started
                 arrays = plan.pack_step(step, scheduler.config.block_size, started)
+                self.step_tokens.observe(len(arrays["input_ids"]))
                 await outbox.send_async(plan.STEP, arrays)
                 self.ctx.trace.record(
                     spans.SPAN_PLAN,
@@ -232,8 +234,7 @@ class ScheduleActor(AsyncActor):
     def publish(self) -> None:
         stats = self.scheduler.stats()
         stats["num_requests_waiting"] += len(self.awaiting_matchers)  # as vLLM counts them
-        per_pos = [float(n) for n in self.scheduler.accepted_per_pos]
-        self.ctx.set_gauges([float(stats[name]) for name in GAUGES] + per_pos)
+        self.ctx.set_gauges(pack_gauges(stats, self.step_tokens, self.scheduler.accepted_per_pos))
 
     def with_first_prompt_token(
         self, prompt: PromptLogprobs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from server.metrics import ServerMetrics
 from server.request_metrics import request_metrics_body
 from stages.api import RequestMetrics
 
@@ -64,8 +65,6 @@ def test_speculative_decoding() -> None:
 
 
 def test_itl_histogram_spreads_a_merged_output_over_its_tokens() -> None:
-    from server.metrics import ServerMetrics
-
     metrics = ServerMetrics(lambda: {}, "m")
     metrics.observe_tokens(1, None)  # the first output has no gap
     metrics.observe_tokens(3, 0.03)  # three tokens that arrived together, 10 ms each
@@ -79,3 +78,24 @@ def test_itl_histogram_spreads_a_merged_output_over_its_tokens() -> None:
     (total,) = [line for line in lines if line.startswith("vllm:inter_token_latency_seconds_sum")]
     assert float(total.split()[-1]) == pytest.approx(0.035)
     assert 'vllm:generation_tokens_total{model_name="m"} 5.0' in lines
+
+
+def test_an_engine_histogram_is_served_as_one() -> None:
+    # engine.stats() carries a histogram as cumulative `le` buckets and a `_sum` (stages/rings/
+    # gauges.py); /metrics must serve vLLM's histogram, per data-parallel replica when labelled.
+    stats = {
+        "iteration_tokens_total{engine=0,le=1}": 3.0,
+        "iteration_tokens_total{engine=0,le=8}": 4.0,
+        "iteration_tokens_total{engine=0,le=+Inf}": 5.0,
+        "iteration_tokens_total_sum{engine=0}": 40.0,
+        "iteration_tokens_total{engine=1,le=1}": 0.0,
+        "iteration_tokens_total{engine=1,le=8}": 1.0,
+        "iteration_tokens_total{engine=1,le=+Inf}": 1.0,
+        "iteration_tokens_total_sum{engine=1}": 8.0,
+    }
+    text = ServerMetrics(lambda: stats, "m").render().decode()
+    assert "# TYPE vllm:iteration_tokens_total histogram" in text
+    assert 'vllm:iteration_tokens_total_bucket{engine="0",le="8.0",model_name="m"} 4.0' in text
+    assert 'vllm:iteration_tokens_total_count{engine="0",model_name="m"} 5.0' in text
+    assert 'vllm:iteration_tokens_total_sum{engine="1",model_name="m"} 8.0' in text
+    assert "engine gauge iteration" not in text and "engine counter iteration" not in text
