@@ -201,6 +201,8 @@ class Engine(EngineLifecycle):
         stats = unpack_gauges(self.supervisor.gauges("schedule"), num_drafts)
         stats["num_streams"] = len(self._flights)
         stats["num_requests_rejected_total"] = self.num_rejected  # 429: too many waiting
+        # the same under vLLM's name and reason (its --max-num-queued-reqs refusal)
+        stats["admission_rejections_total{reason=max_num_queued_reqs}"] = self.num_rejected
         # aborted because their client left more than --max-unread-tokens unread
         stats["num_requests_aborted_unread_total"] = self.num_aborted_unread
         stats["num_stage_recoveries_total"] = self.num_recoveries

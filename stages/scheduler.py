@@ -521,6 +521,16 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         return bool(threshold) and seq.num_prompt - seq.num_computed > threshold
 
+    def _num_waiting_for_an_adapter_slot(self) -> int:
+        """Waiting requests that --max-loras holds back: their adapter is not among the running
+        requests' and those already use every slot (vLLM's 'deferred' waiting reason)."""
+        if not self.config.max_loras or not self.waiting:
+            return 0
+        loras = self._running_loras()
+        if len(loras) < self.config.max_loras:
+            return 0
+        return sum(1 for s in self.waiting if s.lora_id and s.lora_id not in loras)
+
     def _running_loras(self) -> set[int]:
         """The adapters of the running requests (at most --max-loras)."""
         if not self.config.max_loras:
@@ -922,6 +932,7 @@ class Scheduler:
             "num_requests_running": len(self.running)
             + sum(len(g.members) - (0 in g.members) for g in self.beam_groups.values()),
             "num_requests_waiting": len(self.waiting),
+            "num_requests_waiting_deferred": self._num_waiting_for_an_adapter_slot(),
             "kv_cache_usage_perc": self.blocks.usage,
             "num_free_blocks": self.blocks.num_free,
             "num_preemptions_total": self.num_preemptions,

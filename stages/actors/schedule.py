@@ -233,7 +233,9 @@ class ScheduleActor(AsyncActor):
 
     def publish(self) -> None:
         stats = self.scheduler.stats()
-        stats["num_requests_waiting"] += len(self.awaiting_matchers)  # as vLLM counts them
+        # as vLLM counts them: waiting, and deferred by a transient constraint
+        stats["num_requests_waiting"] += len(self.awaiting_matchers)
+        stats["num_requests_waiting_deferred"] += len(self.awaiting_matchers)
         self.ctx.set_gauges(pack_gauges(stats, self.step_tokens, self.scheduler.accepted_per_pos))
 
     def with_first_prompt_token(

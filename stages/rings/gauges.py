@@ -1,5 +1,5 @@
 """The gauges schedule publishes on its control block (pipeline/control.py) for the server's
-/metrics, in this order: GAUGES by name; the engine steps by the tokens each carried (vLLM's
+/metrics, in this order: GAUGES by name (the waiting requests split by vLLM's reasons when read); the engine steps by the tokens each carried (vLLM's
 iteration_tokens_total histogram: a count per bucket, then the tokens' sum); and one
 accepted-token count per draft position."""
 
@@ -15,6 +15,9 @@ from stages.speculative_config import MAX_SPECULATIVE_TOKENS
 GAUGES = (
     "num_requests_running",
     "num_requests_waiting",
+    # of those, the ones a transient constraint holds back (vLLM's 'deferred' reason): their
+    # grammar's matcher being built, or no adapter slot free (--max-loras)
+    "num_requests_waiting_deferred",
     "kv_cache_usage_perc",
     "num_free_blocks",
     "num_preemptions_total",
@@ -61,6 +64,11 @@ def unpack_gauges(values: Sequence[float], num_speculative_tokens: int) -> dict[
     `iteration_tokens_total{le=...}` counts and its `_sum`, and each draft position's accepted
     count under a `position` label."""
     stats = dict(zip(GAUGES, values[:_HISTOGRAM_AT], strict=True))
+    deferred = stats.pop("num_requests_waiting_deferred")
+    stats["num_requests_waiting_by_reason{reason=capacity}"] = (
+        stats["num_requests_waiting"] - deferred
+    )
+    stats["num_requests_waiting_by_reason{reason=deferred}"] = deferred
     counts = values[_HISTOGRAM_AT : _PER_POSITION_AT - 1]
     cumulative = 0.0
     for bound, count in zip((*map(str, ITERATION_TOKENS_BUCKETS), "+Inf"), counts, strict=True):

@@ -329,7 +329,9 @@ def test_beyond_max_waiting_requests_a_429_with_retry_after_and_nothing_admitted
     for error in refused:
         assert error.status == 429 and error.type == "RateLimitError" and error.retry_after_s
     assert all(o[0][2].num_output_tokens == 200 for o in served)
-    assert engine.stats()["num_requests_rejected_total"] == 3
+    stats = engine.stats()
+    assert stats["num_requests_rejected_total"] == 3
+    assert stats["admission_rejections_total{reason=max_num_queued_reqs}"] == 3  # vLLM's name
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import numpy as np
 
 from stages.kv_blocks import BlockManager
 from stages.rings import common as m
-from stages.rings.gauges import GAUGES
+from stages.rings.gauges import GAUGES, StepTokens, pack_gauges, unpack_gauges
 from stages.scheduler import Scheduler, SchedulerConfig, Sequence, Status
 
 EOS = 0
@@ -371,9 +371,12 @@ def test_running_requests_use_at_most_max_loras_adapters():
     step, _ = run_step(s)
     assert [x.seq.handle for x in step.seqs] == [1, 2, 4, 5]
     assert s.by_handle[3].status == Status.WAITING
+    # vLLM's 'deferred' waiting reason: held back by the adapter slots, not by capacity
+    assert s.stats()["num_requests_waiting_deferred"] == 1
     run_step(s)  # 1, 2, 4 and 5 reach max_tokens: adapter 13 may run now
     step, _ = run_step(s)
     assert [x.seq.handle for x in step.seqs] == [3]
+    assert s.stats()["num_requests_waiting_deferred"] == 0
 
 
 def _timed_step(s: Scheduler, clock: list[int], seconds):
@@ -459,3 +462,20 @@ def test_every_statistic_the_scheduler_keeps_is_a_published_gauge():
     # schedule publishes stats() in GAUGES' order: one missing from GAUGES would never reach
     # /metrics, and one missing from stats() would stop schedule's publishing.
     assert tuple(make().stats()) == GAUGES
+
+
+def test_the_published_gauges_read_back_with_vllms_waiting_reasons():
+    s = make()
+    stats = {**s.stats(), "num_requests_waiting": 5, "num_requests_waiting_deferred": 2}
+    steps = StepTokens()
+    for tokens in (1, 1, 40, 9000):
+        steps.observe(tokens)
+    read = unpack_gauges(pack_gauges(stats, steps, [7, 3]), num_speculative_tokens=2)
+    assert read["num_requests_waiting_by_reason{reason=capacity}"] == 3
+    assert read["num_requests_waiting_by_reason{reason=deferred}"] == 2
+    assert "num_requests_waiting_deferred" not in read
+    assert read["iteration_tokens_total{le=1}"] == 2
+    assert read["iteration_tokens_total{le=64}"] == 3
+    assert read["iteration_tokens_total{le=+Inf}"] == 4
+    assert read["iteration_tokens_total_sum"] == 1 + 1 + 40 + 9000
+    assert read["spec_decode_num_accepted_tokens_per_pos_total{position=1}"] == 3
