@@ -169,6 +169,13 @@ def _check_flags(
         parser.error("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
         parser.error(f"--root-path must start with / and not end with one, got {args.root_path!r}")
+    if args.enable_chunked_prefill is False:
+        parser.error(
+            "--no-enable-chunked-prefill cannot be honoured: this scheduler always prefills "
+            "prompts in chunks beside running decodes"
+        )
+    if args.skip_tokenizer_init:
+        parser.error("--skip-tokenizer-init is not supported: render and detokenize need it")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if device == "cuda" and args.quantization in QUANTIZATION_CHOICES_CPU:

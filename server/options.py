@@ -169,6 +169,13 @@ OPTIONS: tuple[Option, ...] = (
         help="reuse the KV blocks of prompt prefixes seen before (default on, as in vLLM)",
     ),
     option(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prompts are prefilled in chunks beside running decodes: always, here (the "
+        "scheduler has no other mode), so --no-enable-chunked-prefill is refused at start",
+    ),
+    option(
         "--kv-cache-memory",
         vllm="--kv-cache-memory-bytes (bytes as an integer)",
         engine="kv_cache_bytes",
@@ -526,6 +533,26 @@ OPTIONS: tuple[Option, ...] = (
         action="store_true",
         help="serve GET /tokenizer_info (vLLM's: the tokenizer's class, special tokens and chat "
         "template; off by default, as the template may be private)",
+    ),
+    option(
+        "--trust-remote-code",
+        vllm="the flag (no checkpoint code to run here)",
+        action="store_true",
+        help="vLLM's permission to run a checkpoint's own Python; this server runs none (it "
+        "loads the Llama family it implements), so the flag changes nothing",
+    ),
+    option(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="vLLM's mode without a tokenizer (token ids in and out); refused at start: render "
+        "and detokenize need the tokenizer",
+    ),
+    option(
+        "--show-hidden-metrics-for-version",
+        vllm="the flag (no metric is hidden here)",
+        metavar="VERSION",
+        help="vLLM's switch back on for metrics deprecated since VERSION; this server hides "
+        "none, so it changes nothing",
     ),
     option(
         "--enable-server-load-tracking",

@@ -351,3 +351,28 @@ def test_the_field_reference_is_the_schemas_own():
     assert committed == field_reference.reference_markdown()
     for _, kind in field_reference.BODIES:
         assert all(f"`{name}`" in committed for name in kind.__struct_fields__)
+
+
+def test_vllm_flags_with_nothing_to_change_are_taken_and_those_it_cannot_honour_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Chunked prefill is the only mode; no checkpoint code runs; no metric is hidden.
+    plain = parse_args(["dummy"], environ={})
+    taken = parse_args(
+        [
+            "dummy",
+            "--enable-chunked-prefill",
+            "--trust-remote-code",
+            "--show-hidden-metrics-for-version",
+            "0.10",
+        ],
+        environ={},
+    )
+    assert taken == plain
+    for flag, words in [
+        ("--no-enable-chunked-prefill", "always prefills prompts in chunks"),
+        ("--skip-tokenizer-init", "need it"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(["dummy", flag], environ={})
+        assert words in capsys.readouterr().err
