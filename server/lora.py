@@ -30,22 +30,34 @@ class LoraAdapters:
         served = self.by_name.get(name)
         return None if served is None else served.request
 
-    def check_new(self, name: str, path: str) -> None:
-        """APIError 400 unless `name` and `path` are given and the name is free."""
+    def check_new(self, name: str, path: str, in_place: bool = False) -> None:
+        """APIError 400 (vLLM's words) unless `name` and `path` are given and the name is free, or
+        taken by an adapter that `in_place` replaces."""
         if not name or not path:
             raise APIError(
                 "Both 'lora_name' and 'lora_path' must be provided.", 400, "InvalidUserInput"
             )
-        if name in self.by_name:
-            raise APIError(
-                f"The lora adapter '{name}' has already been loaded.", 400, "InvalidUserInput"
-            )
         if name in self.base_names:
-            raise APIError(f"'{name}' is the base model's name", 400, "InvalidUserInput")
+            raise APIError(
+                f"The lora adapter '{name}' conflicts with a served base model.",
+                400,
+                "InvalidUserInput",
+            )
+        if name in self.by_name and not in_place:
+            raise APIError(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+                400,
+                "InvalidUserInput",
+            )
 
-    def add(self, name: str, path: str, base_model_name: str | None = None) -> LoraRequest:
-        """Serve the adapter at `path` (already checked) as `name`."""
-        self.check_new(name, path)
+    def add(
+        self, name: str, path: str, base_model_name: str | None = None, in_place: bool = False
+    ) -> LoraRequest:
+        """Serve the adapter at `path` (already checked) as `name`. In place of one served as
+        `name`, it takes a new id: requests running with the old one finish with its weights, and
+        no cached prefix computed with them is reused."""
+        self.check_new(name, path, in_place)
         self._last_id += 1
         request = LoraRequest(name=name, lora_id=self._last_id, path=path)
         # (server/cli.py refuses a base_model_name that names no served model)

@@ -16,6 +16,7 @@ lora_routes = Blueprint("lora", __name__)
 class LoadLoraAdapterRequest(msgspec.Struct, frozen=True):
     lora_name: str = ""
     lora_path: str = ""
+    load_inplace: bool = False  # vLLM's: replace the adapter already served under lora_name
 
 
 class UnloadLoraAdapterRequest(msgspec.Struct, frozen=True):
@@ -32,12 +33,15 @@ async def load_lora_adapter() -> Response:
     adapters = serving.lora_adapters
     if not adapters.enabled:
         raise APIError("LoRA is not enabled: start the server with --enable-lora", 400)
-    adapters.check_new(body.lora_name, body.lora_path)
+    adapters.check_new(body.lora_name, body.lora_path, body.load_inplace)
     try:
         await serving.in_worker(lambda: serving.engine.check_lora(body.lora_path))
     except EngineError as error:
+        if error.status == 404:  # vLLM's LoRAAdapterNotFoundError words
+            message = f"Loading lora {body.lora_name} failed: {error.message}"
+            raise APIError(message, 404, "NotFoundError") from error
         raise APIError.from_engine(error) from error
-    adapters.add(body.lora_name, body.lora_path)
+    adapters.add(body.lora_name, body.lora_path, in_place=body.load_inplace)
     return Response(
         f"Success: LoRA adapter '{body.lora_name}' added successfully.",
         status=200,
@@ -51,7 +55,9 @@ async def unload_lora_adapter() -> Response:
     body = decode(await read_body(), UnloadLoraAdapterRequest, serving.unknown_fields)
     if not body.lora_name and not body.lora_int_id:
         raise APIError(
-            "either 'lora_name' and 'lora_int_id' needs to be provided.", 400, "InvalidUserInput"
+            "'lora_name' (or 'lora_int_id') needs to be provided to unload a LoRA adapter.",
+            400,
+            "InvalidUserInput",
         )
     name = body.lora_name or serving.lora_adapters.name_of(body.lora_int_id)
     serving.lora_adapters.remove(name)

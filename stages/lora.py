@@ -10,6 +10,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from stages.text.checkpoint import ModelConfig
 
@@ -122,14 +123,15 @@ def read_adapter(path: str, model: ModelConfig, max_rank: int) -> AdapterSpec:
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"adapter {path}: peft_type {config.get('peft_type')!r} is not LORA")
-    if config.get("use_dora"):
-        raise LoraError(f"adapter {path}: DoRA adapters (use_dora) are not supported")
+    feature = _unsupported_feature(config)
+    if feature is not None:
+        raise LoraError(f"adapter {path}: {feature}")
     if config.get("bias", "none") != "none":
         raise LoraError(f"adapter {path}: LoRA biases (bias={config['bias']!r}) are not supported")
     if config.get("modules_to_save"):
         raise LoraError(
-            f"adapter {path}: modules_to_save {config['modules_to_save']} (fully trained "
-            "modules, such as embeddings or the LM head) are not supported"
+            f"adapter {path}: Unsupported modules_to_save: {config['modules_to_save']} (fully "
+            "trained modules, such as embeddings or the LM head)"
         )
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise LoraError(
@@ -150,6 +152,36 @@ def read_adapter(path: str, model: ModelConfig, max_rank: int) -> AdapterSpec:
     layers = _check_tensors(path, weights_path, model, rank, set(names))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return AdapterSpec(rank, float(scaling), frozenset(names), frozenset(layers))
+
+
+# PEFT inits that only set the adapter's first weights: the saved adapter is a plain LoRA (vLLM's
+# list). The others (PiSSA, OLoRA, CorDA, LoftQ) also change the base model's weights.
+_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+
+
+def _unsupported_feature(config: dict[str, Any]) -> str | None:
+    """What of an adapter's config no plain LoRA update reproduces, in vLLM's words."""
+    if config.get("use_dora"):
+        return "this server does not yet support DoRA (use_dora)"
+    if config.get("lora_bias"):
+        return "this server does not support LoRA bias (lora_bias)"
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in _PLAIN_INITS:
+        return (
+            f"this server does not support init_lora_weights={init!r}: inits such as PiSSA, "
+            "OLoRA, CorDA and LoftQ modify the base model's weights. Convert it to a regular LoRA "
+            "adapter with PEFT's path_initial_model_for_weight_conversion, or set "
+            "init_lora_weights to true if the served base model already holds the modified weights"
+        )
+    for key, name in (
+        ("alora_invocation_tokens", "Activated LoRA (aLoRA)"),
+        ("layer_replication", "layer_replication"),
+        ("use_bdlora", "block-diagonal LoRA (BD-LoRA)"),
+        ("use_qalora", "QALoRA"),
+    ):
+        if config.get(key):
+            return f"this server does not support {name}"
+    return None
 
 
 def module_shape(model: ModelConfig, module: str) -> tuple[int, int]:

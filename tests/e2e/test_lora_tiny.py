@@ -154,6 +154,11 @@ def test_load_use_and_unload_an_adapter_at_run_time(server, client, models):
     assert greedy(client, "gamma") == reference(base, adapters["gamma"])
     status, answer = post(port, "/v1/load_lora_adapter", body)
     assert status == 400 and "has already been loaded" in json.loads(answer)["error"]["message"]
+    # vLLM's load_inplace: the name now serves another adapter's weights, none of the old ones
+    # (nor prefixes cached with them)
+    replaced = {"lora_name": "gamma", "lora_path": str(adapters["beta"]), "load_inplace": True}
+    assert post(port, "/v1/load_lora_adapter", replaced)[0] == 200
+    assert greedy(client, "gamma") == reference(base, adapters["beta"])
     assert post(port, "/v1/unload_lora_adapter", {"lora_name": "gamma"}) == (
         200,
         "Success: LoRA adapter 'gamma' removed successfully.",
@@ -170,10 +175,16 @@ def test_load_refuses_what_cannot_be_served(server, models, tmp_path):
     status, answer = post(
         port, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)}
     )
-    assert status == 404 and "No adapter found" in json.loads(answer)["error"]["message"]
+    message = json.loads(answer)["error"]["message"]
+    assert status == 404 and message.startswith("Loading lora x failed: No adapter found for")
     status, answer = post(
         port, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["too_big"])}
     )
     error = json.loads(answer)["error"]
     assert status == 400 and "greater than max_lora_rank 8" in error["message"]
+    status, answer = post(port, "/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": "/x"})
+    message = json.loads(answer)["error"]["message"]
+    assert (
+        status == 400 and message == "The lora adapter 'tiny' conflicts with a served base model."
+    )
     assert http_get(port, "/health")[0] == 200

@@ -62,8 +62,12 @@ def _variant(adapter: Path, directory: Path, **changes: object) -> Path:
 @pytest.mark.parametrize(
     ("changes", "reason"),
     [
-        ({"use_dora": True}, "DoRA"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"use_dora": True}, "does not yet support DoRA"),  # vLLM's words, as below
+        ({"modules_to_save": ["lm_head"]}, "Unsupported modules_to_save"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),  # changes the base too
+        ({"init_lora_weights": "olora"}, "modify the base model's weights"),
+        ({"lora_bias": True}, "lora_bias"),
+        ({"use_qalora": True}, "QALoRA"),
         ({"target_modules": ["q_proj", "embed_tokens"]}, "target_modules ['embed_tokens']"),
         ({"target_modules": ["q_proj"]}, "not in target_modules"),
         ({"bias": "lora_only"}, "biases"),
