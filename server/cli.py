@@ -174,6 +174,11 @@ def _check_flags(
             "--no-enable-chunked-prefill cannot be honoured: this scheduler always prefills "
             "prompts in chunks beside running decodes"
         )
+    if args.async_scheduling is False:
+        parser.error(
+            "--no-async-scheduling cannot be honoured: schedule always plans a step while the "
+            "one before it runs"
+        )
     if args.skip_tokenizer_init:
         parser.error("--skip-tokenizer-init is not supported: render and detokenize need it")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

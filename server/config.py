@@ -65,6 +65,9 @@ class ServerConfig:
     uvicorn_log_level: str = "info"  # Hypercorn's loggers (vLLM's flag name)
     # --trust-request-chat-template: a request's own chat_template is rendered (in the sandbox)
     trust_request_chat_template: bool = False
+    # vLLM's --exclude-tools-when-tool-choice-none: a request with tool_choice "none" renders
+    # without its tools
+    exclude_tools_when_tool_choice_none: bool = False
     # LoRA: --enable-lora, the adapters of --lora-modules (checked at start), and vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING (read once, at start): /v1/load_lora_adapter and
     # /v1/unload_lora_adapter exist.

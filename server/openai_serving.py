@@ -249,7 +249,7 @@ class OpenAIServing:
     def chat_prompt(self, body: ChatCompletionRequest) -> ChatPrompt:
         """The chat body's prompt; a 400 for a template of its own unless the server trusts it."""
         body.check_chat_template(self.config.trust_request_chat_template)
-        return body.prompt()
+        return body.prompt(self.config.exclude_tools_when_tool_choice_none)
 
     def chat_parsers(self, body: ChatCompletionRequest) -> tuple[str | None, str | None]:
         """The server's reasoning parser (none for reasoning_effort "none", whose output vLLM

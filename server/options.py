@@ -535,6 +535,20 @@ OPTIONS: tuple[Option, ...] = (
         "template; off by default, as the template may be private)",
     ),
     option(
+        "--exclude-tools-when-tool-choice-none",
+        server="exclude_tools_when_tool_choice_none",
+        action="store_true",
+        help='a chat request whose tool_choice is "none" renders its prompt without its tools '
+        "(by default the template sees them, as in vLLM)",
+    ),
+    option(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule plans each step while the one before runs (but for steps verifying "
+        "drafts): always, here, so --no-async-scheduling is refused",
+    ),
+    option(
         "--trust-remote-code",
         vllm="the flag (no checkpoint code to run here)",
         action="store_true",

@@ -537,13 +537,16 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             )
         return parser
 
-    def prompt(self) -> ChatPrompt:
+    def prompt(self, exclude_tools_when_none: bool = False) -> ChatPrompt:
+        """The prompt the template renders; with `exclude_tools_when_none` (vLLM's
+        --exclude-tools-when-tool-choice-none), a tool_choice of "none" leaves the tools out."""
+        excluded = exclude_tools_when_none and self.tool_choice == "none"
         return ChatPrompt(
             messages=self.messages,  # content parts reach the engine, which formats them
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
             chat_template_kwargs=self.template_kwargs(),
-            tools=self.tools,
+            tools=None if excluded else self.tools,
             chat_template=self.request_chat_template,
             add_special_tokens=self.add_special_tokens,
         )

@@ -376,3 +376,14 @@ def test_vllm_flags_with_nothing_to_change_are_taken_and_those_it_cannot_honour_
         with pytest.raises(SystemExit):
             parse_args(["dummy", flag], environ={})
         assert words in capsys.readouterr().err
+
+
+def test_async_scheduling_is_taken_and_its_absence_refused(capsys: pytest.CaptureFixture[str]):
+    assert parse_args(["dummy", "--async-scheduling"], environ={}) == parse_args(
+        ["dummy"], environ={}
+    )
+    with pytest.raises(SystemExit):
+        parse_args(["dummy", "--no-async-scheduling"], environ={})
+    assert "always plans a step" in capsys.readouterr().err
+    config, _ = parse_args(["dummy", "--exclude-tools-when-tool-choice-none"], environ={})
+    assert config.exclude_tools_when_tool_choice_none

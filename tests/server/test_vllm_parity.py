@@ -423,3 +423,18 @@ async def test_the_per_request_histograms_vllm_exports(app: Quart, engine: FakeE
     assert _sample(text, "vllm:request_num_preemptions_count") == 4
     assert _sample(text, "vllm:request_time_per_output_token_seconds_count") == 4
     assert _sample(text, "vllm:prompt_tokens_cached_total") == 0
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+async def test_tools_leave_the_prompt_when_tool_choice_is_none_if_the_server_says_so(
+    make_app: Any, engine: FakeEngine, exclude: bool
+) -> None:
+    """vLLM's --exclude-tools-when-tool-choice-none: off, the template sees the tools of a request
+    that may call none; on, it does not."""
+    app = make_app(exclude_tools_when_tool_choice_none=exclude)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    response = await app.test_client().post(CHAT, json=chat(tools=tools, tool_choice="none"))
+    assert response.status_code == 200
+    prompt = engine.requests[-1].prompt
+    assert isinstance(prompt, ChatPrompt)
+    assert prompt.tools == (None if exclude else tools)
