@@ -42,6 +42,7 @@ DEPENDENCIES = (
     "httpx>=0.27",
     "httpcore>=1.0",
     "tblib>=3.0",
+    "pybase64>=1.4",  # imported at the top of the modules that send embeddings and images
 )
 DEFAULT_DEPS = Path.home() / ".cache" / "pipeline-serve" / "conformance-deps"
 
@@ -188,7 +189,6 @@ def run_suite(
         "-p", "pipeline_serve_vllm", "-p", "no:cacheprovider",
         f"--confcutdir={suite.confcutdir}", "-o", "addopts=", "-q", "-rN",
         "--continue-on-collection-errors", "--tb=native",
-        "-o", "asyncio_default_fixture_loop_scope=module",
         *suite.extra,
     ]  # fmt: skip
     if keyword:
