@@ -71,7 +71,10 @@ class ScheduleActor(AsyncActor):
         self.admitted: deque[int] = deque(maxlen=ADMITTED_MEMORY)
         self.admitted_set: set[int] = set()
         self.detok_link = DetokLink(self.ctx, self.live_sequences)
-        self.step_tokens = StepTokens()  # the steps planned, by their tokens (for /metrics)
+        # Engine steps by their tokens (vLLM's iteration_tokens_total, for /metrics), from each
+        # step's prompt tokens, kept by step id until its result brings the tokens it made.
+        self.step_tokens = StepTokens()
+        self.prompt_tokens_in_flight: dict[int, int] = {}
 
     def live_sequences(self) -> Iterator[Sequence]:
         return (s for s in self.scheduler.by_handle.values() if s.status != Status.FINISHED)
@@ -175,6 +178,9 @@ class ScheduleActor(AsyncActor):
                 result.top_ids,
                 result.top_logprobs,
             )
+            # vLLM's iteration tokens: the prompt tokens the step computed and the tokens it made
+            made = int(np.count_nonzero(result.token_ids >= 0))
+            self.step_tokens.observe(self.prompt_tokens_in_flight.pop(result.step_id, 0) + made)
             self.wake.set()  # a step slot is free: plan the next before talking to detokenize
             if self.scheduler.max_in_flight == 1:
                 await asyncio.sleep(0)  # execute waits for that plan: let it go first
@@ -219,7 +225,7 @@ class ScheduleActor(AsyncActor):
                     if s.seq.scheduled_ns == 0:
                         s.seq.scheduled_ns = started
                 arrays = plan.pack_step(step, scheduler.config.block_size, started)
-                self.step_tokens.observe(len(arrays["input_ids"]))
+                self.prompt_tokens_in_flight[step.step_id] = plan.prompt_tokens(arrays["seqs"])
                 await outbox.send_async(plan.STEP, arrays)
                 self.ctx.trace.record(
                     spans.SPAN_PLAN,

@@ -1,5 +1,6 @@
 """The gauges schedule publishes on its control block (pipeline/control.py) for the server's
-/metrics, in this order: GAUGES by name (the waiting requests split by vLLM's reasons when read); the engine steps by the tokens each carried (vLLM's
+/metrics, in this order: GAUGES by name (the waiting requests split by vLLM's reasons when read);
+the engine steps by their tokens, the prompt tokens each computed and the tokens it made (vLLM's
 iteration_tokens_total histogram: a count per bucket, then the tokens' sum); and one
 accepted-token count per draft position."""
 
@@ -38,7 +39,8 @@ assert _PER_POSITION_AT + MAX_SPECULATIVE_TOKENS <= NUM_GAUGES, "the control row
 
 @dataclass(slots=True)
 class StepTokens:
-    """Engine steps counted by the tokens each carried, per bucket (not cumulative)."""
+    """Engine steps counted by their tokens (prompt tokens computed + tokens made), per bucket
+    (not cumulative)."""
 
     counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
     total: int = 0

@@ -70,6 +70,14 @@ class PlannedStep:
         return np.append(seqs["query_start"], seqs["query_start"][-1] + seqs["query_len"][-1])
 
 
+def prompt_tokens(seqs: np.ndarray) -> int:  # seqs: [B] STEP_SEQ
+    """How many of a step's inputs are prompt tokens (prefill), the rest being decode inputs
+    and drafts."""
+    end = seqs["context_len"].astype(np.int64)
+    start = end - seqs["query_len"]
+    return int(np.clip(np.minimum(end, seqs["prompt_len"]) - start, 0, None).sum())
+
+
 def pack_step(step: Step, block_size: int, scheduled_ns: int) -> dict[str, np.ndarray]:
     planned = step.seqs
     count = len(planned)

@@ -683,8 +683,8 @@ def test_thinking_token_budget_forces_the_end_of_thinking(engine_loop):
 
 
 def test_every_planned_step_lands_in_the_iteration_tokens_histogram(engine_loop):
-    """vLLM's iteration_tokens_total: schedule counts each step it plans by the tokens it
-    carries; a prompt's step and each decode step of one request show up as such."""
+    """vLLM's iteration_tokens_total: schedule counts each step by its prompt tokens and the
+    tokens it made; a prompt's step and each decode step of one request show up as such."""
     engine, loop = engine_loop
 
     def histogram() -> tuple[dict[str, float], float]:
@@ -696,13 +696,14 @@ def test_every_planned_step_lands_in_the_iteration_tokens_histogram(engine_loop)
     outs = loop.run(collect(engine, request(temperature=0, max_tokens=6, ignore_eos=True)))
     prompt = outs[-1].num_prompt_tokens
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and histogram()[1] < before_sum + prompt + 5:
+    while time.monotonic() < deadline and histogram()[1] < before_sum + prompt + 6:
         time.sleep(0.05)  # schedule publishes after it has sent the last tokens on
     after, after_sum = histogram()
     steps = after["iteration_tokens_total{le=+Inf}"] - before["iteration_tokens_total{le=+Inf}"]
     one_token = after["iteration_tokens_total{le=1}"] - before["iteration_tokens_total{le=1}"]
-    # the prompt (one chunk: it fits the step budget) and 5 decode steps; the last token comes
-    # from the 5th decode step, so 6 tokens take 1 + 5 steps
+    # the prompt's step (one chunk: it fits the step budget), which makes the first token, and
+    # 5 decode steps of one token each; each step counts the prompt tokens it computed and the
+    # tokens it made, as vLLM counts them
     assert steps == 6 and one_token == 5
-    assert after_sum - before_sum == prompt + 5
+    assert after_sum - before_sum == prompt + 6
     assert list(after.values()) == sorted(after.values())  # cumulative counts
