@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import types
+import unittest.mock
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,23 @@ _KNOWN = {
 }
 
 
+def _error_init(self: Exception, *args: Any, **kwargs: Any) -> None:
+    """vLLM's errors take keywords (parameter=...); the stand-in keeps the message."""
+    Exception.__init__(self, *args)
+
+
+def _mock_add_spec(original: Any) -> Any:
+    """unittest.mock with a vllm class as spec (a mock of vLLM's serving objects) tests vLLM's
+    code, not its API: the test skips, as one that uses the class does."""
+
+    def add_spec(self: Any, spec: Any, *args: Any, **kwargs: Any) -> Any:
+        if _in_test and isinstance(spec, _Internal):
+            pytest.skip(f"{INTERNAL}: mocks {spec._name}")
+        return original(self, spec, *args, **kwargs)
+
+    return add_spec
+
+
 class _StandInModule(types.ModuleType):
     def __getattr__(self, attribute: str) -> Any:
         if attribute.startswith("__"):
@@ -140,7 +158,11 @@ class _StandInModule(types.ModuleType):
         if attribute.endswith(("Error", "Exception")):
             # a real class, so that `pytest.raises(X)` and `class Y(X)` take it; nothing here
             # raises it, so a test that expects it from vLLM's own code skips on that code
-            error = type(attribute, (Exception,), {"__module__": self.__name__})
+            error = type(
+                attribute,
+                (Exception,),
+                {"__module__": self.__name__, "__init__": _error_init},
+            )
             setattr(self, attribute, error)
             return error
         return _Internal(f"{self.__name__}.{attribute}")
@@ -387,6 +409,9 @@ def _snapshot_download(repo_id: str, *args: Any, **kwargs: Any) -> str:
 # --- hooks ----------------------------------------------------------------------------------
 
 sys.meta_path.insert(0, _VllmFinder())
+unittest.mock.NonCallableMock._mock_add_spec = _mock_add_spec(  # type: ignore[method-assign]
+    unittest.mock.NonCallableMock._mock_add_spec
+)
 
 
 def _served_tokenizer_for_hub_names(from_pretrained: Any) -> Any:

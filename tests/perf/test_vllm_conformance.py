@@ -15,13 +15,17 @@ def _record(nodeid: str, outcome: str, reason: str = "") -> dict[str, str]:
 
 
 def test_a_test_is_its_worst_phase_and_a_set_aside_failure_is_the_models():
-    aside = [{"test": "tests/a.py::test_model_*", "reason": "SmolLM2 knows no capitals"}]
+    aside = [
+        {"test": "tests/a.py::test_model_*", "reason": "SmolLM2 knows no capitals"},
+        {"test": "tests/a.py::test_inner", "kind": "internal", "reason": "vLLM's own class"},
+    ]
     records = [
         _record("tests/a.py::test_ok", "passed"),
         _record("tests/a.py::test_api", "passed"),
         _record("tests/a.py::test_api", "failed", "AssertionError"),  # teardown failed
         _record("tests/a.py::test_model_paris", "failed", "AssertionError"),
         _record("tests/a.py::test_skip", "skipped", "vLLM internals"),
+        _record("tests/a.py::test_inner", "failed", "TypeError"),
         {"kind": "collect", "nodeid": "tests/a.py", "outcome": "passed", "reason": ""},
     ]
     outcomes = {o.nodeid: (o.outcome, o.reason) for o in classify(records, aside)}
@@ -30,6 +34,7 @@ def test_a_test_is_its_worst_phase_and_a_set_aside_failure_is_the_models():
         "tests/a.py::test_api": ("failed-server", "AssertionError"),
         "tests/a.py::test_model_paris": ("failed-model", "SmolLM2 knows no capitals"),
         "tests/a.py::test_skip": ("skipped", "vLLM internals"),
+        "tests/a.py::test_inner": ("skipped", "vLLM's own class"),
     }
 
 
@@ -55,6 +60,16 @@ with pytest.raises(VLLMValidationError):
     raise VLLMValidationError("x")
 from vllm.entrypoints.openai import serving_chat
 assert not isinstance(serving_chat.OpenAIServingChat, type)
+error = VLLMValidationError("invalid token ids", parameter="tokens")  # vLLM's keywords
+assert str(error) == "invalid token ids"
+from unittest.mock import MagicMock
+pipeline_serve_vllm._in_test = True
+try:
+    MagicMock(spec=serving_chat.OpenAIServingChat)
+except BaseException as skipped:  # a mock of a vLLM class skips the test
+    assert "mocks" in str(skipped)
+else:
+    raise AssertionError("no skip")
 """
     env_path = str(PLUGIN_DIR)
     done = subprocess.run(
