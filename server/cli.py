@@ -362,6 +362,8 @@ def _is_q4_1_gguf(model_path: str) -> bool:
 
 
 def _url(config: ServerConfig) -> str:
+    if config.uds is not None:
+        return f"unix:{config.uds}{config.root_path}"
     host = f"[{config.host}]" if ":" in config.host else config.host
     scheme = "http" if config.ssl_certfile is None else "https"
     return f"{scheme}://{host}:{config.port}{config.root_path}"

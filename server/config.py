@@ -17,6 +17,7 @@ from stages.lora import LoraModule
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    uds: str | None = None  # vLLM's --uds: serve on this Unix domain socket, not host:port
     served_model_name: str | None = None  # None = the engine's ModelInfo.served_model_name
     # --served-model-name's further names: accepted as `model` and listed by /v1/models;
     # responses report the first name, as vLLM's do.

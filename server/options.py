@@ -93,6 +93,13 @@ OPTIONS: tuple[Option, ...] = (
     option("--host", server="host", default="127.0.0.1", help="the address to listen on"),
     option("--port", server="port", type=port, default=8000, help="the TCP port to listen on"),
     option(
+        "--uds",
+        server="uds",
+        metavar="PATH",
+        help="serve on this Unix domain socket instead of --host and --port (a socket file left "
+        "there is replaced; it is removed at exit)",
+    ),
+    option(
         "--served-model-name",
         nargs="+",
         help="the names clients may send as `model` (responses report the first; /v1/models "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import socket
+import stat
 from collections.abc import Awaitable, Callable
 from itertools import chain
 
@@ -33,6 +36,23 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def listen_unix_socket(path: str) -> socket.socket:
+    """A bound, listening Unix domain socket at `path` (vLLM's --uds); a socket file left there
+    by a server before this one is replaced, any other file is an error."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise FileExistsError(f"--uds {path}: a file that is not a socket is there")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
         sock.listen(BACKLOG)
     except BaseException:
         sock.close()
@@ -118,7 +138,10 @@ async def serve_app(
     The socket listens before `on_listening` is called, so a client told then can connect at once.
     """
     drain = app_drain(app)
-    sock = listen_socket(config.host, config.port)
+    if config.uds is not None:
+        sock = listen_unix_socket(config.uds)
+    else:
+        sock = listen_socket(config.host, config.port)
     on_listening()
 
     async def drained() -> None:
@@ -126,8 +149,13 @@ async def serve_app(
         await drain.run(FINAL_WRITE_GRACE_S)
 
     # Hypercorn takes the descriptor over (it wraps it in a socket of its own and closes that).
-    await serve(
-        under_root_path(app, config.root_path),
-        hypercorn_config(sock.detach(), config),
-        shutdown_trigger=drained,
-    )
+    try:
+        await serve(
+            under_root_path(app, config.root_path),
+            hypercorn_config(sock.detach(), config),
+            shutdown_trigger=drained,
+        )
+    finally:
+        if config.uds is not None:  # the socket file goes with the server
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(config.uds)

@@ -252,16 +252,16 @@ class RemoteOpenAIServer:
         _report({"kind": "server", "model": model, "dropped": dropped, "kept": args})
         self.host = "127.0.0.1"
         self.port = _free_port()
+        # vLLM's --uds: the server answers on that socket only (url_root names it as vLLM does)
+        self.uds = args[args.index("--uds") + 1] if "--uds" in args else None
         names = [] if "--served-model-name" in args else ["--served-model-name", model]
         seed_args = [] if seed is None or "--seed" in args else ["--seed", str(seed)]
+        address = [] if self.uds else ["--host", self.host, "--port", str(self.port)]
         command = [
             *json.loads(os.environ["PIPELINE_SERVE_CMD"]),
             os.environ["PIPELINE_SERVE_MODEL"],
             *names,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
+            *address,
             *seed_args,
             *args,
         ]
@@ -289,15 +289,29 @@ class RemoteOpenAIServer:
                 tail = self._log.read()[-3000:].decode(errors="replace")
                 raise RuntimeError(f"pipeline-serve exited {self.proc.returncode}:\n{tail}")
             try:
-                if requests.get(self.url_for("health"), timeout=2).status_code == 200:
+                if self._health() == 200:
                     return
-            except requests.RequestException:
+            except (requests.RequestException, OSError):
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"pipeline-serve was not healthy within {timeout_s:g} s")
 
+    def _health(self) -> int:
+        import requests
+
+        if self.uds is None:
+            return int(requests.get(self.url_for("health"), timeout=2).status_code)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(2)
+            sock.connect(self.uds)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            status_line = sock.recv(64).split(b"\r\n", 1)[0]
+        return int(status_line.split()[1])
+
     @property
     def url_root(self) -> str:
+        if self.uds is not None:
+            return f"http://{self.uds.split('/')[-1]}"
         return f"http://{self.host}:{self.port}"
 
     def url_for(self, *parts: str) -> str:
