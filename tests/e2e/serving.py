@@ -6,6 +6,7 @@ import contextlib
 import http.client
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,8 +16,26 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def http_get(port: int, path: str) -> tuple[int, str]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+class UnixConnection(http.client.HTTPConnection):
+    """An HTTP connection over a Unix domain socket (a server started with --uds)."""
+
+    def __init__(self, socket_path: Path) -> None:
+        super().__init__("localhost", timeout=5)
+        self._socket_path = str(socket_path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(5)
+        self.sock.connect(self._socket_path)
+
+
+def http_get(port: int | Path, path: str) -> tuple[int, str]:
+    """GET `path` from the server on 127.0.0.1:port, or on the Unix socket at `port` (a path)."""
+    connection = (
+        UnixConnection(port)
+        if isinstance(port, Path)
+        else http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    )
     try:
         connection.request("GET", path)
         response = connection.getresponse()
