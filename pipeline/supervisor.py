@@ -398,16 +398,25 @@ class Supervisor:
     def _cause_still_dying(self) -> bool:
         """True while an actor whose end a peer saw die is not yet reaped, for at most
         CAUSE_GRACE_S: /proc shows a killed process's main thread dead (what the peer reads)
-        while its other threads still tear down, and only then can it be waited for."""
+        while its other threads still tear down, and only then can it be waited for.
+
+        Also true for one reaped since `check` looked at it (its exit code, read again here, is
+        a failure's): the next check names it, where naming the consequence now would not."""
         now = now_ns()
         if self._consequence_seen_ns is None:
             self._consequence_seen_ns = now
         if (now - self._consequence_seen_ns) / 1e9 > CAUSE_GRACE_S:
             return False
-        return any(
-            proc.pid is not None and proc.exitcode is None and not pid_alive(proc.pid)
-            for proc in self._procs
-        )
+        return any(self._dying_or_newly_failed(proc) for proc in self._procs)
+
+    @staticmethod
+    def _dying_or_newly_failed(proc: multiprocessing.process.BaseProcess) -> bool:
+        if proc.pid is None:
+            return False
+        code = proc.exitcode
+        if code is None:
+            return not pid_alive(proc.pid)
+        return code not in (0, PEER_DIED_EXIT_CODE)
 
     def _death_reason(self, i: int, proc: multiprocessing.process.BaseProcess) -> str:
         assert self._control is not None

@@ -149,6 +149,51 @@ def test_a_peer_that_sees_the_cause_die_first_is_not_named_for_it():
     assert failures[0].actor == "doubler" and "SIGKILL" in failures[0].reason
 
 
+class ReapedAfterFirstLook:
+    """A child process whose exit code reads None the first time, as when `check` looks at it
+    just before it is reaped; every later read is the real one."""
+
+    def __init__(self, proc):
+        self._proc, self._looked = proc, False
+
+    @property
+    def exitcode(self):
+        if not self._looked:
+            self._looked = True
+            return None
+        return self._proc.exitcode
+
+    def __getattr__(self, name):
+        return getattr(self._proc, name)
+
+
+def test_a_cause_reaped_while_its_consequence_is_judged_is_still_the_one_named():
+    """The doubler is killed and reaped between the moment `check` reads its exit code and the
+    moment it asks whether a cause is still dying: the failure named is still the doubler's."""
+    from pipeline.actor import PEER_DIED_EXIT_CODE
+
+    rings = [RingSpec(n, VOCAB, 8, 4096) for n in ("in", "mid", "out")]
+    actors = [
+        ActorSpec(
+            "incrementer", "tests.pipeline.peers:Incrementer", inboxes=("mid",), outboxes=("out",)
+        ),
+        ActorSpec("doubler", "tests.pipeline.peers:Doubler", inboxes=("in",), outboxes=("mid",)),
+    ]
+    config = SupervisorConfig(log_format="json")
+    with Supervisor(rings, actors, config, owner_inboxes=("out",), owner_outboxes=("in",)) as sup:
+        incrementer, doubler = sup._procs
+        os.kill(doubler.pid, signal.SIGKILL)
+        incrementer.join(10)
+        doubler.join(10)
+        assert incrementer.exitcode == PEER_DIED_EXIT_CODE
+        sup._procs[1] = ReapedAfterFirstLook(doubler)
+        try:
+            failure = sup.check() or sup.check()
+        finally:
+            sup._procs[1] = doubler
+    assert failure is not None and failure.actor == "doubler" and "SIGKILL" in failure.reason
+
+
 def roundtrip(sup: Supervisor, seq: int) -> None:
     data = np.arange(seq % 50, dtype=np.uint8)
     sup.producers["in"].send(BLOB, {"meta": np.array([seq, 0, 0], np.int64), "data": data})
