@@ -7,6 +7,7 @@ min_tokens and seeds) from the first step that names the request until `free`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -206,6 +207,7 @@ class ModelRunner:
         # Speculative decoding's draft model (attach_drafter): it proposes the drafts of the rows
         # whose drafts are placeholders; None: drafts come filled in (prompt lookup, suffix).
         self.drafter: Drafter | None = None
+        self.last_sample_ns = 0  # how long the last step's sampling took (the stage trace's)
 
     @classmethod
     def from_path(
@@ -518,10 +520,12 @@ class ModelRunner:
                 last_row[b] = int(row_ends[cursor]) - 1
                 cursor += 1
 
+        timer = Stopwatch(self.device)
         out = self._sample(batch, states, logits, last_row, num_draft, draft_probs)
         # Prompt logprobs (rare, and per prompt token) are scored on the host.
         host_logits = logits.cpu() if wants_prompt.any() else logits
         prompt = self._prompt_logprobs(batch, states, host_logits, wants_prompt, row_ends)
+        self.last_sample_ns = timer.elapsed_ns()
         return StepOutput(*out, *prompt)
 
     def _forward(self, step: ForwardInputs) -> torch.Tensor:
@@ -1168,3 +1172,25 @@ def _store(token_ids: list[int], positions: np.ndarray, values: np.ndarray) -> N
         token_ids.extend([0] * (needed - len(token_ids)))
     for pos, value in zip(positions.tolist(), values.tolist(), strict=True):
         token_ids[pos] = value
+
+
+class Stopwatch:
+    """Time from its creation to `elapsed_ns`, as the device spends it: on CUDA between two
+    events on the current stream (the host, which queued the work ahead, would instead count the
+    forward's kernels where it first waits for them); elsewhere the host's clock. Read it only
+    after the timed work has reached the host (a CUDA read waits for the second event)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._start_event = None
+        if device.type == "cuda":
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
+        self._start_ns = time.perf_counter_ns()
+
+    def elapsed_ns(self) -> int:
+        if self._start_event is None:
+            return time.perf_counter_ns() - self._start_ns
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return int(self._start_event.elapsed_time(end) * 1e6)

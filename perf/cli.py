@@ -396,10 +396,12 @@ def run_serve_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     print(serve_bench.format_table(report))
     for run in report["runs"]:
         if "stages" in run:
+            from perf.attribution import format_attribution
             from perf.pipeline_stats import format_stages
 
             load = run.get("concurrency", run.get("request_rate"))
             print(f"\n{run['url']} at {load}:\n{format_stages(run['stages'], run['overhead'])}")
+            print(format_attribution(run["attribution"]))
         if "request_stage_ms" in run:
             parts = ", ".join(f"{k} {v['mean']:.1f}" for k, v in run["request_stage_ms"].items())
             print(f"time per request in each stage (ms, mean): {parts}")
@@ -672,6 +674,7 @@ def run_offline_cli(args: argparse.Namespace) -> int:
     import os
 
     from perf import offline
+    from perf.attribution import format_attribution
     from perf.pipeline_stats import format_stages
     from pipeline.logs import configure_logging
     from stages.device import default_dtype
@@ -706,6 +709,7 @@ def run_offline_cli(args: argparse.Namespace) -> int:
             f"ITL p50 {run['itl_ms']['p50']:.2f} ms p99 {run['itl_ms']['p99']:.2f} ms"
         )
         print(format_stages(run["stages"], run["overhead"]))
+        print(format_attribution(run["attribution"]))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(report, f, indent=2)

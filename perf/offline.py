@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from perf.attribution import attribution
 from perf.pipeline_stats import gantt_spans, overhead_per_token, stage_figures
 from perf.stats import percentiles_ms
 
@@ -152,6 +153,7 @@ async def _run_level(
         "ttft_ms": percentiles_ms(samples["ttft"]),
         "itl_ms": percentiles_ms(samples["itl"]),
         "stages": stage_figures(spans, wall),
+        "attribution": attribution(spans),
         "overhead": overhead_per_token(cpu0, cpu1, spans, tokens),
     }
     return run, spans

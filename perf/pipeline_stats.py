@@ -10,7 +10,7 @@ from perf.stats import percentiles_ms
 
 FORWARD_KIND = 4  # stages.spans.SPAN_FORWARD (perf/ does not import the stages)
 FRONT_END = "server"  # Engine.cpu_seconds' name for the process that drives the stages
-SPAN_NAMES = {1: "render", 2: "plan", 3: "result", 4: "forward", 5: "detokenize"}
+SPAN_NAMES = {1: "render", 2: "plan", 3: "result", 4: "forward", 5: "detokenize", 6: "deliver"}
 
 
 def stage_figures(spans: dict[str, np.ndarray], window_s: float) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def stage_figures(spans: dict[str, np.ndarray], window_s: float) -> dict[str, An
         durations = (s["t_end_ns"] - s["t_start_ns"]) / 1e9
         out[stage] = {
             "spans": len(s),
-            "busy_fraction": float(durations.sum() / window_s) if window_s else 0.0,
+            "busy_fraction": _covered_s(s) / window_s if window_s else 0.0,
             "span_ms": percentiles_ms(durations.tolist()),
             "mean_batch": float(s["batch"].mean()),
             "mean_tokens": float(s["tokens"].mean()),
@@ -32,6 +32,17 @@ def stage_figures(spans: dict[str, np.ndarray], window_s: float) -> dict[str, An
             "kinds": sorted({SPAN_NAMES.get(int(k), str(k)) for k in s["kind"]}),
         }
     return out
+
+
+def _covered_s(spans: np.ndarray) -> float:
+    """Seconds covered by at least one span: the server's deliveries overlap one another."""
+    order = np.argsort(spans["t_start_ns"], kind="stable")
+    starts, ends = spans["t_start_ns"][order], np.maximum.accumulate(spans["t_end_ns"][order])
+    # a span starting after every earlier one ended opens a new covered stretch
+    opens = np.concatenate([[True], starts[1:] > ends[:-1]])
+    first = np.flatnonzero(opens)
+    last = np.concatenate([first[1:] - 1, [len(starts) - 1]])
+    return float((ends[last] - starts[first]).sum()) / 1e9
 
 
 def overhead_per_token(

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from perf.attribution import attribution
 from perf.pipeline_stats import gantt_spans, overhead_per_token, stage_figures
 from perf.stats import percentiles_ms
 from pipeline.trace import SPAN
@@ -562,6 +563,7 @@ async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str
                     if after is not None:
                         tokens = sum(r.output_tokens for r in results if r.ok)
                         run["stages"] = stage_figures(after[0], wall)
+                        run["attribution"] = attribution(after[0])
                         run["overhead"] = overhead_per_token(before[1], after[1], after[0], tokens)
                         samples["gantt"][label] = gantt_spans(after[0], 2.0)
                 runs.append(run)

@@ -32,10 +32,16 @@ SPAN = np.dtype(
         ("depth", np.int32),  # inbox queue depth when the span started
         ("aux", np.int32),  # the actor's own extra number
         ("cpu_ns", np.int64),  # CPU time the process spent in the span (all its threads)
+        # The actor's own work between the end of its wait and the span's start (taking the
+        # message apart): the wait was [t_start_ns - lead_ns - wait_ns, t_start_ns - lead_ns].
+        ("lead_ns", np.int64),
+        # An id the spans of one unit of work share across actors (the owner's numbering; -1
+        # when none): what joins one piece of work's spans into its way through the pipeline.
+        ("link", np.int64),
     ]
 )
 HEADER_BYTES = 64  # int64 [written]
-_SPAN_STRUCT = struct.Struct("<qiiqqqqiiq")
+_SPAN_STRUCT = struct.Struct("<qiiqqqqiiqqq")
 assert _SPAN_STRUCT.size == SPAN.itemsize
 
 
@@ -67,12 +73,22 @@ class TraceBuffer:
     def __init__(self, handle: TraceHandle) -> None:
         shm = posix_ipc.SharedMemory(handle.name)
         try:
-            self._map = mmap.mmap(shm.fd, shm.size)
+            self._attach(mmap.mmap(shm.fd, shm.size), handle.capacity)
         finally:
             shm.close_fd()
-        self.capacity = handle.capacity
+
+    @classmethod
+    def local(cls, capacity: int = 8192) -> TraceBuffer:
+        """A buffer in this process's own memory, for spans the owner records itself."""
+        buffer = cls.__new__(cls)
+        buffer._attach(mmap.mmap(-1, HEADER_BYTES + capacity * SPAN.itemsize), capacity)
+        return buffer
+
+    def _attach(self, mapping: mmap.mmap, capacity: int) -> None:
+        self._map = mapping
+        self.capacity = capacity
         self._written = memoryview(self._map)[:8].cast("q")
-        self._spans = np.frombuffer(self._map, SPAN, handle.capacity, HEADER_BYTES)
+        self._spans = np.frombuffer(self._map, SPAN, capacity, HEADER_BYTES)
         self._seqs = self._spans["seq"]  # a strided view: the seq field of every slot
         self._read = 0
 
@@ -87,6 +103,8 @@ class TraceBuffer:
         depth: int = 0,
         aux: int = 0,
         cpu_ns: int = 0,
+        lead_ns: int = 0,
+        link: int = -1,
     ) -> None:
         seq = self._written[0] + 1
         offset = HEADER_BYTES + ((seq - 1) % self.capacity) * SPAN.itemsize
@@ -105,6 +123,8 @@ class TraceBuffer:
             depth,
             aux,
             cpu_ns,
+            lead_ns,
+            link,
         )
         self._seqs[(seq - 1) % self.capacity] = seq
         self._written[0] = seq

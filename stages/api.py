@@ -228,6 +228,10 @@ class RequestOutput(msgspec.Struct, frozen=True):
     tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of calls written in this step
     # On the final output, with a reasoning parser: the output tokens inside the reasoning.
     num_reasoning_tokens: int = 0
+    # Where it came from, for the stage trace: the engine step that made it (-1: none) and when
+    # its deltas reached the server (now_ns; 0: not from the pipeline)
+    step_id: int = -1
+    received_ns: int = 0
 
 
 class RenderedPromptInfo(msgspec.Struct, frozen=True):

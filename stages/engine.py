@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.clock import process_cpu_s
+from pipeline.clock import now_ns, process_cpu_s
 from pipeline.errors import ActorFailed, RuntimeFault
+from stages import spans
 from stages.api import (
     ChatPrompt,
     EngineError,
@@ -113,7 +114,10 @@ class Engine(EngineLifecycle):
                     finished = True
                     raise item
                 finished = item.finish_reason is not None
-                yield item
+                try:
+                    yield item
+                finally:  # asked for the next, or closed: the chunk it became has been written
+                    self._delivered(item)
                 if finished:
                     return
         finally:
@@ -226,9 +230,22 @@ class Engine(EngineLifecycle):
         }
         return "cache_config_info{" + ",".join(f"{k}={v}" for k, v in labels.items()) + "}"
 
+    def _delivered(self, output: RequestOutput) -> None:
+        if output.received_ns:
+            self.deliveries.record(
+                spans.SPAN_DELIVER,
+                output.received_ns,
+                now_ns(),
+                tokens=len(output.token_ids),
+                link=output.step_id,
+            )
+
     def read_traces(self) -> dict[str, np.ndarray]:
-        """Each stage's spans (pipeline/trace.py SPAN records) since the last call."""
-        return {name: buffer.read_new() for name, buffer in self.supervisor.traces.items()}
+        """Each stage's spans (pipeline/trace.py SPAN records) since the last call, and the
+        server's own (its deliveries) as "server"."""
+        traces = {name: buffer.read_new() for name, buffer in self.supervisor.traces.items()}
+        traces["server"] = self.deliveries.read_new()
+        return traces
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (all threads) each process of the pipeline has used so far."""

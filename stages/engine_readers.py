@@ -65,6 +65,7 @@ class EngineReaders(EngineState):
             while True:
                 with await consumer.recv_async() as message:
                     batch = deltas.unpack_deltas(message)
+                received = now_ns()
                 self.last_output_ns = time.monotonic_ns()
                 for row, handle in enumerate(batch.handles):
                     flight = flights.get(handle)
@@ -81,7 +82,7 @@ class EngineReaders(EngineState):
                         if not flight.output_ids:
                             flight.first_token_ns = now_ns()
                         flight.output_ids.append(token)
-                    output = _output(flight.request.request_id, batch, row)
+                    output = _output(flight.request.request_id, batch, row, received)
                     flight.queue.put_nowait(output)
                     flight.unread += unread_cost(output)
                     if flight.unread > self.config.max_unread_tokens:
@@ -110,7 +111,7 @@ class EngineReaders(EngineState):
         )
 
 
-def _output(request_id: str, batch: deltas.DeltaBatch, row: int) -> RequestOutput:
+def _output(request_id: str, batch: deltas.DeltaBatch, row: int, received_ns: int) -> RequestOutput:
     extra = batch.extra(row)
     prompt_ids, prompt_logprobs = None, None
     if extra.prompt_logprobs is not None:
@@ -133,6 +134,8 @@ def _output(request_id: str, batch: deltas.DeltaBatch, row: int) -> RequestOutpu
         reasoning=extra.reasoning,
         tool_calls=extra.tool_calls,
         num_reasoning_tokens=extra.num_reasoning_tokens,
+        step_id=batch.step_id,
+        received_ns=received_ns,
     )
 
 
@@ -174,4 +177,6 @@ def merge_outputs(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         reasoning=first.reasoning + second.reasoning,
         tool_calls=first.tool_calls + second.tool_calls,
         num_reasoning_tokens=second.num_reasoning_tokens,
+        step_id=second.step_id,
+        received_ns=first.received_ns,  # the time the merged output waited starts with its first
     )

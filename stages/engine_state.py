@@ -18,6 +18,7 @@ import msgspec
 from pipeline.errors import ActorFailed
 from pipeline.kept import KeptFile
 from pipeline.supervisor import Supervisor, SupervisorConfig
+from pipeline.trace import TraceBuffer
 from stages.api import (
     EngineError,
     GenerateRequest,
@@ -113,6 +114,7 @@ class EngineState:
         self._restarting: asyncio.Task[None] | None = None
         self._handles = itertools.count(1)
         self._flights: dict[int, Flight] = {}
+        self.deliveries = TraceBuffer.local()  # the server's own spans: each output's delivery
         self._renders: dict[int, asyncio.Future[RenderedPromptInfo]] = {}  # render-only requests
         self._num_resets = 0  # prefix-cache resets sent (each carries its number, for the logs)
         self._send_lock = asyncio.Lock()

@@ -51,6 +51,7 @@ class DetokenizeActor(AsyncActor):
                 now_ns(),
                 batch=0 if arrays is None else len(arrays["rows"]),
                 depth=depth,
+                link=batch.step_id,
             )
 
     def logprob(
@@ -101,7 +102,7 @@ class DetokenizeActor(AsyncActor):
         out_rows, texts, extras, stopped = self.feed_rows(batch)
         if not out_rows:
             return None, stopped
-        return deltas.pack_deltas(out_rows, texts, extras), stopped
+        return deltas.pack_deltas(batch.step_id, out_rows, texts, extras), stopped
 
     def feed_rows(
         self, batch: TokenBatch

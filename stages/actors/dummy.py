@@ -32,6 +32,7 @@ class DummyExecuteActor(SyncActor):
         while True:
             waited = now_ns()
             with inbox.recv() as message:
+                received = now_ns()
                 if message.name == plan.GRAMMARS.name:
                     # No model, no masks: every grammar is ready at once.
                     outbox.send(
@@ -71,8 +72,10 @@ class DummyExecuteActor(SyncActor):
                 now_ns(),
                 batch=count,
                 tokens=count,
-                wait_ns=started - waited,
+                wait_ns=received - waited,
                 depth=depth,
+                lead_ns=started - received,
+                link=step.step_id,
             )
 
     def tokens(self, step: plan.PlannedStep) -> tuple[np.ndarray, np.ndarray]:

@@ -178,6 +178,7 @@ class ExecuteActor(SyncActor):
         while True:
             waited = now_ns()
             message = self.next_message(inbox, outbox)
+            received = now_ns()
             if message.name == plan.GRAMMARS.name:
                 with message:
                     self.build_matchers(plan.unpack_grammars(message))
@@ -199,9 +200,12 @@ class ExecuteActor(SyncActor):
                 finished,
                 batch=len(batch.handles),
                 tokens=len(batch.input_ids),
-                wait_ns=started - waited,
+                wait_ns=received - waited,
                 depth=depth,
+                aux=self.runner.last_sample_ns // 1000,
                 cpu_ns=time.process_time_ns() - cpu,
+                lead_ns=started - received,
+                link=step.step_id,
             )
             self.advance(batch.handles, output.num_tokens, output.token_ids)
             result = _result(step.step_id, batch.handles, output, started, finished)

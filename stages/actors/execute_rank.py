@@ -44,6 +44,7 @@ class ExecuteRankActor(SyncActor):
         while True:
             waited = now_ns()
             _, arrays = inbox.recv()
+            received = now_ns()
             step = unpack_forward(arrays)
             started, cpu = now_ns(), time.process_time_ns()
             with lost_rank_is_peer_death():
@@ -54,7 +55,8 @@ class ExecuteRankActor(SyncActor):
                 started,
                 finished,
                 tokens=len(step.input_ids),
-                wait_ns=started - waited,
+                wait_ns=received - waited,
                 cpu_ns=time.process_time_ns() - cpu,
+                lead_ns=started - received,
             )
             self.ctx.heartbeat()

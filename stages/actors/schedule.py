@@ -191,7 +191,12 @@ class ScheduleActor(AsyncActor):
             if emitted or prompt is not None:
                 await self.send_tokens(result.step_id, emitted, result, rows, prompt)
             self.ctx.trace.record(
-                spans.SPAN_RESULT, started, now_ns(), batch=len(result.handles), tokens=len(emitted)
+                spans.SPAN_RESULT,
+                started,
+                now_ns(),
+                batch=len(result.handles),
+                tokens=len(emitted),
+                link=result.step_id,
             )
 
     def decode(self, token_lists: list[list[int]], skip_special_tokens: bool) -> list[str]:
@@ -234,6 +239,7 @@ class ScheduleActor(AsyncActor):
                     batch=len(step.seqs),
                     tokens=len(arrays["input_ids"]),
                     depth=outbox.depth(),
+                    link=step.step_id,
                 )
             self.publish()
 

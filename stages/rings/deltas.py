@@ -43,6 +43,7 @@ DELTA_ROW = np.dtype(
 )
 DELTAS = Record(
     "deltas",
+    ("meta", np.int64),  # [step_id]: the engine step whose tokens these are
     ("rows", DELTA_ROW),  # [n]
     ("text_offsets", np.int32),  # [n + 1] into text
     ("text", np.uint8),  # UTF-8
@@ -57,6 +58,7 @@ class DeltaBatch:
     """One deltas message copied out, by column; `text` and `extra` decode one row on demand,
     so rows nobody waits for any more cost nothing."""
 
+    step_id: int
     handles: list[int]
     finishes: list[int]
     num_prompt_tokens: list[int]
@@ -76,6 +78,7 @@ class DeltaBatch:
 
 
 def pack_deltas(
+    step_id: int,
     rows: list[tuple[int, int, int, int, int]],  # DELTA_ROW's fields
     texts: list[str],
     extras: list[DeltaExtra | None],  # None: a plain row
@@ -83,6 +86,7 @@ def pack_deltas(
     text_offsets, text = blobs([t.encode("utf-8") for t in texts])
     extra_offsets, extra = blobs([b"" if e is None else _encoder.encode(e) for e in extras])
     return {
+        "meta": np.array([step_id], np.int64),
         "rows": np.array(rows, DELTA_ROW),
         "text_offsets": text_offsets,
         "text": text,
@@ -94,6 +98,7 @@ def pack_deltas(
 def unpack_deltas(views: Views) -> DeltaBatch:
     rows = views["rows"]
     return DeltaBatch(
+        step_id=int(views["meta"][0]),
         handles=rows["handle"].tolist(),
         finishes=rows["finish"].tolist(),
         num_prompt_tokens=rows["num_prompt_tokens"].tolist(),

@@ -35,7 +35,8 @@ def test_bench_profiles_a_dummy_server(tmp_path, capsys):
         assert main(argv) == 0
     run = json.loads(out.read_text())["runs"][0]
     assert run["completed"] == 16 and run["errors"] == 0 and run["mean_output_tokens"] == 32
-    assert set(run["stages"]) == {"render", "schedule", "execute", "detokenize"}
+    assert set(run["stages"]) == {"render", "schedule", "execute", "detokenize", "server"}
+    assert run["attribution"]["path"]["count"] == run["stages"]["server"]["spans"] > 0
     assert run["stages"]["render"]["spans"] == 16
     assert run["overhead"]["tokens"] == 16 * 32 and run["overhead"]["overhead_us_per_token"] > 0
     assert run["overhead"]["cpu_s_server"] > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -189,6 +190,13 @@ def test_min_tokens_and_stop_ids_through_the_runner(llama_runner):
     held = Request(2, [5, 6, 7], 1, sampling={"min_tokens": 1, "stop_token_ids": [first]})
     generate(llama_runner, [held])
     assert held.outputs[0] != first
+
+
+def test_a_step_says_how_long_its_sampling_took(llama_runner):
+    """The stage trace splits execute's forward span into the model and sampling by it."""
+    started = time.perf_counter_ns()
+    generate(llama_runner, [Request(3, [5, 6, 7], 1)], chunk_tokens=8)  # one step
+    assert 0 < llama_runner.last_sample_ns < time.perf_counter_ns() - started
 
 
 def test_free_forgets_requests(llama_runner):

@@ -38,7 +38,8 @@ def test_offline_dummy_reports_where_time_goes(tmp_path, capsys):
     for run in runs:
         assert run["completed"] == 8 and run["output_tok_per_s"] > 0
         stages = run["stages"]
-        assert set(stages) == {"render", "schedule", "execute", "detokenize"}
+        # the stages', and the server's own: pipeline-bench's process drives the engine here
+        assert set(stages) == {"render", "schedule", "execute", "detokenize", "server"}
         assert stages["render"]["spans"] == 8  # one render span per request
         assert stages["execute"]["spans"] >= 16  # at least one step per output token
         assert 0 < stages["schedule"]["busy_fraction"] <= 1
@@ -54,9 +55,22 @@ def test_offline_dummy_reports_where_time_goes(tmp_path, capsys):
         assert overhead["total_us_per_token"] == pytest.approx(
             overhead["cpu_s_total"] / overhead["tokens"] * 1e6
         )
+        # Every output delivered is followed from its step's plan to its delivery, and the
+        # parts of each view add up to its whole.
+        figures = run["attribution"]
+        path, period = figures["path"], figures["period"]
+        assert path["count"] == stages["server"]["spans"] >= 8
+        for view in (path, period):
+            parts = [v["mean_ms"] for k, v in view.items() if k not in ("count", "total")]
+            assert min(parts) >= 0 and sum(parts) == pytest.approx(view["total"]["mean_ms"])
+        assert path["deliver"]["mean_ms"] > 0 and path["plan"]["mean_ms"] > 0
+        assert period["count"] >= 8
     # Eight requests in flight share steps: the mean batch grows with concurrency.
     assert runs[1]["stages"]["execute"]["mean_batch"] > runs[0]["stages"]["execute"]["mean_batch"]
     assert (tmp_path / "charts" / "stages_gantt.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "us per generated token" in printed
     assert "by process (us per token): " in printed and "schedule " in printed
+    assert (
+        "the time between two tokens" in printed and "server: chunk encoded and written" in printed
+    )

@@ -9,7 +9,7 @@ from pipeline.actor import ActorSpec
 from pipeline.names import new_namespace
 from pipeline.ring import RingSpec
 from pipeline.supervisor import Supervisor, SupervisorConfig
-from pipeline.trace import TraceHandle
+from pipeline.trace import TraceBuffer, TraceHandle
 from tests.pipeline.peers import VOCAB
 
 
@@ -31,6 +31,20 @@ def test_reader_sees_new_spans_once_and_the_latest_after_overwrite():
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_local_buffer_keeps_the_owners_own_spans_with_their_links():
+    buffer = TraceBuffer.local(capacity=4)
+    try:
+        for i in range(6):
+            buffer.record(kind=6, t_start_ns=10 * i, t_end_ns=10 * i + 3, lead_ns=2, link=40 + i)
+        spans = buffer.read_new()
+        assert spans["link"].tolist() == [42, 43, 44, 45]  # the last 4
+        assert (spans["lead_ns"] == 2).all() and len(buffer.read_new()) == 0
+        buffer.record(kind=1, t_start_ns=0, t_end_ns=1)
+        assert buffer.read_new()["link"].tolist() == [-1]  # unlinked work
+    finally:
+        buffer.close()
 
 
 def test_actor_spans_and_gauges_reach_the_owner():

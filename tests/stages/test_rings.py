@@ -205,10 +205,11 @@ def test_deltas_round_trip_plain_rows_carry_no_extra():
         tool_calls=(ToolCallDelta(0, "call_1", "f", "{"), ToolCallDelta(0, arguments="}")),
     )
     arrays = deltas.pack_deltas(
-        [(1, 0, 3, 1, 5), (2, common.FINISH_STOP, 4, 2, -1)], ["é", ""], [None, extra]
+        17, [(1, 0, 3, 1, 5), (2, common.FINISH_STOP, 4, 2, -1)], ["é", ""], [None, extra]
     )
     assert arrays["extra_offsets"].tolist()[:2] == [0, 0]
     back = deltas.unpack_deltas(through(deltas.DELTAS, arrays))
+    assert back.step_id == 17
     assert (back.handles, back.finishes, back.token_ids) == (
         [1, 2],
         [0, common.FINISH_STOP],
