@@ -315,7 +315,7 @@ async def tokenize() -> Response:
     def work() -> tuple[list[int], list[str] | None]:
         body = decode(raw, TokenizeRequest, serving.unknown_fields)
         serving.check_model(body.model)
-        body.validate()
+        body.validate(serving.config.trust_request_chat_template)
         tokens = engine.tokenize(serving.with_template_defaults(body.prompt_value()))
         return tokens, engine.token_strings(tokens) if body.return_token_strs else None
 

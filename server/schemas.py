@@ -344,41 +344,19 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
     @property
     def request_chat_template(self) -> str | None:
-        """The template the request brings, as `chat_template` or (as vLLM also reads it) in
-        `chat_template_kwargs`."""
-        if self.chat_template is not None:
-            return self.chat_template
-        kwargs = self.chat_template_kwargs or {}
-        given = kwargs.get("chat_template")
-        return given if isinstance(given, str) else None
+        return _request_chat_template(self.chat_template, self.chat_template_kwargs)
 
     @property
     def wants_prompt_token_ids(self) -> bool:
         return bool(self.return_token_ids or self.return_prompt_text)
 
     def check_chat_template(self, trusted: bool) -> None:
-        """As vLLM: a request's own template runs only on a server that trusts its clients."""
-        brought = self.chat_template is not None or (
-            (self.chat_template_kwargs or {}).get("chat_template") is not None
-        )
-        if brought and not trusted:
-            raise APIError(
-                "Chat template is passed with request, but --trust-request-chat-template is not "
-                "set. Refused request with untrusted chat template.",
-                param="chat_template",
-            )
-        if brought and self.request_chat_template is None:
-            raise APIError(
-                "chat_template_kwargs.chat_template must be a string",
-                param="chat_template_kwargs",
-            )
+        _check_chat_template(self.chat_template, self.chat_template_kwargs, trusted)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's variables: the request's, and vLLM's `reasoning_effort` (which
         also sets `enable_thinking`, unless the request set it)."""
-        kwargs = {
-            k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"
-        }
+        kwargs = _template_variables(self.chat_template_kwargs)
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
             kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
@@ -725,12 +703,16 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False  # vLLM: each token's vocabulary entry besides its id
+    chat_template: str | None = None  # vLLM: the request's own (--trust-request-chat-template)
 
-    def validate(self) -> None:
+    def validate(self, trusted_chat_template: bool) -> None:
+        """As chat completions: a template of the request's own only where the server trusts
+        it (--trust-request-chat-template)."""
         if (self.prompt is None) == (self.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         for index, message in enumerate(self.messages or ()):
             _check_message(index, message)
+        _check_chat_template(self.chat_template, self.chat_template_kwargs, trusted_chat_template)
 
     def prompt_value(self) -> ChatPrompt | TextPrompt:
         if self.messages is not None:
@@ -738,8 +720,9 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
                 messages=self.messages,
                 add_generation_prompt=self.add_generation_prompt,
                 continue_final_message=self.continue_final_message,
-                chat_template_kwargs=self.chat_template_kwargs,
+                chat_template_kwargs=_template_variables(self.chat_template_kwargs) or None,
                 tools=self.tools,
+                chat_template=_request_chat_template(self.chat_template, self.chat_template_kwargs),
                 add_special_tokens=bool(self.add_special_tokens),  # vLLM's chat default: off
             )
         add_special_tokens = True if self.add_special_tokens is None else self.add_special_tokens
@@ -771,6 +754,38 @@ def check_max_logprobs(
                 f"Requested {kind} logprobs of {count}, which is greater than max allowed: {limit}",
                 param=param,
             )
+
+
+def _request_chat_template(chat_template: str | None, kwargs: dict[str, Any] | None) -> str | None:
+    """The template a request brings, as `chat_template` or (as vLLM also reads it) in
+    `chat_template_kwargs`."""
+    if chat_template is not None:
+        return chat_template
+    given = (kwargs or {}).get("chat_template")
+    return given if isinstance(given, str) else None
+
+
+def _check_chat_template(
+    chat_template: str | None, kwargs: dict[str, Any] | None, trusted: bool
+) -> None:
+    """As vLLM: a request's own template runs only on a server that trusts its clients."""
+    brought = chat_template is not None or (kwargs or {}).get("chat_template") is not None
+    if brought and not trusted:
+        raise APIError(
+            "Chat template is passed with request, but --trust-request-chat-template is not "
+            "set. Refused request with untrusted chat template.",
+            param="chat_template",
+        )
+    if brought and _request_chat_template(chat_template, kwargs) is None:
+        raise APIError(
+            "chat_template_kwargs.chat_template must be a string",
+            param="chat_template_kwargs",
+        )
+
+
+def _template_variables(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs less the template itself (`_request_chat_template`)."""
+    return {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
 
 
 def _or(value: Any, default: Any) -> Any:

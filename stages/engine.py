@@ -180,7 +180,10 @@ class Engine(EngineLifecycle):
 
     def tokenize(self, prompt: ChatPrompt | TextPrompt) -> list[int]:
         return prompt_token_ids(
-            self.bundle, prompt, content_format=self.config.chat_template_content_format
+            self.bundle,
+            prompt,
+            content_format=self.config.chat_template_content_format,
+            sandbox=self.template_sandbox,  # a request's own template only, as in render
         )
 
     def detokenize(self, token_ids: Sequence[int]) -> str:

@@ -93,6 +93,7 @@ class EngineLifecycle(EngineReaders):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._restarting
         await self._stop_pipeline()
+        self.template_sandbox.close()
         shutil.rmtree(self._snapshot_dir, ignore_errors=True)
 
     async def _stop_pipeline(self) -> None:

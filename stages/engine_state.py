@@ -41,6 +41,7 @@ from stages.text.checkpoint import (
     quantized_shard_problem,
 )
 from stages.text.snapshot import tokenizer_of, write_snapshot
+from stages.text.template_sandbox import TemplateSandbox
 
 # Aborts sent lately, sent again after a restart of render (which may have died holding them).
 RECENT_ABORTS = 4096
@@ -99,6 +100,11 @@ class EngineState:
         write_snapshot(self._snapshot_dir, self.bundle, model_config)
         config = dataclasses.replace(config, snapshot_dir=self._snapshot_dir)
         self.config = config
+        # /tokenize's requests' own templates render here as render's do: children started at
+        # the first, killed past their limits (closed at stop)
+        self.template_sandbox = TemplateSandbox(
+            config.chat_template_timeout_s, config.chat_template_memory_bytes
+        )
         self._info = ModelInfo(
             served_model_name=config.served_model_name or config.model_path,
             model_path=config.model_path,

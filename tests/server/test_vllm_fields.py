@@ -209,6 +209,39 @@ async def test_request_chat_template_is_used_when_trusted(
     assert prompt.chat_template_kwargs == {"enable_thinking": False}
 
 
+TEMPLATE_FIELDS = [
+    {"chat_template": TEMPLATE},
+    {"chat_template_kwargs": {"chat_template": TEMPLATE}},
+]
+
+
+@pytest.mark.parametrize("fields", TEMPLATE_FIELDS)
+async def test_tokenize_refuses_an_untrusted_chat_template_as_chat_completions_does(
+    app: Quart, engine: FakeEngine, fields: dict[str, Any]
+) -> None:
+    refused = await app.test_client().post(CHAT, json=chat(**fields))
+    body = {"messages": chat()["messages"], **fields}
+    tokenized = await app.test_client().post("/tokenize", json=body)
+    assert tokenized.status_code == refused.status_code == 400
+    assert await tokenized.get_json() == await refused.get_json()
+    assert not engine.tokenized  # refused before anything is rendered
+
+
+@pytest.mark.parametrize("fields", TEMPLATE_FIELDS)
+async def test_tokenize_renders_the_prompt_chat_completions_would_when_trusted(
+    make_app: Callable[..., Quart], engine: FakeEngine, fields: dict[str, Any]
+) -> None:
+    """A trusted template reaches the engine's /tokenize prompt just as it reaches chat's (the
+    real tokenizer's side: tests/stages/test_request_templates.py)."""
+    app = make_app(trust_request_chat_template=True)
+    assert (await app.test_client().post(CHAT, json=chat(**fields))).status_code == 200
+    body = {"messages": chat()["messages"], **fields}
+    assert (await app.test_client().post("/tokenize", json=body)).status_code == 200
+    (prompt,) = engine.tokenized
+    assert isinstance(prompt, ChatPrompt) and prompt.chat_template == TEMPLATE
+    assert prompt == engine.requests[-1].prompt
+
+
 async def test_reasoning_effort_is_a_template_variable(app: Quart, engine: FakeEngine) -> None:
     await app.test_client().post(CHAT, json=chat(reasoning_effort="low"))
     prompt = engine.requests[-1].prompt

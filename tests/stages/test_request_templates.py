@@ -6,6 +6,7 @@ others meanwhile, is never restarted for it, and the next request's template ren
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -72,3 +73,28 @@ def test_a_template_past_its_limits_is_a_400_and_the_others_are_served_meanwhile
     assert isinstance(text, str) and text
     assert engine.supervisor.pids()["render"] == render_pid
     assert engine.stats()["num_stage_recoveries_total"] == 0
+
+
+def test_tokenize_renders_a_requests_own_template_as_render_does(engine):
+    """/tokenize (Engine.tokenize, in the server process) takes the request's template, to the
+    same ids as render's, and in a sandbox with the same limits: a looping one is a 400."""
+    engine, runner = engine
+    own = engine.tokenize(ChatPrompt(MESSAGES, chat_template=OWN))
+    assert own != engine.tokenize(ChatPrompt(MESSAGES))  # the model's template is another
+    assert own == engine.bundle.encode("<user>hello there", add_bos=False)
+    assert runner.run(engine.render(_templated("own", OWN))).token_ids == own
+    outcome: list[object] = []
+
+    def tokenize_loop() -> None:
+        try:
+            outcome.append(engine.tokenize(ChatPrompt(MESSAGES, chat_template=LOOP)))
+        except EngineError as error:
+            outcome.append(error)
+
+    # a daemon thread: a template rendered outside the sandbox would loop past the test's end
+    worker = threading.Thread(target=tokenize_loop, daemon=True)
+    worker.start()
+    worker.join(TIMEOUT_S + 5)
+    (answer,) = outcome
+    assert isinstance(answer, EngineError) and answer.status == 400, answer
+    assert "--chat-template-timeout" in answer.message
