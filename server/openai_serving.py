@@ -120,12 +120,21 @@ class UnknownFields:
         if not self.enabled:
             return
         try:
-            names = msgspec.json.decode(raw, type=dict[str, msgspec.Raw]).keys()
+            fields = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
         except msgspec.MsgspecError:
             return
         known = kind.__struct_encode_fields__
+        unknown = [name for name in fields if name not in known]
+        # an object field's own keys too, named by their path (`structured_outputs.bogus`)
+        nested: dict[str, frozenset[str]] = getattr(kind, "NESTED_KEYS", {})
+        for name, keys in nested.items():
+            try:
+                inner = msgspec.json.decode(fields.get(name, b"null"), type=dict[str, msgspec.Raw])
+            except msgspec.MsgspecError:  # absent, null, or not an object (decode refused it)
+                continue
+            unknown += [f"{name}.{key}" for key in inner if key not in keys]
         with self._lock:
-            new = [name for name in names if name not in known and name not in self._logged]
+            new = [name for name in unknown if name not in self._logged]
             self._logged.update(new)
         for name in new:
             log.debug("unknown request field ignored", field=name, schema=kind.__name__)

@@ -55,6 +55,14 @@ MAX_CHOICES = 16  # n: each choice is an engine request of its own
 MAX_BATCH_PROMPTS = 256
 MAX_BATCH_CHOICES = 256  # prompts x n
 EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
+# vLLM's StructuredOutputsParams: one of these kinds, and options that shape its grammar
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+STRUCTURED_OUTPUT_OPTIONS = (
+    "disable_fallback",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "whitespace_pattern",
+)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
@@ -257,6 +265,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
                 setattr(self, name, vocab_size)
 
     _LOGPROB_COUNTS: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
+    # object fields whose keys are checked as the body's own are (server.openai_serving's
+    # UnknownFields): a key outside these is ignored, and logged
+    NESTED_KEYS: ClassVar[dict[str, frozenset[str]]] = {
+        "structured_outputs": frozenset(STRUCTURED_OUTPUT_KINDS + STRUCTURED_OUTPUT_OPTIONS)
+    }
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         defaults = SamplingParams()
@@ -953,11 +966,7 @@ def _structured_outputs(body: dict[str, Any] | None) -> StructuredOutput | None:
     structural_tag}."""
     if body is None:
         return None
-    given = [
-        key
-        for key in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-        if body.get(key) not in (None, False)
-    ]
+    given = [key for key in STRUCTURED_OUTPUT_KINDS if body.get(key) not in (None, False)]
     if len(given) != 1:
         raise APIError(
             "structured_outputs needs exactly one of json, regex, choice, grammar, json_object, "

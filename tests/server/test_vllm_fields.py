@@ -289,6 +289,29 @@ async def test_unknown_fields_are_ignored_and_logged_once(
     ]
 
 
+async def test_unknown_structured_outputs_keys_are_logged_as_unknown_fields_are(
+    make_app: Callable[..., Quart], engine: FakeEngine
+) -> None:
+    """A key vLLM's StructuredOutputsParams does not have is ignored as a top-level one is,
+    and logged (once) under its path; the kinds and vLLM's options are not."""
+    app = make_app(log_level="debug")
+    schema = {"type": "object"}
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(2):
+            body = chat(structured_outputs={"json": schema, "bogus": 1, "disable_fallback": True})
+            response = await app.test_client().post(CHAT, json=body)
+            assert response.status_code == 200, await response.get_json()
+        body = completion(structured_outputs={"regex": "a+", "wibble": 2}, frobnicate=3)
+        assert (await app.test_client().post(COMPLETIONS, json=body)).status_code == 200
+    unknown = [entry for entry in logs if entry["event"] == "unknown request field ignored"]
+    assert [(e["field"], e["schema"], e["log_level"]) for e in unknown] == [
+        ("structured_outputs.bogus", "ChatCompletionRequest", "debug"),
+        ("frobnicate", "CompletionRequest", "debug"),
+        ("structured_outputs.wibble", "CompletionRequest", "debug"),
+    ]
+    assert engine.requests[-1].sampling.structured is not None  # the known key still applies
+
+
 async def test_unknown_fields_are_not_looked_for_unless_logging_at_debug(app: Quart) -> None:
     with structlog.testing.capture_logs() as logs:
         response = await app.test_client().post(CHAT, json=chat(frobnicate=1))
