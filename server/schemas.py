@@ -55,13 +55,16 @@ MAX_CHOICES = 16  # n: each choice is an engine request of its own
 MAX_BATCH_PROMPTS = 256
 MAX_BATCH_CHOICES = 256  # prompts x n
 EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
-# vLLM's StructuredOutputsParams: one of these kinds, and options that shape its grammar
+# vLLM's StructuredOutputsParams: one of these kinds, and options that shape its grammar. Of the
+# options, the grammar is always as disable_any_whitespace makes it (stages.text.structured's
+# JSON on one line) and there is one backend, nothing to fall back to (disable_fallback); the
+# others are refused when set, as this server does not apply them.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+STRUCTURED_OUTPUT_REFUSED = ("disable_additional_properties", "whitespace_pattern")
 STRUCTURED_OUTPUT_OPTIONS = (
     "disable_fallback",
     "disable_any_whitespace",
-    "disable_additional_properties",
-    "whitespace_pattern",
+    *STRUCTURED_OUTPUT_REFUSED,
 )
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
@@ -966,6 +969,12 @@ def _structured_outputs(body: dict[str, Any] | None) -> StructuredOutput | None:
     structural_tag}."""
     if body is None:
         return None
+    for option in STRUCTURED_OUTPUT_REFUSED:
+        if body.get(option) not in (None, False):
+            raise APIError(
+                f"structured_outputs.{option} is not supported by this server",
+                param=f"structured_outputs.{option}",
+            )
     given = [key for key in STRUCTURED_OUTPUT_KINDS if body.get(key) not in (None, False)]
     if len(given) != 1:
         raise APIError(

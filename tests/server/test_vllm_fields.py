@@ -115,6 +115,18 @@ REFUSED = [
         "structured_outputs",
         "exactly one",
     ),
+    (
+        CHAT,
+        chat(structured_outputs={"json": {}, "disable_additional_properties": True}),
+        "structured_outputs.disable_additional_properties",
+        "not supported",
+    ),
+    (
+        COMPLETIONS,
+        completion(structured_outputs={"json": {}, "whitespace_pattern": " ?"}),
+        "structured_outputs.whitespace_pattern",
+        "not supported",
+    ),
     (CHAT, chat(chat_template=TEMPLATE), "chat_template", "--trust-request-chat-template"),
     (
         CHAT,
