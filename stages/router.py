@@ -65,6 +65,17 @@ def routing_key(prompt: Prompt, cache_salt: str | None, chunk_bytes: int) -> Rou
     text as UTF-8, token ids as int32), chained from a seed of what changes every token of the
     rendering (tools, the template and its arguments, BOS) and of the cache salt, which keeps
     requests of different salts from sharing blocks."""
+    body, context = _prompt_bytes(prompt)
+    chained = hash((cache_salt, *context))
+    hashes = []
+    for start in range(0, len(body) - chunk_bytes + 1, chunk_bytes):
+        chained = hash((chained, body[start : start + chunk_bytes]))
+        hashes.append(chained)
+    return RoutingKey(tuple(hashes), len(body))
+
+
+def _prompt_bytes(prompt: Prompt) -> tuple[bytes, tuple[object, ...]]:
+    """(the prompt's bytes, what changes every token of its rendering): routing_key's parts."""
     if isinstance(prompt, ChatPrompt):
         body = msgspec.json.encode(prompt.messages)
         context: tuple[object, ...] = (
@@ -77,12 +88,7 @@ def routing_key(prompt: Prompt, cache_salt: str | None, chunk_bytes: int) -> Rou
     else:
         body = np.asarray(prompt.token_ids, dtype=np.int32).tobytes()
         context = ("tokens",)
-    chained = hash((cache_salt, *context))
-    hashes = []
-    for start in range(0, len(body) - chunk_bytes + 1, chunk_bytes):
-        chained = hash((chained, body[start : start + chunk_bytes]))
-        hashes.append(chained)
-    return RoutingKey(tuple(hashes), len(body))
+    return body, context
 
 
 class PrefixIndex:
@@ -125,7 +131,8 @@ class Router:
     replica; else the one whose index matches the most of the key when that is more than
     CACHE_THRESHOLD of it (ties to the least loaded); else the least loaded. Least loaded: the
     fewest waiting requests, then the fewest in flight, then the most free KV blocks. Every
-    decision adds the key to the chosen replica's index.
+    decision adds the key to the chosen replica's index. Round robin, or replicas without a
+    prefix cache, read no index: then the indexes stay empty and keys carry no chunks.
     """
 
     def __init__(
@@ -140,12 +147,15 @@ class Router:
         self.policy = policy
         self.chunk_bytes = chunk_bytes
         self.balance_abs_threshold = balance_abs_threshold
-        # Without a prefix cache on the replicas there is nothing for a prefix to save.
-        self.prefix_caching = prefix_caching
+        # Without a prefix cache on the replicas there is nothing for a prefix to save, and
+        # round robin does not ask what is cached: an index would only grow with traffic.
+        self.reads_prefixes = prefix_caching and policy is Policy.CACHE_AWARE
         self.indexes = [PrefixIndex(capacity_chunks) for _ in range(num_replicas)]
         self._turns = itertools.cycle(range(num_replicas))
 
     def key(self, prompt: Prompt, cache_salt: str | None) -> RoutingKey:
+        if not self.reads_prefixes:  # no chunk is looked up: the size alone, for the log
+            return RoutingKey((), len(_prompt_bytes(prompt)[0]))
         return routing_key(prompt, cache_salt, self.chunk_bytes)
 
     def route(self, key: RoutingKey, loads: Sequence[ReplicaLoad]) -> Route | None:
@@ -154,13 +164,13 @@ class Router:
         if not ready:
             return None
         route = self._choose(key, loads, ready)
-        if self.prefix_caching:
+        if self.reads_prefixes:
             self.indexes[route.replica].insert(key)
         return route
 
     def _choose(self, key: RoutingKey, loads: Sequence[ReplicaLoad], ready: list[int]) -> Route:
         matched = {
-            r: self.indexes[r].match(key) * self.chunk_bytes if self.prefix_caching else 0
+            r: self.indexes[r].match(key) * self.chunk_bytes if self.reads_prefixes else 0
             for r in ready
         }
 

@@ -87,6 +87,21 @@ def test_round_robin_alternates_whatever_the_prompt():
     assert [r.route(key, [idle(), idle()]).replica for _ in range(4)] == [0, 1, 0, 1]
 
 
+def test_round_robin_keeps_no_prefix_index():
+    """No index is read under round robin (nor without prefix caching): none grows with traffic,
+    while the cache-aware router's holds what it sent."""
+    for r in (router(Policy.ROUND_ROBIN), router(prefix_caching=False)):
+        for i in range(20):
+            route = r.route(r.key(chat(f"Question {i}?"), None), [idle(), idle()])
+            assert route is not None and route.matched_bytes == 0
+            assert route.key_bytes > len(SYSTEM)  # the log still says how long the prompt was
+        assert [len(index) for index in r.indexes] == [0, 0]
+    cache_aware = router()
+    key = cache_aware.key(chat("What is a pulsar?"), None)
+    cache_aware.route(key, [idle(), idle()])
+    assert sum(len(index) for index in cache_aware.indexes) == len(key.chunk_hashes) > 0
+
+
 def test_only_ready_replicas_and_those_with_room_are_chosen():
     r = router()
     key = r.key(chat("What is a pulsar?"), None)
