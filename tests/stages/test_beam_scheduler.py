@@ -4,10 +4,12 @@ back when they are dropped, when the search ends and when the request is aborted
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from stages.api import BeamSearchParams
-from stages.beam_group import BeamRequest
+from stages.beam_group import BeamGroup, BeamRequest
 from stages.rings import common as m
 from stages.scheduler import Scheduler, SchedulerConfig, Sequence, Status
 
@@ -257,3 +259,70 @@ def test_a_stop_string_ends_a_beam_however_long_its_outputs_and_only_their_tail_
     # ended by the stop string, not by max_tokens (detokenize makes its finish "stop")
     assert 150 < len(best) < 200 and text.endswith("xyz") and "xyz" not in text[:-1]
     assert max(lengths[:-1]) <= len("xyz") + 12 + 1
+
+
+def _byte_level_symbols() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the vocabulary entry of each byte (printable bytes as
+    themselves, the others from U+0100 on)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    others = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def test_a_beams_tail_shows_the_stop_strings_its_whole_text_shows():
+    """The tail BeamGroup decodes for stop strings finds them exactly where the whole output's
+    text does (every output decoded, as before the tail), token by token as a beam grows: a real
+    byte-level BPE tokenizer; outputs that spell each character a byte a token or merged, with
+    runs of special tokens; stop strings cut from the text anywhere, so across token boundaries,
+    and tails that start inside a character or among skipped tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tests.stages.tiny import CORPUS, SPECIALS
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    byte_ids = {b: tokenizer.token_to_id(symbol) for b, symbol in _byte_level_symbols().items()}
+    end = tokenizer.token_to_id("<|im_end|>")
+    decoded_lengths: list[int] = []
+
+    def decode(token_lists: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        decoded_lengths.extend(len(tokens) for tokens in token_lists)
+        return tokenizer.decode_batch(token_lists, skip_special_tokens=skip_special_tokens)
+
+    def whole(tokens: list[int], skip: bool) -> str:
+        return tokenizer.decode_batch([tokens], skip_special_tokens=skip)[0]
+
+    text = "héllo wörld, 日本語のテキスト 🙂🚀 " * 6 + "the capital of France"
+    rng = np.random.default_rng(0)
+    num_hits = 0
+    for _ in range(100):
+        ids: list[int] = []
+        for char in text:
+            bytewise = rng.random() < 0.5
+            ids += [byte_ids[b] for b in char.encode()] if bytewise else tokenizer.encode(char).ids
+            ids += [end] * int(rng.integers(1, 12)) * (rng.random() < 0.3)
+        skip = bool(rng.random() < 0.8)
+        shown = whole(ids, skip)
+        start = int(rng.integers(len(shown) // 2, len(shown) - 8))
+        stop = shown[start : start + int(rng.integers(2, 8))]
+        group = BeamGroup(BeamRequest(BeamSearchParams(2, group=1, index=0), (stop,), skip))
+        for n in range(1, len(ids)):
+            outputs = ids[:n]
+            if stop in whole(outputs, skip):  # the beam would have ended
+                break
+            candidates = np.array([[ids[n], *rng.integers(0, tokenizer.get_vocab_size(), 3)]])
+            found = group._stop_strings([SimpleNamespace(output_ids=outputs)], candidates, decode)
+            expected = [[stop in whole([*outputs, int(c)], skip) for c in candidates[0]]]
+            assert found.tolist() == expected, (stop, skip, n)
+            num_hits += int(found.sum())
+    assert num_hits >= 100  # each stop string was completed at least once
+    assert max(decoded_lengths) < len(ids) // 4  # tails, never the whole output
