@@ -55,11 +55,14 @@ def test_offline_dummy_reports_where_time_goes(tmp_path, capsys):
         assert overhead["total_us_per_token"] == pytest.approx(
             overhead["cpu_s_total"] / overhead["tokens"] * 1e6
         )
-        # Every output delivered is followed from its step's plan to its delivery, and the
+        # Every output delivered is followed from its step's plan to its delivery (but those of
+        # the last step, whose stages may record their spans after the window is read), and the
         # parts of each view add up to its whole.
         figures = run["attribution"]
         path, period = figures["path"], figures["period"]
-        assert path["count"] == stages["server"]["spans"] >= 8
+        delivered = stages["server"]["spans"]
+        assert delivered >= 16  # at least one output a token at c=1, merged ones aside
+        assert delivered - run["concurrency"] <= path["count"] <= delivered
         for view in (path, period):
             parts = [v["mean_ms"] for k, v in view.items() if k not in ("count", "total")]
             assert min(parts) >= 0 and sum(parts) == pytest.approx(view["total"]["mean_ms"])
