@@ -41,6 +41,7 @@ class DetokenizeActor(AsyncActor):
             with message:
                 batch = tokens.unpack_tokens(message)
             arrays, stopped = self.process(batch)
+            done = now_ns()  # the span ends where the hops to the server and schedule begin
             if stopped:
                 await stop_hits.send_async(tokens.FINISHED, tokens.pack_finished(stopped))
             if arrays is not None:
@@ -48,7 +49,7 @@ class DetokenizeActor(AsyncActor):
             self.ctx.trace.record(
                 spans.SPAN_DETOKENIZE,
                 started,
-                now_ns(),
+                done,
                 batch=0 if arrays is None else len(arrays["rows"]),
                 depth=depth,
                 link=batch.step_id,

@@ -65,11 +65,12 @@ class DummyExecuteActor(SyncActor):
                 top_logprobs=np.zeros((entries, 0), np.float32),
                 prompt=self.prompt_logprobs(step) if self.prompt_top_k else PromptLogprobs.empty(),
             )
+            finished = now_ns()  # the span ends where the hop to schedule begins, as execute's
             outbox.send(results.RESULT, results.pack_result(result))
             self.ctx.trace.record(
                 spans.SPAN_FORWARD,
                 started,
-                now_ns(),
+                finished,
                 batch=count,
                 tokens=count,
                 wait_ns=received - waited,

@@ -231,11 +231,12 @@ class ScheduleActor(AsyncActor):
                         s.seq.scheduled_ns = started
                 arrays = plan.pack_step(step, scheduler.config.block_size, started)
                 self.prompt_tokens_in_flight[step.step_id] = plan.prompt_tokens(arrays["seqs"])
+                planned = now_ns()  # the span ends where the hop to execute begins
                 await outbox.send_async(plan.STEP, arrays)
                 self.ctx.trace.record(
                     spans.SPAN_PLAN,
                     started,
-                    now_ns(),
+                    planned,
                     batch=len(step.seqs),
                     tokens=len(arrays["input_ids"]),
                     depth=outbox.depth(),
