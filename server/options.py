@@ -393,8 +393,9 @@ OPTIONS: tuple[Option, ...] = (
         server="max_body_reads_per_client",
         type=positive_int,
         default=DEFAULT_MAX_BODY_READS_PER_CLIENT,
-        help="requests one client address may have sending their bodies at once; past it, a 429 "
-        "(a client trickling bodies cannot hold every connection; default %(default)d)",
+        help="requests one client address may have sending their bodies slowly (for over a "
+        "second) at once; past it, a 429 (a client trickling bodies cannot hold every "
+        "connection; default %(default)d)",
     ),
     option(
         "--enable-per-request-metrics",

@@ -14,11 +14,12 @@ import pytest
 
 from server.app import create_app
 from server.config import ServerConfig
+from server.limits import BODY_READ_GRACE_S
 from tests.server.fake_engine import FakeEngine
 from tests.server.live import LiveServer, free_port
 from tests.server.test_drain import chat_body, post
 
-BODY_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 2.5  # past BODY_READ_GRACE_S: a held body is slow before it is cut
 BODY_READS = 3
 
 
@@ -105,7 +106,7 @@ def test_a_trickled_body_is_cut_at_the_timeout_with_a_408(server: LiveServer) ->
 def test_one_address_sends_at_most_its_share_of_bodies_at_once(server: LiveServer) -> None:
     port = _port(server)
     held = [_slow_body(port) for _ in range(BODY_READS)]
-    time.sleep(0.3)  # each is reading its body
+    time.sleep(BODY_READ_GRACE_S + 0.3)  # each has been reading its body for a while
     refused = _slow_body(port)
     status, body, _ = _response(refused)  # answered at once, its body unread, and closed
     refused.close()
@@ -128,3 +129,28 @@ def test_a_header_block_too_large_is_a_431_with_an_openai_body(server: LiveServe
     assert body["error"]["type"] == "RequestHeaderFieldsTooLargeError"
     assert "16384 bytes" in body["error"]["message"]
     assert _served(_port(server))
+
+
+def test_a_burst_of_bodies_from_one_address_is_not_taken_for_a_slow_client(server: LiveServer):
+    """More bodies than the limit in reading at once, none of them for long (a load test's
+    burst): each request is served."""
+    port = _port(server)
+    body = json.dumps(chat_body(2, stream=False)).encode()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    burst = []
+    for _ in range(BODY_READS + 2):  # headers first: each is reading its body meanwhile
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(head + body[:1])
+        burst.append(sock)
+    time.sleep(0.2)
+    for sock in burst:
+        sock.sendall(body[1:])
+    statuses = []
+    for sock in burst:
+        status, answer, _ = _response(sock)
+        sock.close()
+        statuses.append((status, bool(answer.get("choices"))))
+    assert statuses == [(200, True)] * (BODY_READS + 2)
