@@ -342,6 +342,7 @@ class OpenAIServing:
                 reasoning_parser=reasoning_parser,
                 tool_call_parser=tool_call_parser,
                 cache_salt=body.cache_salt,
+                stream_interval=body.stream_interval,
                 return_prompt_token_ids=body.wants_prompt_token_ids,
                 lora=self.lora_adapters.get(model),
             )

@@ -294,6 +294,15 @@ OPTIONS: tuple[Option, ...] = (
         "with Retry-After (default: --max-num-seqs, so a newcomer waits about one request's time)",
     ),
     option(
+        "--stream-interval",
+        engine="stream_interval",
+        type=positive_int,
+        default=1,
+        help="tokens a streamed output waits to gather before it is sent (its first and its "
+        "last go at once; a request's `stream_interval` may ask for more): fewer, larger chunks "
+        "cost the server less per token, at a coarser inter-token latency (default %(default)d)",
+    ),
+    option(
         "--max-unread-tokens",
         vllm=OWN,
         engine="max_unread_tokens",

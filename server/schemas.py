@@ -114,6 +114,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     # vLLM: the logprobs of these tokens at each position, in place of the top ones
     logprob_token_ids: LogprobTokenIds | None = None
     cache_salt: CacheSalt | None = None  # vLLM: only requests with the same salt share the cache
+    # vLLM: tokens each streamed output gathers (its first and last go at once); never below
+    # --stream-interval
+    stream_interval: PositiveInt | None = None
     # Beam search (vLLM's): n beams, whose finished hypotheses are the n choices, best first.
     # length_penalty and early_stopping have no effect without it (as in vLLM).
     use_beam_search: bool = False

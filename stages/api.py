@@ -128,6 +128,8 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     cache_salt: str | None = None
     return_prompt_token_ids: bool = False  # the first output carries the prompt's token ids
     lora: LoraRequest | None = None  # the adapter the request's `model` named; None: the base
+    # vLLM's stream_interval: outputs of at least this many tokens (raised to --stream-interval)
+    stream_interval: int | None = None
 
 
 class ToolCall(msgspec.Struct, frozen=True, array_like=True):

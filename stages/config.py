@@ -115,6 +115,9 @@ class EngineConfig:
     # one more) before the request is aborted with a logged reason: a client that stops reading
     # a stream cannot make the server hold its outputs without bound.
     max_unread_tokens: int = DEFAULT_MAX_UNREAD_TOKENS
+    # vLLM's --stream-interval: a request's outputs go to the server's client in pieces of at
+    # least this many tokens (its first and its last at once); a request may ask for more.
+    stream_interval: int = 1
     # Stage failures survived (each: a fresh pipeline, requests resumed) within the window;
     # one more and the engine gives up, so that the service manager restarts the server.
     # Speculative decoding (--speculative-config); None: off.

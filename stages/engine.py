@@ -30,7 +30,7 @@ from stages.api import (
 )
 from stages.config import EngineConfig
 from stages.engine_lifecycle import EngineLifecycle
-from stages.engine_readers import merge_outputs, unread_cost
+from stages.engine_readers import next_output
 from stages.engine_state import Flight
 from stages.lora import LoraError, read_adapter
 from stages.rings import common, requests
@@ -95,24 +95,15 @@ class Engine(EngineLifecycle):
                         await self.supervisor.producers["requests"].send_async(
                             requests.SUBMIT, arrays
                         )
+            interval = max(self.config.stream_interval, request.stream_interval or 1)
+            gather = 0  # the first token goes at once; then outputs of `interval` tokens
             while True:
-                item = await queue.get()
-                flight.unread -= unread_cost(item)
-                # A reader slower than the engine gets what piled up as one output (as vLLM does).
-                while (
-                    not queue.empty()
-                    and not isinstance(item, EngineError)
-                    and item.finish_reason is None
-                ):
-                    following = queue.get_nowait()
-                    if isinstance(following, EngineError):
-                        queue.put_nowait(following)  # yield what came before the error first
-                        break
-                    flight.unread -= unread_cost(following)
-                    item = merge_outputs(item, following)
+                item = await next_output(flight, gather)
                 if isinstance(item, EngineError):
                     finished = True
                     raise item
+                if item.token_ids:
+                    gather = interval
                 finished = item.finish_reason is not None
                 try:
                     yield item

@@ -180,3 +180,22 @@ def merge_outputs(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         step_id=second.step_id,
         received_ns=first.received_ns,  # the time the merged output waited starts with its first
     )
+
+
+async def next_output(flight: Flight, gather: int) -> RequestOutput | EngineError:
+    """The flight's next output: what piled up merged into one (a reader slower than the engine
+    gets it as one, as vLLM does), and with `gather` > 1 what comes until it holds that many
+    tokens or the request's end (--stream-interval). An error comes after what came before it."""
+    queue = flight.queue
+    item = await queue.get()
+    flight.unread -= unread_cost(item)
+    while not isinstance(item, EngineError) and item.finish_reason is None:
+        if queue.empty() and len(item.token_ids) >= gather:
+            break
+        following = await queue.get()
+        if isinstance(following, EngineError):
+            queue.put_nowait(following)  # yield what came before the error first
+            break
+        flight.unread -= unread_cost(following)
+        item = merge_outputs(item, following)
+    return item

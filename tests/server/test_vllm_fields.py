@@ -90,6 +90,7 @@ REFUSED = [
     (CHAT, chat(cache_salt="a/b"), "cache_salt", ""),
     (CHAT, chat(cache_salt="a@b"), "cache_salt", ""),
     (COMPLETIONS, completion(cache_salt=5), "cache_salt", ""),
+    (CHAT, chat(stream_interval=0), "stream_interval", ""),
     (CHAT, chat(truncation_side="middle", truncate_prompt_tokens=2), "truncation_side", ""),
     (CHAT, chat(reasoning_effort="extreme"), "reasoning_effort", ""),
     (CHAT, chat(logprob_token_ids=[5]), "logprob_token_ids", "`logprobs` must be set"),
@@ -203,6 +204,14 @@ async def test_cache_salt_travels_with_the_request(app: Quart, engine: FakeEngin
     assert engine.requests[-1].cache_salt == "tenant-a"
     await app.test_client().post(COMPLETIONS, json=completion())
     assert engine.requests[-1].cache_salt is None
+
+
+async def test_stream_interval_travels_with_the_request(app: Quart, engine: FakeEngine) -> None:
+    response = await app.test_client().post(CHAT, json=chat(stream=True, stream_interval=5))
+    assert response.status_code == 200
+    assert engine.requests[-1].stream_interval == 5
+    await app.test_client().post(COMPLETIONS, json=completion(stream_interval=2))
+    assert engine.requests[-1].stream_interval == 2
 
 
 async def test_request_chat_template_is_used_when_trusted(
