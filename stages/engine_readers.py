@@ -154,30 +154,36 @@ def unread_cost(item: RequestOutput | EngineError) -> int:
     prompt logprobs, which come once and are bounded by the prompt, are not counted)."""
     if isinstance(item, EngineError):
         return 0
-    return len(item.token_ids) + sum(len(lp.top) for lp in item.logprobs or ())
+    if item.logprobs is None:  # most outputs: no generator to build
+        return len(item.token_ids)
+    return len(item.token_ids) + sum(len(lp.top) for lp in item.logprobs)
 
 
-def merge_outputs(first: RequestOutput, second: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one."""
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one, built once (merging them two at a time
+    copied the text and tokens so far again for each)."""
+    first, last = outputs[0], outputs[-1]
+    if len(outputs) == 1:
+        return first
     logprobs = None
-    if first.logprobs is not None or second.logprobs is not None:
-        logprobs = (first.logprobs or ()) + (second.logprobs or ())
+    if any(o.logprobs is not None for o in outputs):
+        logprobs = tuple(lp for o in outputs for lp in o.logprobs or ())
     return RequestOutput(
-        request_id=second.request_id,
-        text=first.text + second.text,
-        token_ids=first.token_ids + second.token_ids,
-        prompt_token_ids=first.prompt_token_ids or second.prompt_token_ids,
-        num_prompt_tokens=second.num_prompt_tokens,
-        num_output_tokens=second.num_output_tokens,
-        finish_reason=second.finish_reason,
-        stop_reason=second.stop_reason,
+        request_id=last.request_id,
+        text="".join(o.text for o in outputs),
+        token_ids=tuple(t for o in outputs for t in o.token_ids),
+        prompt_token_ids=next((o.prompt_token_ids for o in outputs if o.prompt_token_ids), None),
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
         logprobs=logprobs,
-        prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs,
-        metrics=second.metrics,
-        reasoning=first.reasoning + second.reasoning,
-        tool_calls=first.tool_calls + second.tool_calls,
-        num_reasoning_tokens=second.num_reasoning_tokens,
-        step_id=second.step_id,
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None),
+        metrics=last.metrics,
+        reasoning="".join(o.reasoning for o in outputs),
+        tool_calls=tuple(c for o in outputs for c in o.tool_calls),
+        num_reasoning_tokens=last.num_reasoning_tokens,
+        step_id=last.step_id,
         received_ns=first.received_ns,  # the time the merged output waited starts with its first
     )
 
@@ -189,13 +195,15 @@ async def next_output(flight: Flight, gather: int) -> RequestOutput | EngineErro
     queue = flight.queue
     item = await queue.get()
     flight.unread -= unread_cost(item)
-    while not isinstance(item, EngineError) and item.finish_reason is None:
-        if queue.empty() and len(item.token_ids) >= gather:
-            break
+    if isinstance(item, EngineError):
+        return item
+    run, tokens = [item], len(item.token_ids)
+    while item.finish_reason is None and not (queue.empty() and tokens >= gather):
         following = await queue.get()
         if isinstance(following, EngineError):
             queue.put_nowait(following)  # yield what came before the error first
             break
         flight.unread -= unread_cost(following)
-        item = merge_outputs(item, following)
-    return item
+        run.append(following)
+        item, tokens = following, tokens + len(following.token_ids)
+    return merge_outputs(run)
