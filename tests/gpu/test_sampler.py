@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from gpu.sampler import SamplingArrays, TokenHistory, sample
+from gpu.sampler import INVERSE_CDF_BLOCK, SamplingArrays, TokenHistory, inverse_cdf, sample
 
 VOCAB = 50
 
@@ -217,6 +217,34 @@ def test_temperature_sampling_follows_the_distribution():
     sharp_freq = np.bincount(sharp.token_ids.numpy(), minlength=3)[:3] / rows
     expected = np.array([0.5, 0.3, 0.2]) ** 4
     assert np.allclose(sharp_freq, expected / expected.sum(), atol=0.03)
+
+
+def test_a_draw_follows_its_distribution_across_blocks_and_never_takes_a_masked_token():
+    """inverse_cdf over a vocabulary of many blocks (and a last one cut short): the frequencies
+    are the weights', and no uniform in (0, 1], however close to either end, draws a token of
+    weight 0, wherever the zeros sit (a block's start, its end, whole blocks)."""
+    vocab = INVERSE_CDF_BLOCK * 5 + 77
+    weights = torch.zeros(vocab)
+    heavy = [3, INVERSE_CDF_BLOCK - 1, INVERSE_CDF_BLOCK * 3, vocab - 2]  # around block edges
+    weights[heavy] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    rows = 20000
+    uniforms = 1.0 - torch.rand(
+        rows, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+    )
+    drawn = inverse_cdf(weights.repeat(rows, 1), uniforms)
+    freq = np.bincount(drawn.numpy(), minlength=vocab)
+    assert set(np.flatnonzero(freq)) == set(heavy)
+    assert np.allclose(freq[heavy] / rows, [0.4, 0.3, 0.2, 0.1], atol=0.015)
+    # the ends of (0, 1] and a point inside each token's share
+    extremes = torch.tensor([1.0, 1.0 - 2**-52, 2**-53, 0.2, 0.55, 0.8, 0.95], dtype=torch.float64)
+    edge = inverse_cdf(weights.repeat(len(extremes), 1), extremes).tolist()
+    assert edge == [vocab - 2, vocab - 2, 3, 3, heavy[1], heavy[2], vocab - 2]
+    # many small weights, most masked: what is drawn always has weight
+    rng = np.random.default_rng(0)
+    sparse = torch.from_numpy(rng.random((64, vocab)).astype(np.float32))
+    sparse[torch.from_numpy(rng.random((64, vocab)) < 0.97)] = 0.0
+    draws = inverse_cdf(sparse, 1.0 - torch.rand(64, dtype=torch.float64))
+    assert (sparse[torch.arange(64), draws] > 0).all()
 
 
 def test_logprobs_top_k_and_ranks_come_from_raw_logits():
