@@ -80,6 +80,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--api-key")
     serve.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     serve.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the requests' temperature (default 0: greedy; above 0 times random sampling)",
+    )
+    serve.add_argument(
         "--warmup", type=int, default=1, help="short requests per server before measuring"
     )
     serve.add_argument("--json", dest="json_path", help="write the report as JSON here")
@@ -391,6 +397,7 @@ def run_serve_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         ignore_eos=not args.no_ignore_eos,
         warmup=args.warmup,
         profile=args.profile,
+        temperature=args.temperature,
     )
     report, samples = asyncio.run(serve_bench.run_serve(bench_args))
     print(serve_bench.format_table(report))

@@ -210,19 +210,21 @@ class Client:
         model: str,
         api_key: str | None,
         ignore_eos: bool,
+        temperature: float = 0.0,
     ) -> None:
         self.session = session
         self.url = url.rstrip("/")
         self.model = model
         self.headers = _auth(api_key)
         self.ignore_eos = ignore_eos
+        self.temperature = temperature
 
     async def chat(self, messages: list[dict[str, str]], max_tokens: int) -> RequestResult:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
             "max_tokens": max_tokens,
-            "temperature": 0.0,
+            "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -497,6 +499,7 @@ class ServeArgs:
     warmup: int = 1
     timeout_s: float = 600.0
     profile: bool = False  # read /debug/profile around each run: stage figures and overhead
+    temperature: float = 0.0  # greedy by default; above 0 the server's random sampling is timed
 
     @property
     def requests_ignore_eos(self) -> bool:
@@ -520,7 +523,18 @@ async def run_serve(args: ServeArgs) -> tuple[dict[str, Any], dict[str, dict[str
             model = args.model or await served_model(session, url, args.api_key)
             tpw = await tokens_per_word(session, url, model, args.api_key)
             clients.append(
-                (url, tpw, Client(session, url, model, args.api_key, args.requests_ignore_eos))
+                (
+                    url,
+                    tpw,
+                    Client(
+                        session,
+                        url,
+                        model,
+                        args.api_key,
+                        args.requests_ignore_eos,
+                        args.temperature,
+                    ),
+                )
             )
         loads: list[tuple[str, float]] = [
             ("concurrency", c) for c in (() if args.request_rates else args.concurrency)

@@ -215,6 +215,15 @@ def test_grounded_requests_end_at_eos_and_random_ones_run_to_max_tokens(fake_url
     assert not any(body.get("ignore_eos", False) for body in ASKED)
 
 
+def test_requests_are_greedy_unless_a_temperature_is_given(fake_url):
+    ASKED.clear()
+    assert main(["serve", "--url", fake_url, "--num-requests", "8"]) == 0
+    assert {body["temperature"] for body in ASKED} == {0.0}
+    ASKED.clear()
+    assert main(["serve", "--url", fake_url, "--num-requests", "8", "--temperature", "0.8"]) == 0
+    assert {body["temperature"] for body in ASKED} == {0.8}
+
+
 def test_a_request_written_to_a_connection_the_server_closed_goes_again_once(fake_url):
     """An interleaved --compare leaves pooled keep-alive connections idle past llama-server's 5 s:
     writing the next request on one fails before the server sees it, and the client sends it
