@@ -445,8 +445,10 @@ async def fetch_profile(
     spans = {}
     for stage, columns in body["stages"].items():
         records = np.zeros(len(columns["seq"]), SPAN)
+        records["link"] = -1  # a server older than the step links: no span joins another
         for name in SPAN.names or ():
-            records[name] = columns[name]
+            if name in columns:  # an older server's spans lack the newer columns
+                records[name] = columns[name]
         spans[stage] = records
     return spans, body["cpu_seconds"]
 
