@@ -285,7 +285,8 @@ def install_lora(
     """Wrap every decoder projection of `model` (after any quantization) in a LoraLinear, and
     give the slots to its fused C layers, if it has them. A row-parallel projection's linear is
     wrapped inside its all-reduce: each rank adds its partial update (shard_adapter)."""
-    dtype = model.model.embed_tokens.weight.dtype
+    base_dtype = model.model.embed_tokens.weight.dtype
+    dtype = base_dtype if config.dtype == "auto" else getattr(torch, config.dtype)
     slots = LoraSlots(model.config, config, dtype, device, tensor_parallel)
     for layer_index, layer in enumerate(model.model.layers):
         for fused, (parent_name, _) in PROJECTIONS.items():

@@ -312,6 +312,7 @@ def _lora_config(
             "--max-loras": args.max_loras,
             "--max-lora-rank": args.max_lora_rank,
             "--max-cpu-loras": args.max_cpu_loras,
+            "--lora-dtype": args.lora_dtype,
         }
         for flag, value in given.items():
             if value is not None:
@@ -325,6 +326,7 @@ def _lora_config(
             defaults.max_loras if args.max_loras is None else args.max_loras,
             defaults.max_lora_rank if args.max_lora_rank is None else args.max_lora_rank,
             args.max_cpu_loras,
+            args.lora_dtype or defaults.dtype,
         )
     except ValueError as error:
         parser.error(str(error))

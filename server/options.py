@@ -34,7 +34,7 @@ from server.limits import (
 )
 from stages.config import DEFAULT_MAX_UNREAD_TOKENS
 from stages.device import DEVICE_CHOICES
-from stages.lora import SUPPORTED_RANKS
+from stages.lora import LORA_DTYPES, SUPPORTED_RANKS
 from stages.text.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from stages.text.random_model import PRESETS
 from stages.text.template_sandbox import DEFAULT_MEMORY_BYTES, DEFAULT_TIMEOUT_S
@@ -279,6 +279,13 @@ OPTIONS: tuple[Option, ...] = (
         type=int,
         choices=SUPPORTED_RANKS,
         help="the largest adapter rank served (default 16)",
+    ),
+    option(
+        "--lora-dtype",
+        choices=LORA_DTYPES,
+        help="the adapters' dtype in execute's weight slots (default auto: the base model's); "
+        "on CPU the fused C layers take float32 slots only, so another makes adapter steps run "
+        "per op (logged at start)",
     ),
     option(
         "--max-cpu-loras",

@@ -37,6 +37,10 @@ class LoraError(ValueError):
         self.not_found = not_found
 
 
+# vLLM's --lora-dtype choices
+LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
 @dataclass(frozen=True, slots=True)
 class LoraConfig:
     """vLLM's --max-loras (adapters one step may mix: execute's weight slots), --max-lora-rank and
@@ -45,6 +49,8 @@ class LoraConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # vLLM's --lora-dtype: the adapter slots' dtype; "auto": the base model's
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -55,6 +61,8 @@ class LoraConfig:
             )
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError("--max-cpu-loras must be at least --max-loras")
+        if self.dtype not in LORA_DTYPES:
+            raise ValueError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}")
 
     @property
     def cpu_loras(self) -> int:

@@ -95,6 +95,27 @@ def test_one_step_mixing_three_adapters_and_base_matches_peft_merged(tiny_models
             assert (merged_logits(base, None, seq.token_ids) - expected).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_lora_dtype_holds_the_adapters_in_it_and_still_applies_them(tiny_models, adapters, dtype):
+    """--lora-dtype (vLLM's): the slots are in that dtype on a float32 model, and the adapted
+    logits stay as close to PEFT's merged model as that dtype's rounding allows."""
+    base = tiny_models["llama"]
+    model = load_ours(base)
+    config = LoraConfig(max_loras=1, max_lora_rank=8, dtype=dtype)
+    slots = install_lora(model, config, torch.device("cpu"))
+    assert {a.dtype for a in slots.a.values()} == {getattr(torch, dtype)}
+    cache = KVCache.from_budget(model.config, 1 << 20, 4, torch.float32, "cpu")
+    pool = BlockPool(cache.num_blocks, 4)
+    seq = PagedSequence(np.random.default_rng(1).integers(0, 128, size=9).tolist())
+    step = build_step(pool, [(seq, len(seq.token_ids))])
+    slots.begin(np.ones(len(seq.token_ids), np.int64), {1: str(adapters["llama"][0])})
+    logits = run_step(model, cache, step)
+    slots.end()
+    expected = merged_logits(base, adapters["llama"][0], seq.token_ids)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=5e-2)
+    assert (merged_logits(base, None, seq.token_ids) - expected).abs().max() > 1e-1
+
+
 @needs_gcc
 def test_update_rides_on_the_native_int4_kernel(tiny_models, adapters):
     """A projection on the GGUF Q4_1 kernel gets the same low-rank update as a dense one."""

@@ -27,16 +27,21 @@ def test_lora_flags_and_both_module_forms(tiny) -> None:
     base, adapter = tiny
     json_form = json.dumps({"name": "b", "path": str(adapter), "base_model_name": "tiny"})
     argv = [str(base), "--served-model-name", "tiny", "--enable-lora", "--max-loras", "4"]
+    argv += ["--lora-dtype", "bfloat16"]
     argv += ["--max-lora-rank", "8", "--max-cpu-loras", "6", "--lora-modules", f"a={adapter}"]
     config, engine_config = parse_args([*argv, json_form], environ={})
-    assert engine_config.lora == LoraConfig(max_loras=4, max_lora_rank=8, max_cpu_loras=6)
+    assert engine_config.lora == LoraConfig(
+        max_loras=4, max_lora_rank=8, max_cpu_loras=6, dtype="bfloat16"
+    )
     assert config.enable_lora and not config.allow_runtime_lora_updating
     assert config.lora_modules == (
         LoraModule("a", str(adapter)),
         LoraModule("b", str(adapter), "tiny"),
     )
     config, engine_config = parse_args([str(base), "--enable-lora"], environ={})
-    assert engine_config.lora == LoraConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=None)
+    assert engine_config.lora == LoraConfig(
+        max_loras=1, max_lora_rank=16, max_cpu_loras=None, dtype="auto"
+    )
     assert engine_config.lora.cpu_loras == 1  # vLLM's defaults
     assert parse_args([str(base)], environ={})[1].lora is None
 
@@ -139,7 +144,12 @@ async def test_load_needs_a_name_and_a_path(make_app) -> None:
 
 def test_lora_knobs_without_enable_lora_and_an_unknown_parent_stop_the_start(tiny, capsys):
     base, adapter = tiny
-    for flags in (["--max-loras", "2"], ["--max-lora-rank", "8"], ["--max-cpu-loras", "2"]):
+    for flags in (
+        ["--max-loras", "2"],
+        ["--max-lora-rank", "8"],
+        ["--max-cpu-loras", "2"],
+        ["--lora-dtype", "float16"],
+    ):
         with pytest.raises(SystemExit):
             parse_args([str(base), *flags], environ={})
         assert f"{flags[0]} needs --enable-lora" in capsys.readouterr().err
