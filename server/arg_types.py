@@ -85,6 +85,20 @@ json_object = json_of(dict, "a JSON object")
 json_list = json_of(list, "a JSON list")
 
 
+def mm_limits(text: str) -> dict[str, Any]:
+    """vLLM's --limit-mm-per-prompt: each modality's most items a prompt may carry, a count or
+    an object of options with its count, e.g. {"image": 2, "video": {"count": 1}}."""
+    limits = json_object(text)
+    for modality, limit in limits.items():
+        count = limit.get("count") if isinstance(limit, dict) else limit
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise argparse.ArgumentTypeError(
+                f"{modality!r}: a count of 0 or more (or an object with one) is needed, "
+                f"got {limit!r}"
+            )
+    return limits
+
+
 def load_chat_template(value: str) -> str:
     """vLLM's rule for --chat-template: the file's text when the value names a file; else the
     value itself, if it looks like a template (it has one of `{`, `}` or a newline)."""

@@ -32,7 +32,7 @@ from server.app import create_app
 from server.config import ServerConfig
 from server.drain import app_drain
 from server.logs import configure_server_logging
-from server.options import OPTIONS, build_parser
+from server.options import ATTENTION_BACKENDS, OPTIONS, build_parser
 from server.serve import serve_app
 from server.systemd import Notifier, PipelineState, monitor, status_line
 from stages.config import EngineConfig, default_model_path, generation_defaults
@@ -178,6 +178,17 @@ def _check_flags(
         parser.error(
             "--no-async-scheduling cannot be honoured: schedule always plans a step while the "
             "one before it runs"
+        )
+    backend = ATTENTION_BACKENDS[device]
+    if args.attention_backend is not None and args.attention_backend.upper() != backend:
+        parser.error(
+            f"--attention-backend {args.attention_backend} is not available: on {device} this "
+            f"server's attention is {backend}, its own kernels"
+        )
+    if args.limit_mm_per_prompt is not None:
+        log.info(
+            "--limit-mm-per-prompt limits nothing: the model takes text only",
+            limits=args.limit_mm_per_prompt,
         )
     if args.skip_tokenizer_init:
         parser.error("--skip-tokenizer-init is not supported: render and detokenize need it")

@@ -18,6 +18,7 @@ from server.arg_types import (
     json_object,
     load_chat_template,
     lora_module,
+    mm_limits,
     non_negative_int,
     parse_bytes,
     port,
@@ -73,6 +74,10 @@ def option(
 ) -> Option:
     return Option(flags, argparse_kwargs, vllm, server, engine)
 
+
+# vLLM's names (--attention-backend) for the attention this server runs on each device: its C
+# kernels (or torch's) on CPU, its Triton kernels on CUDA
+ATTENTION_BACKENDS = {"cpu": "CPU_ATTN", "cuda": "TRITON_ATTN"}
 
 # In `--help` order. An engine field takes the flag's value only when it is given (None keeps
 # EngineConfig's default); a server field always takes it.
@@ -245,6 +250,23 @@ OPTIONS: tuple[Option, ...] = (
         choices=["auto", "float32", "bfloat16"],
         help="KV cache element type; auto: bfloat16 with quantized weights, else the model dtype "
         "(attention math is float32 either way)",
+    ),
+    option(
+        "--attention-backend",
+        vllm="the flag, with vLLM's backend names",
+        metavar="NAME",
+        help="vLLM's choice of attention implementation; this server has one a device: "
+        f"{', '.join(f'{name} ({device})' for device, name in ATTENTION_BACKENDS.items())}. "
+        "That name is accepted and any other refused at start",
+    ),
+    option(
+        "--limit-mm-per-prompt",
+        vllm="the flag (for a text-only model vLLM, too, applies it to nothing)",
+        metavar="JSON",
+        type=mm_limits,
+        help='vLLM\'s most images, videos, ... a prompt may carry, e.g. {"image": 2}; the models '
+        "served here take text only, so it limits nothing (logged at start), as vLLM does for "
+        "a text-only model",
     ),
     option(
         "--speculative-config",

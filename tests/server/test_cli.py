@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import structlog
 
 from server import field_reference
 from server.arg_types import parse_bytes
@@ -376,6 +377,44 @@ def test_vllm_flags_with_nothing_to_change_are_taken_and_those_it_cannot_honour_
         with pytest.raises(SystemExit):
             parse_args(["dummy", flag], environ={})
         assert words in capsys.readouterr().err
+
+
+def test_the_attention_backend_this_server_runs_is_taken_and_others_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plain = parse_args(["dummy", "--device", "cpu"], environ={})
+    for name in ("CPU_ATTN", "cpu_attn"):
+        taken = parse_args(["dummy", "--device", "cpu", "--attention-backend", name], environ={})
+        assert taken == plain
+    for argv in (
+        ["--device", "cpu", "--attention-backend", "FLASH_ATTN"],
+        ["--device", "cpu", "--attention-backend", "TRITON_ATTN"],
+        ["--device", "cuda", "--attention-backend", "FLASHINFER"],
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["dummy", *argv], environ={})
+        assert "its own kernels" in capsys.readouterr().err
+
+
+def test_mm_limits_are_checked_and_logged_as_limiting_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    plain = parse_args(["dummy"], environ={})
+    with structlog.testing.capture_logs() as logs:
+        given = parse_args(
+            ["dummy", "--limit-mm-per-prompt", '{"image": 2, "video": {"count": 0}}'],
+            environ={},
+        )
+    assert given == plain  # nothing to limit: the model takes text only ...
+    assert any(  # ... and the start says so
+        line["event"].startswith("--limit-mm-per-prompt limits nothing")
+        and line["limits"] == {"image": 2, "video": {"count": 0}}
+        for line in logs
+    )
+    for value in ('{"image": -1}', '{"image": "two"}', "[1]", '{"image": true}', "{"):
+        with pytest.raises(SystemExit):
+            parse_args(["dummy", "--limit-mm-per-prompt", value], environ={})
+        assert "--limit-mm-per-prompt" in capsys.readouterr().err
 
 
 def test_async_scheduling_is_taken_and_its_absence_refused(capsys: pytest.CaptureFixture[str]):
