@@ -185,6 +185,7 @@ def _check_flags(
             f"--attention-backend {args.attention_backend} is not available: on {device} this "
             f"server's attention is {backend}, its own kernels"
         )
+    _check_load_format(parser, args, model)
     if args.limit_mm_per_prompt is not None:
         log.info(
             "--limit-mm-per-prompt limits nothing: the model takes text only",
@@ -211,6 +212,19 @@ def _check_flags(
         parser.error("--max-long-partial-prefills cannot exceed --max-num-partial-prefills")
     if (args.tensor_parallel_size or 1) > 1 and model.dummy:
         parser.error("--tensor-parallel-size needs a model; the dummy execute has none")
+
+
+def _check_load_format(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, model: _Model
+) -> None:
+    """--load-format gguf or safetensors names what MODEL must be; dummy needs a MODEL."""
+    fmt, path = args.load_format, model.path
+    if fmt == "gguf" and not (path.is_file() and path.suffix == ".gguf"):
+        parser.error(f"--load-format gguf needs MODEL to be a .gguf file, not {str(path)!r}")
+    if fmt == "safetensors" and not (path.is_dir() and any(path.glob("*.safetensors"))):
+        parser.error(f"--load-format safetensors needs a directory of .safetensors: {str(path)!r}")
+    if fmt == "dummy" and (model.dummy or model.random_name is not None):
+        parser.error("--load-format dummy needs a MODEL whose shape it takes")
 
 
 def _cpu_kv_cache_memory(
@@ -294,10 +308,12 @@ def _engine_config(
         "dtype": default_dtype(device)
         if args.dtype == "auto"
         else _DTYPE_ALIASES.get(args.dtype, args.dtype),
-        "quantization": None if device == "cuda" else _quantization(args.quantization, args.model),
+        "quantization": None
+        if device == "cuda"
+        else _quantization(args.quantization, args.model, args.load_format),
         "device": device,
         "gpu_memory_utilization": utilization,
-        "random_weights": model.random_name is not None,
+        "random_weights": model.random_name is not None or args.load_format == "dummy",
         "lora": lora,
         "default_max_tokens": sampling.default_max_tokens,
         "max_tokens_cap": sampling.max_tokens_cap,
@@ -356,12 +372,13 @@ def _lora_config(
     return config
 
 
-def _quantization(choice: str, model_path: str) -> str | None:
+def _quantization(choice: str, model_path: str, load_format: str) -> str | None:
     if choice == "none":
         return None
     if choice != "auto":
         return choice
-    return "int4" if _is_q4_1_gguf(model_path) else None
+    # random weights have no Q4_1 blocks to map: auto keeps them dense, as for --random-weights
+    return "int4" if load_format != "dummy" and _is_q4_1_gguf(model_path) else None
 
 
 def _is_q4_1_gguf(model_path: str) -> bool:

@@ -75,6 +75,9 @@ def option(
     return Option(flags, argparse_kwargs, vllm, server, engine)
 
 
+# vLLM's --load-format values this server takes
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
 # vLLM's names (--attention-backend) for the attention this server runs on each device: its C
 # kernels (or torch's) on CPU, its Triton kernels on CUDA
 ATTENTION_BACKENDS = {"cpu": "CPU_ATTN", "cuda": "TRITON_ATTN"}
@@ -233,6 +236,15 @@ OPTIONS: tuple[Option, ...] = (
         choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
         help="weights, activations and KV cache; auto: bfloat16 on CUDA, float32 on CPU; "
         "float16 (half) runs on torch's kernels on CPU (the native ones take float32)",
+    ),
+    option(
+        "--load-format",
+        vllm="the flag, with four of its formats",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="how MODEL's weights are read: auto (by what MODEL is), gguf or safetensors (MODEL "
+        "must be one), or dummy: MODEL's shape and tokenizer with random weights made on the "
+        "device, nothing read (for benchmarks, as in vLLM)",
     ),
     option(
         "--quantization",

@@ -379,6 +379,37 @@ def test_vllm_flags_with_nothing_to_change_are_taken_and_those_it_cannot_honour_
         assert words in capsys.readouterr().err
 
 
+def test_load_format_names_what_model_must_be_and_dummy_takes_its_shape_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.stages.tiny import build_tiny_chat_model
+
+    tiny = str(build_tiny_chat_model(tmp_path / "tiny"))
+    plain = parse_args([tiny], environ={})[1]
+    assert parse_args([tiny, "--load-format", "safetensors"], environ={})[1] == plain
+    assert not plain.random_weights
+    dummy = parse_args([tiny, "--load-format", "dummy"], environ={})[1]
+    # its config, tokenizer and path, weights made instead of read
+    assert dummy.random_weights and dummy.model_path == plain.model_path
+    assert dummy.quantization is None
+    for argv, words in (
+        ([tiny, "--load-format", "gguf"], "a .gguf file"),
+        ([str(tmp_path), "--load-format", "safetensors"], "a directory of .safetensors"),
+        (["dummy", "--load-format", "dummy"], "a MODEL whose shape"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(argv, environ={})
+        assert words in capsys.readouterr().err
+    try:
+        default = default_model_path()
+    except FileNotFoundError:
+        return
+    assert parse_args(["--load-format", "gguf"], environ={})[1].quantization == "int4"
+    # random weights have no Q4_1 blocks: dense unless --quantization says otherwise
+    assert parse_args(["--load-format", "dummy"], environ={})[1].quantization is None
+    assert parse_args([default, "--load-format", "dummy"], environ={})[1].random_weights
+
+
 def test_the_attention_backend_this_server_runs_is_taken_and_others_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
