@@ -197,6 +197,9 @@ class Engine(EngineLifecycle):
         spec = self.config.speculative
         num_drafts = 0 if spec is None else spec.num_speculative_tokens
         stats = unpack_gauges(self.supervisor.gauges("schedule"), num_drafts)
+        if not stats["num_blocks"] and self.num_blocks:
+            # schedule publishes after its first step; until then every block is free
+            stats["num_blocks"] = stats["num_free_blocks"] = self.num_blocks
         stats["num_streams"] = len(self._flights)
         stats["num_requests_rejected_total"] = self.num_rejected  # 429: too many waiting
         # the same under vLLM's name and reason (its --max-num-queued-reqs refusal)
