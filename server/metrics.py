@@ -270,6 +270,11 @@ class ServerMetrics:
         self.prompt_tokens_cached = self._counter(
             "vllm:prompt_tokens_cached", "Prompt tokens taken from the prefix cache."
         )
+        self.request_prefill_kv_computed = self._histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            _TOKEN_BUCKETS,
+        )
 
     def observe_first_output(self, num_prompt_tokens: int, ttft_s: float) -> None:
         self._prompt_tokens.inc(num_prompt_tokens)
@@ -307,6 +312,8 @@ class ServerMetrics:
             self.inference.labels(name).observe(metrics.prefill_s + metrics.decode_s)
             self.request_num_preemptions.labels(name).observe(metrics.num_preemptions)
             self.prompt_tokens_cached.labels(name).inc(metrics.num_cached_prompt_tokens)
+            computed = num_prompt_tokens - max(metrics.num_cached_prompt_tokens, 0)
+            self.request_prefill_kv_computed.labels(name).observe(computed)
             # vLLM's: the first token came with the prefill, so it is not counted
             after_first = metrics.num_generated_tokens - 1
             per_token = metrics.decode_s / after_first if after_first > 0 else 0.0

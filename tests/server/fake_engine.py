@@ -76,6 +76,7 @@ class FakeEngine:
     running: set[str] = field(default_factory=set)
     rendered: list[GenerateRequest] = field(default_factory=list)  # render-only requests
     prefix_cache_resets: int = 0
+    cached_prompt_tokens: int = 0  # each request's prompt tokens its metrics call cached
     # Set an Event here and /tokenize holds its thread until the event is set, as a long text
     # does; `tokenizing` says one has started.
     tokenize_gate: threading.Event | None = None
@@ -298,4 +299,5 @@ class FakeEngine:
             spec_num_draft_tokens=4 if num_tokens > 2 else 0,
             spec_num_accepted_tokens=3 if num_tokens > 2 else 0,
             spec_acceptance_histogram=(0, 1, 1) if num_tokens > 2 else (),
+            num_cached_prompt_tokens=self.cached_prompt_tokens,
         )

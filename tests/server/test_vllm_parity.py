@@ -423,6 +423,16 @@ async def test_the_per_request_histograms_vllm_exports(app: Quart, engine: FakeE
     assert _sample(text, "vllm:request_num_preemptions_count") == 4
     assert _sample(text, "vllm:request_time_per_output_token_seconds_count") == 4
     assert _sample(text, "vllm:prompt_tokens_cached_total") == 0
+    # nothing cached: every prompt token of each choice was computed
+    assert _sample(text, "vllm:request_prefill_kv_computed_tokens_count") == 4
+    computed = one["usage"]["prompt_tokens"] + 3 * three["usage"]["prompt_tokens"]
+    assert _sample(text, "vllm:request_prefill_kv_computed_tokens_sum") == computed
+    engine.cached_prompt_tokens = 2  # a request whose prompt starts in the prefix cache
+    again = await (await client.post(CHAT, json=chat(max_tokens=5))).get_json()
+    text = (await (await client.get("/metrics")).get_data()).decode()
+    computed += again["usage"]["prompt_tokens"] - 2
+    assert _sample(text, "vllm:request_prefill_kv_computed_tokens_sum") == computed
+    assert _sample(text, "vllm:prompt_tokens_cached_total") == 2
 
 
 @pytest.mark.parametrize("exclude", [False, True])
