@@ -522,10 +522,10 @@ def rejection_sample(
     are accepted the last position's `sampled` is the bonus token. Greedy rows have one-hot p
     and q, so they accept while the draft is the target's argmax and then emit that argmax.
 
-    A seeded row's draft was drawn as argmax q / E with the very exponentials E of the target's
-    sample there, argmax p / E (the noise of its (seed, output index)): a coupling of q and p
-    (the same token wherever q is p), so the draft is accepted when it equals that sample, and
-    every token emitted is plain decoding's own. Its text then does not depend on where drafts
+    A seeded row's draft was drawn at the very uniform u of the target's sample there (q's and
+    p's cumulative distributions read at the u of its (seed, output index)): a coupling of q
+    and p (the same token wherever q is p), so the draft is accepted when it equals that
+    sample, and every token emitted is plain decoding's own. Its text then does not depend on where drafts
     were placed (the load, a preemption, a recovery): it is the text the seed gives unspeculated."""
     accepted = np.zeros(len(per_row), dtype=np.int64)
     start = 0
