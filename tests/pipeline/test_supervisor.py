@@ -103,20 +103,26 @@ def test_killed_actor_is_reported_within_a_bounded_time():
     assert "SIGKILL" in failures[0].reason
 
 
-def test_the_killed_actor_is_the_failure_not_the_peer_that_ended_because_of_it():
-    """Killing the doubler ends the incrementer downstream (its ring's producer died): the
-    failure names the doubler, though the incrementer comes first in the supervisor's list."""
-    from pipeline.actor import PEER_DIED_EXIT_CODE
-
+def incrementer_fed_by(doubler: str) -> Supervisor:
+    """The incrementer, listed first, reading what a doubler (`tests.pipeline.peers`'s class of
+    that name) writes: the owner feeds "in" and reads "out"."""
     rings = [RingSpec(n, VOCAB, 8, 4096) for n in ("in", "mid", "out")]
     actors = [
         ActorSpec(
             "incrementer", "tests.pipeline.peers:Incrementer", inboxes=("mid",), outboxes=("out",)
         ),
-        ActorSpec("doubler", "tests.pipeline.peers:Doubler", inboxes=("in",), outboxes=("mid",)),
+        ActorSpec("doubler", f"tests.pipeline.peers:{doubler}", inboxes=("in",), outboxes=("mid",)),
     ]
     config = SupervisorConfig(log_format="json")
-    with Supervisor(rings, actors, config, owner_inboxes=("out",), owner_outboxes=("in",)) as sup:
+    return Supervisor(rings, actors, config, owner_inboxes=("out",), owner_outboxes=("in",))
+
+
+def test_the_killed_actor_is_the_failure_not_the_peer_that_ended_because_of_it():
+    """Killing the doubler ends the incrementer downstream (its ring's producer died): the
+    failure names the doubler, though the incrementer comes first in the supervisor's list."""
+    from pipeline.actor import PEER_DIED_EXIT_CODE
+
+    with incrementer_fed_by("Doubler") as sup:
         os.kill(sup.pids()["doubler"], signal.SIGKILL)
         incrementer = sup._procs[0]
         incrementer.join(10)
@@ -131,18 +137,8 @@ def test_a_peer_that_sees_the_cause_die_first_is_not_named_for_it():
     failure the watch reports is the doubler's kill."""
     from pipeline.actor import PEER_DIED_EXIT_CODE
 
-    rings = [RingSpec(n, VOCAB, 8, 4096) for n in ("in", "mid", "out")]
-    actors = [
-        ActorSpec(
-            "incrementer", "tests.pipeline.peers:Incrementer", inboxes=("mid",), outboxes=("out",)
-        ),
-        ActorSpec(
-            "doubler", "tests.pipeline.peers:DyingDoubler", inboxes=("in",), outboxes=("mid",)
-        ),
-    ]
-    config = SupervisorConfig(log_format="json")
     failures: list[ActorFailed] = []
-    with Supervisor(rings, actors, config, owner_inboxes=("out",), owner_outboxes=("in",)) as sup:
+    with incrementer_fed_by("DyingDoubler") as sup:
         asyncio.run(asyncio.wait_for(sup.watch(failures.append), 10))
         incrementer = sup._procs[0]
     assert incrementer.exitcode == PEER_DIED_EXIT_CODE  # it ended first, because of the doubler
@@ -172,15 +168,7 @@ def test_a_cause_reaped_while_its_consequence_is_judged_is_still_the_one_named()
     moment it asks whether a cause is still dying: the failure named is still the doubler's."""
     from pipeline.actor import PEER_DIED_EXIT_CODE
 
-    rings = [RingSpec(n, VOCAB, 8, 4096) for n in ("in", "mid", "out")]
-    actors = [
-        ActorSpec(
-            "incrementer", "tests.pipeline.peers:Incrementer", inboxes=("mid",), outboxes=("out",)
-        ),
-        ActorSpec("doubler", "tests.pipeline.peers:Doubler", inboxes=("in",), outboxes=("mid",)),
-    ]
-    config = SupervisorConfig(log_format="json")
-    with Supervisor(rings, actors, config, owner_inboxes=("out",), owner_outboxes=("in",)) as sup:
+    with incrementer_fed_by("Doubler") as sup:
         incrementer, doubler = sup._procs
         os.kill(doubler.pid, signal.SIGKILL)
         incrementer.join(10)
