@@ -6,18 +6,22 @@ block from the block table, and keep a flash-attention online softmax in float32
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from gpu.kernels.launch import check_launchable, dot_in_fp32
+from gpu.kernels.launch import check_launchable, dot_in_fp32, multiprocessor_count, targets_gpu
 
 LOG2_E = 1.4426950408889634
 NO_WINDOW = 2**30  # larger than any context, small enough that position - window fits int32
 DECODE_BLOCK_N = 64  # KV positions per decode-kernel iteration
-DECODE_PARTITION_SIZE = 512  # KV positions per program when decode is split over the context
+DECODE_PARTITION_SIZE = 512  # the shortest partition of a decode context split to fill the GPU
+LONG_PARTITION = 4096  # the shortest partition when the batch alone fills the GPU
+MAX_DECODE_SPLITS = 64  # partitions of one context at most, whatever its length
+REDUCE_BLOCK_S = 16  # partitions the reduce merges at a time
+DOT_MIN = 16  # tl.dot's smallest M, N and K
 
 
 @triton.jit
@@ -46,6 +50,20 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _decode_partition(context_len, window, num_splits, min_partition, BLOCK_N: tl.constexpr):
+    # A sequence's KV range, from the first whole tile its window reaches, is cut into at most
+    # num_splits partitions of whole tiles, each at least min_partition long: a long context is
+    # spread over every split, a short one takes one. -> (first position seen, base, partition
+    # length, partitions used).
+    kv_lo = tl.maximum(context_len - window, 0)
+    base = kv_lo // BLOCK_N * BLOCK_N
+    span = context_len - base
+    partition = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    partition = tl.maximum(partition, min_partition)
+    return kv_lo, base, partition, tl.cdiv(span, partition)
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,
     partial_out_ptr,
@@ -59,6 +77,7 @@ def _paged_decode_kernel(
     qk_scale_log2,
     window,
     num_splits,
+    min_partition,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -80,38 +99,53 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    # Program (sequence, query head, split); sequence b's single query is token b. With SPLIT,
-    # each of num_splits programs covers PARTITION_SIZE KV positions and leaves its running max,
-    # sum and unnormalised output in the partial buffers for _paged_decode_reduce_kernel.
+    # Program (sequence, KV head, split): the KV head's group of query heads (sequence b's one
+    # query is token b), as the rows of a [BLOCK_G, BLOCK_D] tile padded to tl.dot's minimum, so
+    # that each K/V tile is read once for the whole group. A sequence whose context takes one
+    # partition writes its output; one spread over several leaves each partition's running max,
+    # sum and unnormalised output for _paged_decode_reduce_kernel.
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    kv_head = head // QUERIES_PER_KV
     context_len = tl.load(context_lens_ptr + seq)
+    kv_lo, base, partition, used = _decode_partition(
+        context_len, window, num_splits, min_partition, BLOCK_N
+    )
+    if split >= tl.maximum(used, 1):  # an empty context (a padding row) still writes zeros
+        return
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
 
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_qt + head * stride_qh + offs_d * stride_qd,
-        mask=mask_d,
+        q_ptr
+        + seq.to(tl.int64) * stride_qt
+        + heads[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=mask_g[:, None] & mask_d[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)  # K, V and P follow q's dtype
 
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    # The query sits at context_len - 1 and sees positions > context_len - 1 - window.
-    partition_start = split * PARTITION_SIZE
-    kv_lo = tl.maximum(tl.maximum(context_len - window, 0), partition_start)
-    kv_hi = tl.minimum(context_len, partition_start + PARTITION_SIZE)
-    for start in range(kv_lo // BLOCK_N * BLOCK_N, kv_hi, BLOCK_N):
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    # The query sits at context_len - 1 and sees positions kv_lo .. context_len - 1; every
+    # partition used holds at least one of them, so no row's max stays -inf.
+    first = base + split * partition
+    last = tl.minimum(context_len, first + partition)
+    for start in range(first, last, BLOCK_N):
         kv_pos = start + offs_n
-        kv_valid = (kv_pos >= kv_lo) & (kv_pos < kv_hi)
+        kv_valid = (kv_pos >= kv_lo) & (kv_pos < last)
         k = _load_kv_tile(
             k_cache_ptr,
             block_table_row_ptr,
@@ -126,13 +160,13 @@ def _paged_decode_kernel(
             stride_kd,
             stride_bt_j,
             BLOCK_SIZE,
-        ).to(tl.float32)
-        scores = tl.sum(q[None, :] * k, axis=1) * qk_scale_log2  # [BLOCK_N], log2 domain
-        scores = tl.where(kv_valid, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        ).to(q.dtype)  # the cache may be stored in another dtype
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        scores = tl.where(kv_valid[None, :], scores, float("-inf"))  # [BLOCK_G, BLOCK_N], log2
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(
             v_cache_ptr,
             block_table_row_ptr,
@@ -147,24 +181,31 @@ def _paged_decode_kernel(
             stride_vd,
             stride_bt_j,
             BLOCK_SIZE,
-        ).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        ).to(q.dtype)
+        # P enters the product in the activations' dtype, as a GPU's tensor cores take it; the
+        # float32 emulation rounds it the same way.
+        p_dot = p.to(q_ptr.dtype.element_ty).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if not SPLIT:
-        # l_i is 0 only for a padding sequence with an empty context: write zeros, not NaN.
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)
+    rows = mask_g[:, None] & mask_d[None, :]
+    if used <= 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
-            out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d * stride_od,
+            out_ptr
+            + seq.to(tl.int64) * stride_ot
+            + heads[:, None] * stride_oh
+            + offs_d[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty),
-            mask=mask_d,
+            mask=rows,
         )
     else:
-        # A split past the context (or before the window) leaves max -inf, sum 0, output 0.
-        partial = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits + split
-        tl.store(partial_max_ptr + partial, m_i)
-        tl.store(partial_sum_ptr + partial, l_i)
-        tl.store(partial_out_ptr + partial * HEAD_DIM + offs_d, acc, mask=mask_d)
+        partial = (
+            seq.to(tl.int64) * (tl.num_programs(1) * QUERIES_PER_KV) + heads
+        ) * num_splits + split
+        tl.store(partial_max_ptr + partial, m_i, mask=mask_g)
+        tl.store(partial_sum_ptr + partial, l_i, mask=mask_g)
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=rows)
 
 
 @triton.jit
@@ -173,37 +214,54 @@ def _paged_decode_reduce_kernel(
     partial_out_ptr,
     partial_max_ptr,
     partial_sum_ptr,
+    context_lens_ptr,
+    window,
     num_splits,
+    min_partition,
     stride_ot,
     stride_oh,
     stride_od,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    # Program (sequence, query head): merge the splits' softmax states into the output.
+    # Program (sequence, query head): merge the partitions' softmax states into the output,
+    # BLOCK_S partitions at a time, so that registers stay bounded at any context length. A
+    # sequence that took one partition was written by the decode kernel.
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    _kv_lo, _base, _partition, used = _decode_partition(
+        context_len, window, num_splits, min_partition, BLOCK_N
+    )
+    if used <= 1:
+        return
     first = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    maxes = tl.load(partial_max_ptr + first + offs_s, mask=mask_s, other=float("-inf"))
-    sums = tl.load(partial_sum_ptr + first + offs_s, mask=mask_s, other=0.0)
-    partial_out = tl.load(
-        partial_out_ptr + (first + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=mask_s[:, None] & mask_d[None, :],
-        other=0.0,
-    )
-    overall_max = tl.max(maxes, axis=0)
-    overall_max = tl.where(overall_max == float("-inf"), 0.0, overall_max)
-    weights = tl.exp2(maxes - overall_max)  # 0 for empty splits
-    total = tl.sum(weights * sums, axis=0)
-    out = tl.sum(weights[:, None] * partial_out, axis=0) / tl.where(total == 0.0, 1.0, total)
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for chunk in range(0, used, BLOCK_S):
+        offs_s = chunk + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < used
+        maxes = tl.load(partial_max_ptr + first + offs_s, mask=mask_s, other=float("-inf"))
+        sums = tl.load(partial_sum_ptr + first + offs_s, mask=mask_s, other=0.0)
+        partial_out = tl.load(
+            partial_out_ptr + (first + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=mask_s[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        m_new = tl.maximum(m_i, tl.max(maxes, axis=0))  # finite: the first chunk has partitions
+        alpha = tl.exp2(m_i - m_new)
+        weights = tl.exp2(maxes - m_new)  # 0 for the masked partitions
+        l_i = l_i * alpha + tl.sum(weights * sums, axis=0)
+        acc = acc * alpha + tl.sum(weights[:, None] * partial_out, axis=0)
+        m_i = m_new
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d * stride_od,
-        out.to(out_ptr.dtype.element_ty),
+        (acc / l_i).to(out_ptr.dtype.element_ty),
         mask=mask_d,
     )
 
@@ -334,7 +392,9 @@ def _paged_prefill_kernel(
             stride_bt_j,
             BLOCK_SIZE,
         ).to(q.dtype)  # the cache may be stored in another dtype
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        # P in the activations' dtype, as the tensor cores take it (rounded so when emulated).
+        p_dot = p.to(q_ptr.dtype.element_ty).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Padding rows past q_len may have seen nothing under a sliding window; they are not stored.
@@ -368,14 +428,10 @@ def paged_attention(
     if query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError("query_start_loc must have B + 1 entries")
     if q.shape[0] == num_seqs:
-        max_context = block_tables.shape[1] * k_cache.shape[1]
-        partition = decode_partition_size(num_seqs, q.shape[1], max_context, q.device)
-        return paged_decode(
-            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, partition
-        )
+        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
     window = _check_attention_args(q, k_cache, v_cache, block_tables, context_lens, sliding_window)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    block_m = 32
+    block_m = 32 if q.element_size() == 2 else 16
     _paged_prefill_kernel[(q.shape[0] // block_m + num_seqs, q.shape[1])](
         out,
         q,
@@ -388,11 +444,9 @@ def paged_attention(
         window,
         num_seqs,
         BLOCK_M=block_m,
-        BLOCK_N=32,
+        BLOCK_N=_block_n(q.dtype, k_cache.dtype, 32),
         BLOCK_B=max(16, triton.next_power_of_2(num_seqs)),
-        DOT_FP32=dot_in_fp32(q.dtype),
-        # float32 attention is a correctness mode: no TF32 rounding (16-bit types ignore this).
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **_dot_settings(q.dtype),
         **_layout(q, out, k_cache, v_cache, block_tables),
     )
     return out
@@ -406,29 +460,38 @@ def paged_decode(
     context_lens: torch.Tensor,  # [B] int32, KV length including this token
     scale: float,
     sliding_window: int | None = None,
-    partition_size: int | None = None,
+    splits: DecodeSplits | None = None,
 ) -> torch.Tensor:  # [B, H, D], dtype of q
-    """Decode attention; with `partition_size` (a multiple of 64), one program per partition of
-    each context and a second kernel that merges them (flash-decoding), else one per head."""
+    """Decode attention, one program per (sequence, KV head, partition of its context).
+
+    `splits` (default: `decode_splits` for this batch) bounds how many partitions a context is
+    cut into and how short one may be; each sequence's own context length decides, on the GPU,
+    how many it takes. A context in more than one is merged by a second kernel (flash-decoding).
+    """
     window = _check_attention_args(q, k_cache, v_cache, block_tables, context_lens, sliding_window)
     num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    if partition_size is not None and partition_size % DECODE_BLOCK_N != 0:
-        raise ValueError(f"partition_size {partition_size} is not a multiple of {DECODE_BLOCK_N}")
     max_context = block_tables.shape[1] * k_cache.shape[1]
-    num_splits = 1 if partition_size is None else triton.cdiv(max_context, partition_size)
+    if splits is None:
+        splits = decode_splits(num_seqs, num_kv_heads, max_context, q.device)
+    if splits.min_partition % DECODE_BLOCK_N != 0:
+        raise ValueError(
+            f"min_partition {splits.min_partition} is not a multiple of {DECODE_BLOCK_N}"
+        )
     layout = _layout(q, out, k_cache, v_cache, block_tables)
-    if num_splits == 1:
-        partial_out = partial_max = partial_sum = out  # unused by the one-pass kernel
+    group = layout["QUERIES_PER_KV"]
+    if splits.count == 1:
+        partial_out = partial_max = partial_sum = out  # never written: one partition each
     else:
         partial_out = torch.empty(
-            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+            num_seqs, num_heads, splits.count, head_dim, dtype=torch.float32, device=q.device
         )
-        partial_max = torch.empty(num_seqs, num_heads, num_splits, device=q.device)
+        partial_max = torch.empty(num_seqs, num_heads, splits.count, device=q.device)
         partial_sum = torch.empty_like(partial_max)
-    _paged_decode_kernel[(num_seqs, num_heads, num_splits)](
+    _paged_decode_kernel[(num_seqs, num_kv_heads, splits.count)](
         out,
         partial_out,
         partial_max,
@@ -440,43 +503,82 @@ def paged_decode(
         context_lens,
         scale * LOG2_E,
         window,
-        num_splits,
-        BLOCK_N=DECODE_BLOCK_N,
-        PARTITION_SIZE=NO_WINDOW if num_splits == 1 else partition_size,
-        SPLIT=num_splits > 1,
+        splits.count,
+        splits.min_partition,
+        BLOCK_N=_block_n(q.dtype, k_cache.dtype, DECODE_BLOCK_N),
+        BLOCK_G=max(DOT_MIN, triton.next_power_of_2(group)),
+        **_dot_settings(q.dtype),
         **layout,
     )
-    if num_splits > 1:
+    if splits.count > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](
             out,
             partial_out,
             partial_max,
             partial_sum,
-            num_splits,
+            context_lens,
+            window,
+            splits.count,
+            splits.min_partition,
             out.stride(0),
             out.stride(1),
             out.stride(2),
             HEAD_DIM=head_dim,
             BLOCK_D=layout["BLOCK_D"],
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_N=_block_n(q.dtype, k_cache.dtype, DECODE_BLOCK_N),
+            BLOCK_S=min(REDUCE_BLOCK_S, triton.next_power_of_2(splits.count)),
         )
     return out
 
 
-def decode_partition_size(
-    num_seqs: int, num_heads: int, max_context: int, device: torch.device
-) -> int | None:
-    """Split decode over the context only when sequences x heads cannot fill the GPU's SMs."""
-    if device.type != "cuda" or max_context <= DECODE_PARTITION_SIZE:
-        return None
-    if num_seqs * num_heads >= 2 * _multiprocessor_count(device):
-        return None
-    return DECODE_PARTITION_SIZE
+@dataclass(frozen=True, slots=True)
+class DecodeSplits:
+    """How decode attention may cut a context: into at most `count` partitions, none shorter
+    than `min_partition` positions (a multiple of DECODE_BLOCK_N)."""
+
+    count: int
+    min_partition: int
 
 
-@functools.cache
-def _multiprocessor_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def decode_splits(
+    num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device
+) -> DecodeSplits:
+    """The split bounds of a decode step, from what the host knows without reading the GPU.
+
+    When sequences x KV heads cannot fill the SMs twice over, contexts are cut as finely as
+    DECODE_PARTITION_SIZE to fill them; when they can, only a context longer than
+    LONG_PARTITION is cut, so that one long sequence does not hold up a full batch. The count
+    covers the longest context the block tables can hold (so a CUDA graph's, captured at
+    max_model_len, covers every step it replays) and never exceeds MAX_DECODE_SPLITS.
+    """
+    if not targets_gpu(device) or max_context <= DECODE_PARTITION_SIZE:
+        return DecodeSplits(1, DECODE_PARTITION_SIZE)
+    programs = num_seqs * num_kv_heads
+    fill = triton.cdiv(2 * multiprocessor_count(device), programs)
+    if fill > 1:
+        count = min(fill, triton.cdiv(max_context, DECODE_PARTITION_SIZE))
+        return DecodeSplits(min(count, MAX_DECODE_SPLITS), DECODE_PARTITION_SIZE)
+    count = triton.cdiv(max_context, LONG_PARTITION)
+    return DecodeSplits(min(count, MAX_DECODE_SPLITS), LONG_PARTITION)
+
+
+def _block_n(q_dtype: torch.dtype, cache_dtype: torch.dtype, tensor_core_tile: int) -> int:
+    """KV positions per attention tile. float32 queries are dotted without tensor cores (ieee),
+    in twice the registers, and converting a 16-bit cache's tiles up takes as many again: ptxas
+    spills (pipeline-bench kernels) unless the tiles shrink. Each divides the 16-bit tile."""
+    if q_dtype.itemsize == 2:
+        return tensor_core_tile
+    return tensor_core_tile // 2 if cache_dtype == torch.float32 else DOT_MIN
+
+
+def _dot_settings(dtype: torch.dtype) -> dict[str, object]:
+    return dict(
+        # float32's ieee dots hold their tiles in registers: eight warps share them.
+        num_warps=4 if dtype.itemsize == 2 else 8,
+        DOT_FP32=dot_in_fp32(dtype),
+        # float32 attention is a correctness mode: no TF32 rounding (16-bit types ignore this).
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
 
 
 def _check_attention_args(

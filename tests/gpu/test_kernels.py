@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,15 +202,83 @@ def test_paged_attention_with_a_float32_cache_and_float16_queries(scenario: str)
     assert_close(run_attention(half), reference_attention(half), torch.float16)
 
 
-@pytest.mark.parametrize("sliding_window", [None, 7, 100])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_split_decode_matches_reference(dtype: torch.dtype, sliding_window: int | None) -> None:
-    # Partitions of 64 positions: contexts end inside, on and past partition edges, and
-    # sliding windows leave the first partitions of long contexts empty.
-    batch = make_batch([1] * 6, [0, 14, 63, 64, 199, 129], 6, 2, 32, dtype, seed=3)
+# Contexts that end inside, on and past 64-position partition edges, a long one spread over every
+# split and a one-token one: ragged, with splits left empty. Sliding windows leave the first
+# tiles of long contexts unseen.
+SPLIT_DECODE_CACHED = [0, 14, 63, 64, 199, 129, 400]
+FOUR_SPLITS = paged_attention_module.DecodeSplits(count=4, min_partition=64)
+
+
+def split_decode(
+    batch: PagedBatch,
+    sliding_window: int | None,
+    splits: paged_attention_module.DecodeSplits | None = FOUR_SPLITS,
+) -> torch.Tensor:
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
     kernels.write_kv(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
-    out = paged_attention_module.paged_decode(
+    return paged_attention_module.paged_decode(
+        batch.q,
+        k_cache,
+        v_cache,
+        batch.block_tables,
+        batch.context_lens,
+        batch.q.shape[-1] ** -0.5,
+        sliding_window,
+        splits,
+    )
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 8])
+def test_split_decode_matches_reference(
+    group: int, dtype: torch.dtype, sliding_window: int | None
+) -> None:
+    batch = make_batch([1] * 7, SPLIT_DECODE_CACHED, 2 * group, 2, 32, dtype, seed=3 + group)
+    expected = reference_attention(batch, sliding_window)
+    assert_close(split_decode(batch, sliding_window), expected, dtype)
+    assert_close(split_decode(batch, sliding_window, None), expected, dtype)
+
+
+def test_split_decode_merges_more_partitions_than_one_reduce_pass_holds() -> None:
+    # 40 partitions of 64: the reduce merges them 16 at a time.
+    batch = make_batch([1, 1], [40 * 64 - 1, 900], 4, 1, 32, torch.float32, seed=8)
+    splits = paged_attention_module.DecodeSplits(count=40, min_partition=64)
+    assert_close(split_decode(batch, None, splits), reference_attention(batch), torch.float32)
+
+
+def loads_per_element(
+    monkeypatch: pytest.MonkeyPatch, caches: dict[str, torch.Tensor]
+) -> dict[str, np.ndarray]:
+    """Count, per element of each cache, how often the interpreter's masked loads read it."""
+    from triton.runtime import interpreter
+
+    counts = {name: np.zeros(cache.numel(), dtype=np.int64) for name, cache in caches.items()}
+    load = interpreter.InterpreterBuilder.create_masked_load
+
+    def counting_load(self, ptrs, mask, other, cache_policy, is_volatile):  # type: ignore[no-untyped-def]
+        addresses = ptrs.data[mask.data].astype(np.int64).ravel()
+        for name, cache in caches.items():
+            index = (addresses - cache.data_ptr()) // cache.element_size()
+            inside = (index >= 0) & (index < cache.numel())
+            np.add.at(counts[name], index[inside], 1)
+        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counting_load)
+    return counts
+
+
+@pytest.mark.skipif(not launch.interpreting(), reason="counts the interpreter's loads")
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_split_decode_reads_each_kv_element_once_per_kv_head(
+    monkeypatch: pytest.MonkeyPatch, sliding_window: int | None
+) -> None:
+    # Four query heads share each KV head: a kernel per query head would read everything 4x.
+    batch = make_batch([1] * 7, SPLIT_DECODE_CACHED, 8, 2, 32, torch.float32, seed=5)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    kernels.write_kv(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    counts = loads_per_element(monkeypatch, {"k": k_cache, "v": v_cache})
+    paged_attention_module.paged_decode(
         batch.q,
         k_cache,
         v_cache,
@@ -219,21 +286,41 @@ def test_split_decode_matches_reference(dtype: torch.dtype, sliding_window: int 
         batch.context_lens,
         32**-0.5,
         sliding_window,
-        partition_size=64,
+        FOUR_SPLITS,
     )
-    assert_close(out, reference_attention(batch, sliding_window), dtype)
+    # Expected: every element of every position a query sees, once; nothing else.
+    expected = torch.zeros(k_cache.shape, dtype=torch.int64)
+    block_size = k_cache.shape[1]
+    for seq, context in enumerate(batch.context_lens.tolist()):
+        first = 0 if sliding_window is None else max(context - sliding_window, 0)
+        for pos in range(first, context):
+            block = int(batch.block_tables[seq, pos // block_size])
+            expected[block, pos % block_size] = 1
+    for name in ("k", "v"):
+        assert np.array_equal(counts[name], expected.flatten().numpy()), name
 
 
-def test_decode_splits_only_when_the_batch_cannot_fill_the_gpu(
+def test_decode_split_bounds_follow_the_batch_and_the_context_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(paged_attention_module, "_multiprocessor_count", lambda device: 132)
-    choose = paged_attention_module.decode_partition_size
+    monkeypatch.setattr(paged_attention_module, "multiprocessor_count", lambda device: 132)
+    choose = paged_attention_module.decode_splits
+    splits = paged_attention_module.DecodeSplits
     cuda = torch.device("cuda")
-    assert choose(1, 9, 4096, cuda) == paged_attention_module.DECODE_PARTITION_SIZE
-    assert choose(64, 9, 4096, cuda) is None  # 576 programs already fill 132 SMs
-    assert choose(1, 9, 256, cuda) is None  # one partition anyway
-    assert choose(1, 9, 4096, torch.device("cpu")) is None
+    short, long = (
+        paged_attention_module.DECODE_PARTITION_SIZE,
+        paged_attention_module.LONG_PARTITION,
+    )
+    # One sequence, 8 KV heads: cut down to 512 positions to fill 132 SMs twice.
+    assert choose(1, 8, 4096, cuda) == splits(8, short)
+    assert choose(4, 8, 131072, cuda) == splits(9, short)  # cdiv(264, 32) programs a context
+    # 64 x 8 programs fill the GPU: only contexts past 4096 are cut, into at most 32 here, and
+    # never more than 64 (so the reduce is bounded) even at a 1M-token bound.
+    assert choose(64, 8, 2048, cuda) == splits(1, long)
+    assert choose(64, 8, 131072, cuda) == splits(32, long)
+    assert choose(256, 8, 1 << 20, cuda) == splits(paged_attention_module.MAX_DECODE_SPLITS, long)
+    assert choose(1, 8, 256, cuda).count == 1  # one partition anyway
+    assert choose(1, 8, 4096, torch.device("cpu")).count == 1
 
 
 def test_decode_of_an_empty_padding_sequence_writes_zeros() -> None:
@@ -379,84 +466,6 @@ def test_attention_rejects_mismatched_heads() -> None:
         run_attention(batch)
 
 
-# Compiles every kernel for sm_90 with the ptxas bundled in the triton wheel, no GPU needed, so
-# that CI catches what the interpreter accepts but the compiler rejects. Runs in a subprocess:
-# the interpreter is chosen when the kernels are first imported.
-COMPILE_FOR_SM90 = """
-import importlib, inspect
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-def compile_kernel(module, name, constexprs, dtype, pointer_types=(), floats=()):
-    fn = getattr(importlib.import_module("gpu.kernels." + module), name)
-    parameters = inspect.signature(fn.fn).parameters
-    params = list(parameters)
-    declared = {p for p, v in parameters.items() if "constexpr" in str(v.annotation)}
-    assert declared == set(constexprs), (name, declared ^ set(constexprs))
-    pointers = dict(pointer_types)
-    signature = {
-        p: "constexpr" if p in constexprs
-        else pointers.get(p, "*" + dtype) if p.endswith("_ptr")
-        else "fp32" if p in floats
-        else "i32"
-        for p in params
-    }
-    constants = {(params.index(k),): v for k, v in constexprs.items()}
-    kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32))
-    assert kernel.asm["cubin"], name
-    return kernel.asm["ptx"]
-
-tables = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
-attention = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_SIZE=16, QUERIES_PER_KV=3)
-for dtype in ("fp16", "fp32"):
-    for splits in (1, 8):
-        compile_kernel("paged_attention", "_paged_decode_kernel",
-                       {**attention, "BLOCK_N": 64, "PARTITION_SIZE": 512, "SPLIT": splits > 1},
-                       dtype, {**tables, "partial_out_ptr": "*fp32", "partial_max_ptr": "*fp32",
-                               "partial_sum_ptr": "*fp32"}, ["qk_scale_log2"])
-    compile_kernel("paged_attention", "_paged_decode_reduce_kernel",
-                   dict(HEAD_DIM=64, BLOCK_D=64, BLOCK_S=8), dtype,
-                   {"partial_out_ptr": "*fp32", "partial_max_ptr": "*fp32",
-                    "partial_sum_ptr": "*fp32"})
-    ptx = compile_kernel(
-        "paged_attention", "_paged_prefill_kernel",
-        {**attention, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_B": 16, "DOT_FP32": False,
-         "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"},
-        dtype, tables, ["qk_scale_log2"])
-    assert ("mma" in ptx) == (dtype == "fp16"), "16-bit attention must use tensor cores"
-compile_kernel("kv_cache", "_write_kv_kernel",
-               dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK_H=4, BLOCK_D=64, BLOCK_SIZE=16),
-               "bf16", {"slot_mapping_ptr": "*i64"})
-for add_residual in (False, True):
-    compile_kernel("norm", "_rms_norm_kernel",
-                   dict(HIDDEN=576, BLOCK=1024, ADD_RESIDUAL=add_residual), "bf16", (), ["eps"])
-compile_kernel("rotary", "_rotary_kernel",
-               dict(NUM_HEADS=9, NUM_KV_HEADS=3, HALF_DIM=32, BLOCK_H=16, BLOCK_KVH=4, BLOCK_HALF=32),
-               "bf16", {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32"})
-compile_kernel("activation", "_silu_mul_kernel", dict(INTERMEDIATE=1536, BLOCK=1024), "bf16")
-print("compiled")
-"""
-
-
-@pytest.mark.slow
-def test_kernels_compile_for_cuda_without_a_gpu(tmp_path: Path) -> None:
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
-    repo_root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-c", COMPILE_FOR_SM90],
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip() == "compiled"
-
-
 @pytest.mark.cuda
 @needs_cuda_compiler
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -474,5 +483,5 @@ def test_paged_attention_cuda_realistic_shapes(dtype: torch.dtype) -> None:
     # One long sequence cannot fill the GPU: the split (flash-decoding) path.
     single = make_batch([1], [6000], 9, 3, 64, dtype, device="cuda")
     max_context = single.block_tables.shape[1] * single.k_cache.shape[1]
-    assert paged_attention_module.decode_partition_size(1, 9, max_context, single.q.device)
+    assert paged_attention_module.decode_splits(1, 3, max_context, single.q.device).count > 1
     assert_close(run_attention(single), reference_attention(single), dtype)
