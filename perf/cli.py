@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         _add_dp,
         _add_lora,
         _add_beam,
+        _add_kernels,
     ):
         add(sub)
     args = parser.parse_args(argv)
@@ -336,6 +337,29 @@ def _add_beam(sub: argparse._SubParsersAction) -> None:
     beam.add_argument("--port", type=int, default=8630)
     beam.add_argument("--log-dir", default=".", help="where the server's log goes")
     beam.add_argument("--json", dest="json_path")
+
+
+def _add_kernels(sub: argparse._SubParsersAction) -> None:
+    kernels = sub.add_parser(
+        "kernels",
+        help="compile every Triton kernel for CUDA with no GPU: registers, spills, occupancy",
+    )
+    kernels.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80,90")
+    kernels.add_argument(
+        "--shapes", default="", help="model shapes (default all: smollm2, presets, TP shards)"
+    )
+    kernels.add_argument("--json", dest="json_path", help="write the table as JSON here")
+
+
+def _run_kernels(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from perf import kernel_check
+
+    try:
+        archs = tuple(int(a) for a in args.arch.split(",") if a)
+        shapes = tuple(s for s in args.shapes.split(",") if s)
+        return kernel_check.main(archs, shapes, args.json_path)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _run_broadcast(args: argparse.Namespace) -> int:
@@ -744,6 +768,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, argparse.ArgumentParser], int]]
     "dp": _without_parser(run_dp_cli),
     "lora": _without_parser(run_lora_cli),
     "beam": _without_parser(run_beam_cli),
+    "kernels": _run_kernels,
 }
 
 
