@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         _add_lora,
         _add_beam,
         _add_kernels,
+        _add_roofline,
     ):
         add(sub)
     args = parser.parse_args(argv)
@@ -358,6 +359,46 @@ def _run_kernels(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         archs = tuple(int(a) for a in args.arch.split(",") if a)
         shapes = tuple(s for s in args.shapes.split(",") if s)
         return kernel_check.main(archs, shapes, args.json_path)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _add_roofline(sub: argparse._SubParsersAction) -> None:
+    roofline = sub.add_parser(
+        "roofline", help="bytes, FLOPs and predicted time of one decode step on a GPU, by design"
+    )
+    roofline.add_argument("--model", default="llama-3-8b", help="a --random-weights preset")
+    roofline.add_argument("--gpu", default="h100", help="a100, h100 or h200")
+    roofline.add_argument("--batch", type=int, default=1)
+    roofline.add_argument("--context", type=int, default=2048, help="tokens in each sequence")
+    roofline.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    roofline.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    roofline.add_argument(
+        "--kv-cache-dtype", choices=["bfloat16", "float16", "float32"], help="default: --dtype"
+    )
+    roofline.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the block tables' bound (a CUDA graph's); default: context",
+    )
+    roofline.add_argument("--json", dest="json_path")
+
+
+def _run_roofline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from perf import roofline
+
+    try:
+        return roofline.main(
+            args.json_path,
+            model=args.model,
+            gpu=args.gpu,
+            batch=args.batch,
+            context=args.context,
+            tensor_parallel=args.tp,
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=args.max_model_len,
+        )
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -769,6 +810,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, argparse.ArgumentParser], int]]
     "lora": _without_parser(run_lora_cli),
     "beam": _without_parser(run_beam_cli),
     "kernels": _run_kernels,
+    "roofline": _run_roofline,
 }
 
 

@@ -543,6 +543,15 @@ class DecodeSplits:
 def decode_splits(
     num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device
 ) -> DecodeSplits:
+    """The split bounds of a decode step on this device (one partition off the GPU)."""
+    if not targets_gpu(device):
+        return DecodeSplits(1, DECODE_PARTITION_SIZE)
+    return split_bounds(num_seqs, num_kv_heads, max_context, multiprocessor_count(device))
+
+
+def split_bounds(
+    num_seqs: int, num_kv_heads: int, max_context: int, multiprocessors: int
+) -> DecodeSplits:
     """The split bounds of a decode step, from what the host knows without reading the GPU.
 
     When sequences x KV heads cannot fill the SMs twice over, contexts are cut as finely as
@@ -551,15 +560,23 @@ def decode_splits(
     covers the longest context the block tables can hold (so a CUDA graph's, captured at
     max_model_len, covers every step it replays) and never exceeds MAX_DECODE_SPLITS.
     """
-    if not targets_gpu(device) or max_context <= DECODE_PARTITION_SIZE:
+    if max_context <= DECODE_PARTITION_SIZE:
         return DecodeSplits(1, DECODE_PARTITION_SIZE)
-    programs = num_seqs * num_kv_heads
-    fill = triton.cdiv(2 * multiprocessor_count(device), programs)
+    fill = triton.cdiv(2 * multiprocessors, num_seqs * num_kv_heads)
     if fill > 1:
         count = min(fill, triton.cdiv(max_context, DECODE_PARTITION_SIZE))
         return DecodeSplits(min(count, MAX_DECODE_SPLITS), DECODE_PARTITION_SIZE)
     count = triton.cdiv(max_context, LONG_PARTITION)
     return DecodeSplits(min(count, MAX_DECODE_SPLITS), LONG_PARTITION)
+
+
+def partitions_used(context_len: int, splits: DecodeSplits, block_n: int = DECODE_BLOCK_N) -> int:
+    """How many partitions the decode kernel cuts a context into (its _decode_partition, with
+    no sliding window): what `pipeline-bench roofline` counts the partials of."""
+    if context_len == 0:
+        return 0
+    partition = triton.cdiv(triton.cdiv(context_len, splits.count), block_n) * block_n
+    return triton.cdiv(context_len, max(partition, splits.min_partition))
 
 
 def _block_n(q_dtype: torch.dtype, cache_dtype: torch.dtype, tensor_core_tile: int) -> int:
