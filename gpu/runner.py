@@ -322,6 +322,9 @@ class ModelRunner:
         # Under tensor parallelism the other ranks run every forward eagerly (execute_rank.py);
         # adapters apply their updates around the network's call, which a graph would not see.
         eager = config.enforce_eager or tensor_parallel is not None or config.lora is not None
+        if device.type == "cuda" and runner.kernels_name == "triton":
+            shapes = [local_shape] + ([] if draft is None else [draft.config])
+            runner.compile_kernels(shapes, _DTYPES[config.dtype], kv_dtype)
         if device.type == "cuda" and not eager:
             runner.capture_graphs()
         log.info(
@@ -403,6 +406,31 @@ class ModelRunner:
             draft_kv_cache_gib=round(num_blocks * draft_block_bytes / (1 << 30), 2),
         )
         return KVCache(local_shape, num_blocks, config.block_size, dtype, device)
+
+    def compile_kernels(
+        self, shapes: list[ModelConfig], dtype: torch.dtype, kv_dtype: torch.dtype
+    ) -> None:
+        """Compile every Triton kernel variant the forwards of these shapes (the model's, a
+        draft's) can meet, so that none compiles while serving (gpu/kernels/startup.py)."""
+        from gpu.kernels.startup import compile_kernels
+
+        started = time.perf_counter()
+        for shape in shapes:
+            compile_kernels(
+                shape.num_heads,
+                shape.num_kv_heads,
+                shape.head_dim,
+                shape.hidden_size,
+                shape.intermediate_size,
+                dtype,
+                kv_dtype,
+                self.kv_cache.block_size,
+                self.device,
+            )
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "kernels compiled", shapes=len(shapes), seconds=round(time.perf_counter() - started, 2)
+        )
 
     def capture_graphs(self) -> None:
         """CUDA graphs of decode steps of every size up to max_num_seqs (gpu/cuda_graphs.py)."""

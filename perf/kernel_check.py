@@ -301,3 +301,53 @@ def _as_json(row: Row) -> dict[str, Any]:
     fields = {f.name: getattr(row, f.name) for f in dataclasses.fields(row)}
     fields["variant_list"] = [dataclasses.asdict(v) for v in row.variant_list]
     return fields | {"ok": row.ok}
+
+
+def variants_outside_startup(
+    arch: int, shape: Shape, act: torch.dtype, cache: torch.dtype
+) -> tuple[int, int, int]:
+    """(variants compiled at startup, steps then run, variants those steps compiled anew) for one
+    model shape and dtype pair: a mixed run of batch sizes 1-256, prefill chunks of many lengths
+    and contexts up to 1M after gpu.kernels.startup.compile_kernels."""
+    from gpu.kernels.aot import compiling_for
+    from gpu.kernels.startup import compile_kernels
+
+    with compiling_for(arch) as record:
+        compile_kernels(
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.hidden,
+            shape.intermediate,
+            act,
+            cache,
+            BLOCK_SIZE,
+            torch.device("meta"),
+        )
+        startup = {id(launch.variant) for launch in record.launches}
+        steps = mixed_run(shape)
+        for step in steps:
+            run_step(shape, step, act, cache)
+        met = {id(launch.variant) for launch in record.launches}
+    return len(startup), len(steps), len(met - startup)
+
+
+def mixed_run(shape: Shape) -> list[Step]:
+    """Steps a server meets over a day: decodes of every batch size 1-256 at short, ragged and
+    long context bounds, prefill chunks of many lengths, chunks mixed with decodes."""
+    steps = []
+    for b in range(1, 257):
+        bound = (shape.max_model_len, LONG_CONTEXT, 64 * b + 17)[b % 3]
+        steps.append(Step(f"decode b{b}", (1,) * b, (min(bound, 1000 + b),) * b, bound))
+    for chunk in (1, 2, 15, 16, 17, 100, 511, 512, 2048, 8192):
+        steps.append(Step(f"prefill {chunk}", (chunk,), (chunk + 3,), shape.max_model_len))
+        decodes = chunk % 200 + 1
+        steps.append(
+            Step(
+                f"mixed {chunk}+{decodes}",
+                (chunk,) + (1,) * decodes,
+                (chunk + 10,) + (300,) * decodes,
+                LONG_CONTEXT if chunk % 2 else shape.max_model_len,
+            )
+        )
+    return steps

@@ -22,6 +22,12 @@ LONG_PARTITION = 4096  # the shortest partition when the batch alone fills the G
 MAX_DECODE_SPLITS = 64  # partitions of one context at most, whatever its length
 REDUCE_BLOCK_S = 16  # partitions the reduce merges at a time
 DOT_MIN = 16  # tl.dot's smallest M, N and K
+PREFILL_BLOCK_B = 16  # sequences the prefill kernel's search for its own reads at a time
+# The kernels' integer arguments that change from step to step (window only per model, but
+# cheap) are `do_not_specialize`: Triton would otherwise compile a variant for each of them that
+# is 1 or a multiple of 16, while serving. The other integers are strides fixed by the model and
+# its cache, and constexprs depend only on the dtypes and shapes: gpu/kernels/startup.py
+# compiles the whole set before the first request.
 
 
 @triton.jit
@@ -63,7 +69,7 @@ def _decode_partition(context_len, window, num_splits, min_partition, BLOCK_N: t
     return kv_lo, base, partition, tl.cdiv(span, partition)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_splits", "min_partition", "stride_bt_b"])
 def _paged_decode_kernel(
     out_ptr,
     partial_out_ptr,
@@ -208,7 +214,7 @@ def _paged_decode_kernel(
         tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_splits", "min_partition"])
 def _paged_decode_reduce_kernel(
     out_ptr,
     partial_out_ptr,
@@ -266,7 +272,7 @@ def _paged_decode_reduce_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_seqs", "stride_bt_b"])
 def _paged_prefill_kernel(
     out_ptr,
     q_ptr,
@@ -311,10 +317,15 @@ def _paged_prefill_kernel(
     head = tl.program_id(1)
     kv_head = head // QUERIES_PER_KV
 
-    offs_b = tl.arange(0, BLOCK_B)
-    seq_starts = tl.load(query_start_loc_ptr + offs_b, mask=offs_b < num_seqs, other=0)
-    first_tiles = seq_starts // BLOCK_M + offs_b
-    seq = tl.sum(((first_tiles <= tile) & (offs_b < num_seqs)).to(tl.int32), axis=0) - 1
+    # Which sequence: the count of sequences whose first tile is at or before this one, BLOCK_B
+    # at a time, so that one variant serves any number of sequences.
+    seq = -1
+    for chunk in range(0, num_seqs, BLOCK_B):
+        offs_b = chunk + tl.arange(0, BLOCK_B)
+        in_step = offs_b < num_seqs
+        seq_starts = tl.load(query_start_loc_ptr + offs_b, mask=in_step, other=0)
+        first_tiles = seq_starts // BLOCK_M + offs_b
+        seq += tl.sum(((first_tiles <= tile) & in_step).to(tl.int32), axis=0)
 
     seq_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - seq_start
@@ -445,7 +456,7 @@ def paged_attention(
         num_seqs,
         BLOCK_M=block_m,
         BLOCK_N=_block_n(q.dtype, k_cache.dtype, 32),
-        BLOCK_B=max(16, triton.next_power_of_2(num_seqs)),
+        BLOCK_B=PREFILL_BLOCK_B,
         **_dot_settings(q.dtype),
         **_layout(q, out, k_cache, v_cache, block_tables),
     )
@@ -484,7 +495,8 @@ def paged_decode(
     layout = _layout(q, out, k_cache, v_cache, block_tables)
     group = layout["QUERIES_PER_KV"]
     if splits.count == 1:
-        partial_out = partial_max = partial_sum = out  # never written: one partition each
+        # Never written (one partition each), but float32 like the real ones: one variant.
+        partial_out = partial_max = partial_sum = torch.empty(1, device=q.device)
     else:
         partial_out = torch.empty(
             num_seqs, num_heads, splits.count, head_dim, dtype=torch.float32, device=q.device
@@ -526,7 +538,7 @@ def paged_decode(
             HEAD_DIM=head_dim,
             BLOCK_D=layout["BLOCK_D"],
             BLOCK_N=_block_n(q.dtype, k_cache.dtype, DECODE_BLOCK_N),
-            BLOCK_S=min(REDUCE_BLOCK_S, triton.next_power_of_2(splits.count)),
+            BLOCK_S=REDUCE_BLOCK_S,
         )
     return out
 

@@ -96,3 +96,40 @@ def test_occupancy_follows_registers_warps_and_shared_memory() -> None:
     assert ctas_per_sm(90, 255, 4, 0) == 2
     assert ctas_per_sm(80, 32, 4, 100 * 1024) == 1  # 164 KB of shared memory on an A100
     assert ctas_per_sm(90, 32, 4, 100 * 1024) == 2  # 228 KB on an H100
+
+
+STARTUP_COVERS_A_MIXED_RUN = """
+import torch
+from perf import kernel_check as k
+shapes = k.default_shapes()
+cases = [(s, torch.bfloat16, torch.bfloat16) for s in shapes]
+cases += [(shapes[0], act, cache) for act, cache in k.dtype_pairs() if (act, cache) != cases[0][1:]]
+for shape, act, cache in cases:
+    print(shape.name, act, cache, *k.variants_outside_startup(90, shape, act, cache))
+"""
+
+
+@pytest.mark.slow
+def test_a_mixed_run_compiles_nothing_after_startup() -> None:
+    # gpu.kernels.startup compiles one launch of each kernel; then decodes of every batch size
+    # 1-256 at several context bounds up to 1M, prefill chunks of 1-8192 tokens and chunks mixed
+    # with decodes meet no variant outside that set, for every shape and, on SmolLM2, every
+    # activation/cache dtype pair.
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", STARTUP_COVERS_A_MIXED_RUN],
+        cwd=REPO,
+        env=env | {"TRITON_DEFAULT_FP_FUSION": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.split("\n")[:-1]
+    assert len(lines) == len(kernel_check.default_shapes()) + len(kernel_check.dtype_pairs()) - 1
+    for line in lines:
+        startup, steps, new = map(int, line.split()[-3:])
+        # Seven kernels, the norm with and without the residual add.
+        assert (startup, new) == (len(KERNELS) + 1, 0), line
+        assert steps > 256, line

@@ -323,6 +323,17 @@ def test_decode_split_bounds_follow_the_batch_and_the_context_bound(
     assert choose(1, 8, 4096, torch.device("cpu")).count == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_finds_its_sequence_among_more_than_one_search_block(dtype: torch.dtype) -> None:
+    # 37 sequences: each prefill program searches for its own 16 at a time (one variant for any
+    # batch), so the later ones are found in the third block.
+    gen = torch.Generator().manual_seed(4)
+    q_lens = [int(n) for n in torch.randint(1, 12, (37,), generator=gen)]
+    cached = [int(n) for n in torch.randint(0, 30, (37,), generator=gen)]
+    batch = make_batch(q_lens, cached, 2, 1, 16, dtype, seed=9)
+    assert_close(run_attention(batch), reference_attention(batch), dtype)
+
+
 def test_decode_of_an_empty_padding_sequence_writes_zeros() -> None:
     batch = make_batch([1, 1, 1], [5, 20, 3], 4, 2, 16, torch.float32)
     expected = reference_attention(batch)
