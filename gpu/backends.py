@@ -228,9 +228,11 @@ def triton_kernels() -> Kernels:
         # The step's angles as the kernel's cache, token t at row t: rotated in place in qkv.
         angles, rows = rope.table()
         kernels.rotary(q, k, rows, angles)
-        kernels.write_kv(
-            k, v.view(tokens, num_kv_heads, head_dim), kv[0], kv[1], inputs.slot_mapping
-        )
+        v = v.view(tokens, num_kv_heads, head_dim)
+        scales = getattr(kv, "scales", None)  # an fp8 cache's (gpu/kv_cache.py:LayerKV)
+        if getattr(kv, "calculate_scales", False) and tokens > 0:
+            kv.set_scales_from(k, v)  # type: ignore[attr-defined]
+        kernels.write_kv(k, v, kv[0], kv[1], inputs.slot_mapping, scales)
         return q
 
     def paged_attention(
@@ -249,6 +251,7 @@ def triton_kernels() -> Kernels:
             inputs.context_lens,
             scale,
             sliding_window,
+            getattr(kv, "scales", None),
         )
 
     return Kernels(

@@ -20,7 +20,13 @@ from gpu.attention import AttentionInputs
 from gpu.backends import NATIVE_KERNELS, Kernels, kernels_for, kernels_name
 from gpu.cuda_graphs import DecodeGraphs, DecodeRows, capture_sizes
 from gpu.drafter import Drafter
-from gpu.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, kv_block_bytes, num_blocks_for_budget
+from gpu.kv_cache import (
+    DEFAULT_BLOCK_SIZE,
+    FP8,
+    KVCache,
+    kv_block_bytes,
+    num_blocks_for_budget,
+)
 from gpu.loader import iter_weights, read_gguf_raw_tensors
 from gpu.lora import install_lora
 from gpu.model import CausalLM, rope_inv_freq
@@ -64,6 +70,7 @@ GrammarMasks = Callable[[int, list[int], bool], np.ndarray | None]
 ForcedAlong = Callable[[int, list[int]], list[int] | None]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "float8_e4m3fn": FP8}
 _NO_IDS = np.zeros(0, dtype=np.int64)
 
 
@@ -95,6 +102,7 @@ class RunnerConfig:
     max_num_batched_tokens: int = 2048  # the profiled step's tokens
     max_model_len: int = 0  # 0: the model's; sets the CUDA graphs' block table width
     enforce_eager: bool = False  # CUDA: no graphs for decode steps
+    calculate_kv_scales: bool = False  # an fp8 cache's scales from the first step's K and V
     lora: LoraConfig | None = None  # --enable-lora: adapter slots on every decoder projection
     # Speculative decoding's draft model, when the KV cache is sized from device memory: loaded
     # with the target, so that the sizing counts its weights, and its KV cache (as many blocks as
@@ -291,9 +299,11 @@ class ModelRunner:
         local_shape = local_shape or model_config
         if config.lora is not None:
             install_lora(model, config.lora, device, tensor_parallel)
-        kv_dtype = _DTYPES[
+        kv_dtype = _KV_DTYPES[
             resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
         ]
+        if kv_dtype == FP8:
+            _check_fp8_cache(config.kv_cache_dtype, kernels_name(model.kernels), device)
         if config.num_kv_blocks is not None:
             kv_cache = KVCache(
                 local_shape, config.num_kv_blocks, config.block_size, kv_dtype, device
@@ -327,6 +337,10 @@ class ModelRunner:
             runner.compile_kernels(shapes, _DTYPES[config.dtype], kv_dtype)
         if device.type == "cuda" and not eager:
             runner.capture_graphs()
+        if config.calculate_kv_scales:  # after the startup forwards, from the first served
+            runner.kv_cache.calculate_scales_on_next_write()
+            if runner.drafter is not None:
+                runner.drafter.kv_cache.calculate_scales_on_next_write()
         log.info(
             "model ready",
             architecture=model_config.architecture,
@@ -848,6 +862,20 @@ def _load_model(
     if tensor_parallel is not None:
         return model, shard_model(model, tensor_parallel)
     return model, model_config
+
+
+def _check_fp8_cache(name: str, kernels: str, device: torch.device) -> None:
+    """An fp8 KV cache needs the Triton kernels on a GPU that converts to float8 e4m3."""
+    if kernels != "triton":
+        raise ValueError(
+            f"--kv-cache-dtype {name} needs the Triton (CUDA) kernels; the {kernels} kernels "
+            "keep a float32 or bfloat16 cache"
+        )
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"--kv-cache-dtype {name} needs compute capability 8.9 or later (Ada, Hopper): "
+            f"Triton does not convert to float8 e4m3 on {torch.cuda.get_device_name(device)}"
+        )
 
 
 def _check_draft_vocab(path: str, draft: ModelConfig, target: ModelConfig) -> None:

@@ -28,7 +28,8 @@ DECODE_BATCHES = (1, 8, 64, 256)
 PREFILL_TOKENS = 2048  # --max-num-batched-tokens' default chunk
 LONG_CONTEXT = 1 << 20  # the longest max_model_len checked: a 1M-token context
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CACHE_DTYPES = (None, torch.float32, torch.bfloat16)  # None: the activations' dtype ("auto")
+# None: the activations' dtype ("auto"); float8_e4m3fn: --kv-cache-dtype fp8
+CACHE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 ARCHS = (80, 90)
 
 
@@ -77,12 +78,17 @@ def default_shapes() -> tuple[Shape, ...]:
     )
 
 
-def dtype_pairs() -> list[tuple[torch.dtype, torch.dtype]]:
-    """(activations, KV cache) pairs the CUDA path accepts (--dtype x --kv-cache-dtype)."""
+FP8_MIN_ARCH = 89  # Triton converts to float8 e4m3 from sm_89 (Ada, Hopper) on
+
+
+def dtype_pairs(arch: int = 90) -> list[tuple[torch.dtype, torch.dtype]]:
+    """(activations, KV cache) pairs the CUDA path accepts on `arch` (--dtype x
+    --kv-cache-dtype): an fp8 cache from sm_89 on."""
     pairs = {
         (act, act if cache is None else cache)
         for act in ACTIVATION_DTYPES
         for cache in CACHE_DTYPES
+        if cache != torch.float8_e4m3fn or arch >= FP8_MIN_ARCH
     }
     return sorted(pairs, key=lambda p: (ACTIVATION_DTYPES.index(p[0]), str(p[1])))
 
@@ -142,7 +148,10 @@ def run_step(shape: Shape, step: Step, act: torch.dtype, cache: torch.dtype) -> 
         empty(NUM_BLOCKS, BLOCK_SIZE, kvh, d, dtype=cache),
         empty(NUM_BLOCKS, BLOCK_SIZE, kvh, d, dtype=cache),
     )
-    kernels.write_kv(k, v, k_cache, v_cache, empty(tokens, dtype=torch.int64))
+    scales = None
+    if cache == torch.float8_e4m3fn:
+        scales = (empty(1, dtype=torch.float32), empty(1, dtype=torch.float32))
+    kernels.write_kv(k, v, k_cache, v_cache, empty(tokens, dtype=torch.int64), scales)
     max_blocks = -(-step.max_model_len // BLOCK_SIZE)
     kernels.paged_attention(
         q,
@@ -152,6 +161,7 @@ def run_step(shape: Shape, step: Step, act: torch.dtype, cache: torch.dtype) -> 
         empty(batch + 1, dtype=torch.int32),
         empty(batch, dtype=torch.int32),
         d**-0.5,
+        kv_scales=scales,
     )
     kernels.silu_mul(empty(tokens, 2 * shape.intermediate))
 
@@ -204,7 +214,7 @@ def check_arch(arch: int, shapes: tuple[Shape, ...], progress: Callable[[str], N
     for shape in shapes:
         started = time.perf_counter()
         with compiling_for(arch) as record:
-            for act, cache in dtype_pairs():
+            for act, cache in dtype_pairs(arch):
                 for step in steps_for(shape):
                     record.label = f"{step.label} {_dtype_name(act)}/{_dtype_name(cache)}"
                     run_step(shape, step, act, cache)
@@ -249,7 +259,8 @@ def _grid_size(grid: tuple[int, int, int]) -> int:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    return names.get(dtype, "fp8")
 
 
 def format_table(rows: list[Row]) -> str:

@@ -38,6 +38,7 @@ from server.systemd import Notifier, PipelineState, monitor, status_line
 from stages.config import EngineConfig, default_model_path, generation_defaults
 from stages.device import default_dtype, resolve_device
 from stages.lora import LoraConfig, LoraError, read_adapter
+from stages.text.checkpoint import FP8_KV_CACHE_DTYPES
 from stages.text.random_model import write_random_checkpoint
 
 log = structlog.get_logger("server")
@@ -195,6 +196,16 @@ def _check_flags(
         parser.error("--skip-tokenizer-init is not supported: render and detokenize need it")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    fp8_cache = args.kv_cache_dtype in FP8_KV_CACHE_DTYPES
+    if fp8_cache and device != "cuda":
+        parser.error(
+            f"--kv-cache-dtype {args.kv_cache_dtype} needs CUDA: the CPU kernels keep a float32 "
+            "or bfloat16 cache"
+        )
+    if args.calculate_kv_scales and not fp8_cache:
+        parser.error(
+            "--calculate-kv-scales needs --kv-cache-dtype fp8 (only an fp8 cache is scaled)"
+        )
     if device == "cuda" and args.quantization in QUANTIZATION_CHOICES_CPU:
         parser.error(
             f"--quantization {args.quantization} runs on CPU; on CUDA the weights are "

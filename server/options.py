@@ -259,9 +259,18 @@ OPTIONS: tuple[Option, ...] = (
         "--kv-cache-dtype",
         engine="kv_cache_dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
+        choices=["auto", "float32", "bfloat16", "fp8", "fp8_e4m3"],
         help="KV cache element type; auto: bfloat16 with quantized weights, else the model dtype "
-        "(attention math is float32 either way)",
+        "(attention math is float32 either way). fp8 / fp8_e4m3 (CUDA): float8 e4m3, one byte "
+        "an element, each layer's K and V stored divided by a per-tensor scale (1.0, or see "
+        "--calculate-kv-scales)",
+    ),
+    option(
+        "--calculate-kv-scales",
+        engine="calculate_kv_scales",
+        action="store_true",
+        help="with --kv-cache-dtype fp8: each layer's K and V scales from the first step served "
+        "(max |k| / 200, max |v| / 100, vLLM's constants) instead of 1.0",
     ),
     option(
         "--attention-backend",

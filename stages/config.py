@@ -85,6 +85,9 @@ class EngineConfig:
     # KV cache.
     device: str = "cpu"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of as CUDA graphs
+    # An fp8 KV cache's per-tensor scales from the first step's K and V (vLLM's
+    # --calculate-kv-scales), instead of 1.0.
+    calculate_kv_scales: bool = False
     # model_path is a random-weight checkpoint (stages/text/random_model.py): execute makes the
     # weights on the device instead of reading them.
     random_weights: bool = False
@@ -134,7 +137,7 @@ class EngineConfig:
     data_parallel_routing: str = "cache_aware"
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 # The sampling defaults a generation config may set (Hugging Face names, as vLLM takes them),
 # each with the type the request field has.

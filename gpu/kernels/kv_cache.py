@@ -8,6 +8,20 @@ import triton.language as tl
 
 from gpu.kernels.launch import check_launchable
 
+FP8_MAX = tl.constexpr(448.0)  # float8 e4m3's largest finite value
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def check_kv_scales(cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether the cache is fp8: then it needs its scales, [1] float32 each; other caches none."""
+    if cache.dtype != FP8_DTYPE:
+        if scales is not None:
+            raise ValueError(f"a {cache.dtype} KV cache has no scales")
+        return False
+    if scales is None or any(s.shape != (1,) or s.dtype != torch.float32 for s in scales):
+        raise ValueError("an fp8 KV cache needs its k and v scales, [1] float32 each")
+    return True
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -16,6 +30,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -35,6 +51,7 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -54,6 +71,10 @@ def _write_kv_kernel(
         v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
         mask=mask,
     )
+    if FP8:
+        # What is stored times the scale is the value; saturated at e4m3's largest finite.
+        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs
     tl.store(
@@ -74,8 +95,12 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written in place
     v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written in place
     slot_mapping: torch.Tensor,  # [T] int64, block * block_size + offset; negative = skip
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an fp8 cache's: [1] float32 each
 ) -> None:
-    """Write token t's K/V into cache slot slot_mapping[t]; a negative slot writes nothing."""
+    """Write token t's K/V into cache slot slot_mapping[t]; a negative slot writes nothing.
+
+    An fp8 (e4m3) cache stores k / k_scale and v / v_scale, saturated at +-448 (vLLM's per-tensor
+    scales: what is stored times the scale is the value)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
         raise ValueError(
@@ -84,15 +109,19 @@ def write_kv(
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} needs one slot per token")
+    fp8 = check_kv_scales(k_cache, scales)
     check_launchable(k, v, k_cache, v_cache, slot_mapping)
     if num_tokens == 0:
         return
+    k_scale, v_scale = scales if scales is not None else (slot_mapping, slot_mapping)
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         *k.stride(),
         *v.stride(),
         *k_cache.stride(),
@@ -102,4 +131,5 @@ def write_kv(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
+        FP8=fp8,
     )

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu.kernels.kv_cache import check_kv_scales
 from gpu.kernels.launch import check_launchable, dot_in_fp32, multiprocessor_count, targets_gpu
 
 LOG2_E = 1.4426950408889634
@@ -56,6 +57,14 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _dequantize(tile, scale_ptr, FP8: tl.constexpr):
+    # An fp8 cache holds value / scale (gpu/kernels/kv_cache.py): widen, then scale back.
+    if FP8:
+        tile = tile.to(tl.float32) * tl.load(scale_ptr)
+    return tile
+
+
+@triton.jit
 def _decode_partition(context_len, window, num_splits, min_partition, BLOCK_N: tl.constexpr):
     # A sequence's KV range, from the first whole tile its window reaches, is cut into at most
     # num_splits partitions of whole tiles, each at least min_partition long: a long context is
@@ -80,6 +89,8 @@ def _paged_decode_kernel(
     v_cache_ptr,
     block_tables_ptr,
     context_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale_log2,
     window,
     num_splits,
@@ -108,6 +119,7 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # Program (sequence, KV head, split): the KV head's group of query heads (sequence b's one
     # query is token b), as the rows of a [BLOCK_G, BLOCK_D] tile padded to tl.dot's minimum, so
@@ -166,7 +178,8 @@ def _paged_decode_kernel(
             stride_kd,
             stride_bt_j,
             BLOCK_SIZE,
-        ).to(q.dtype)  # the cache may be stored in another dtype
+        )
+        k = _dequantize(k, k_scale_ptr, FP8).to(q.dtype)  # the cache may hold another dtype
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         scores = tl.where(kv_valid[None, :], scores, float("-inf"))  # [BLOCK_G, BLOCK_N], log2
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -187,7 +200,8 @@ def _paged_decode_kernel(
             stride_vd,
             stride_bt_j,
             BLOCK_SIZE,
-        ).to(q.dtype)
+        )
+        v = _dequantize(v, v_scale_ptr, FP8).to(q.dtype)
         # P enters the product in the activations' dtype, as a GPU's tensor cores take it; the
         # float32 emulation rounds it the same way.
         p_dot = p.to(q_ptr.dtype.element_ty).to(v.dtype)
@@ -281,6 +295,8 @@ def _paged_prefill_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     context_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale_log2,
     window,
     num_seqs,
@@ -309,6 +325,7 @@ def _paged_prefill_kernel(
     QUERIES_PER_KV: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # Program (tile, head) owns BLOCK_M queries of one sequence. Sequence b's tiles start at
     # global tile query_start_loc[b] // BLOCK_M + b, which bounds the grid by T // BLOCK_M + B
@@ -375,7 +392,8 @@ def _paged_prefill_kernel(
             stride_kd,
             stride_bt_j,
             BLOCK_SIZE,
-        ).to(q.dtype)  # the cache may be stored in another dtype
+        )
+        k = _dequantize(k, k_scale_ptr, FP8).to(q.dtype)  # the cache may hold another dtype
         scores = (
             tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         )  # [BLOCK_M, BLOCK_N], log2 domain
@@ -402,7 +420,8 @@ def _paged_prefill_kernel(
             stride_vd,
             stride_bt_j,
             BLOCK_SIZE,
-        ).to(q.dtype)  # the cache may be stored in another dtype
+        )
+        v = _dequantize(v, v_scale_ptr, FP8).to(q.dtype)
         # P in the activations' dtype, as the tensor cores take it (rounded so when emulated).
         p_dot = p.to(q_ptr.dtype.element_ty).to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
@@ -426,6 +445,7 @@ def paged_attention(
     context_lens: torch.Tensor,  # [B] int32, KV length after this step (cached + new)
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an fp8 cache's (write_kv)
 ) -> torch.Tensor:  # [T, H, D], dtype of q
     """Causal attention of a flattened mixed batch over the paged cache (new K/V already written).
 
@@ -439,8 +459,11 @@ def paged_attention(
     if query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError("query_start_loc must have B + 1 entries")
     if q.shape[0] == num_seqs:
-        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window)
+        return paged_decode(
+            q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, None, kv_scales
+        )
     window = _check_attention_args(q, k_cache, v_cache, block_tables, context_lens, sliding_window)
+    fp8 = check_kv_scales(k_cache, kv_scales)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     block_m = 32 if q.element_size() == 2 else 16
     _paged_prefill_kernel[(q.shape[0] // block_m + num_seqs, q.shape[1])](
@@ -451,12 +474,14 @@ def paged_attention(
         block_tables,
         query_start_loc,
         context_lens,
+        *(kv_scales or (context_lens, context_lens)),  # unread unless FP8
         scale * LOG2_E,
         window,
         num_seqs,
         BLOCK_M=block_m,
         BLOCK_N=_block_n(q.dtype, k_cache.dtype, 32),
         BLOCK_B=PREFILL_BLOCK_B,
+        FP8=fp8,
         **_dot_settings(q.dtype),
         **_layout(q, out, k_cache, v_cache, block_tables),
     )
@@ -472,6 +497,7 @@ def paged_decode(
     scale: float,
     sliding_window: int | None = None,
     splits: DecodeSplits | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an fp8 cache's (write_kv)
 ) -> torch.Tensor:  # [B, H, D], dtype of q
     """Decode attention, one program per (sequence, KV head, partition of its context).
 
@@ -480,6 +506,7 @@ def paged_decode(
     how many it takes. A context in more than one is merged by a second kernel (flash-decoding).
     """
     window = _check_attention_args(q, k_cache, v_cache, block_tables, context_lens, sliding_window)
+    fp8 = check_kv_scales(k_cache, kv_scales)
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -513,12 +540,14 @@ def paged_decode(
         v_cache,
         block_tables,
         context_lens,
+        *(kv_scales or (context_lens, context_lens)),  # unread unless FP8
         scale * LOG2_E,
         window,
         splits.count,
         splits.min_partition,
         BLOCK_N=_block_n(q.dtype, k_cache.dtype, DECODE_BLOCK_N),
         BLOCK_G=max(DOT_MIN, triton.next_power_of_2(group)),
+        FP8=fp8,
         **_dot_settings(q.dtype),
         **layout,
     )

@@ -14,13 +14,22 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written in place
     v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], written in place
     slot_mapping: torch.Tensor,  # [T] int64, block * block_size + offset; negative = skip
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an fp8 cache's, [1] float32
 ) -> None:
+    if scales is not None:  # stored: value / scale, saturated at fp8 e4m3's +-448
+        k = (k.float() / scales[0]).clamp(-448.0, 448.0)
+        v = (v.float() / scales[1]).clamp(-448.0, 448.0)
     block_size = k_cache.shape[1]
     for token, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
-        k_cache[slot // block_size, slot % block_size] = k[token]
-        v_cache[slot // block_size, slot % block_size] = v[token]
+        k_cache[slot // block_size, slot % block_size] = k[token].to(k_cache.dtype)
+        v_cache[slot // block_size, slot % block_size] = v[token].to(v_cache.dtype)
+
+
+def dequantize(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A cache's values in float32: an fp8 cache's stored values times its scale."""
+    return cache.float() if scale is None else cache.float() * scale
 
 
 def gather_kv(

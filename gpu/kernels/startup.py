@@ -49,13 +49,21 @@ def compile_kernels(
     rotary(q, k, zeros(tokens, dtype=torch.int64), zeros(tokens, d, dtype=torch.float32))
     k_cache = zeros(2, block_size, kvh, d, dtype=cache_dtype)
     v_cache = zeros(2, block_size, kvh, d, dtype=cache_dtype)
-    write_kv(k, v, k_cache, v_cache, torch.full((tokens,), -1, dtype=torch.int64, device=device))
+    scales = None
+    if cache_dtype == torch.float8_e4m3fn:
+        scales = (zeros(1, dtype=torch.float32), zeros(1, dtype=torch.float32))
+    slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+    write_kv(k, v, k_cache, v_cache, slots, scales)
     block_tables = torch.tensor([[0], [1]], dtype=torch.int32, device=device)
     context_lens = torch.tensor([2, 1], dtype=torch.int32, device=device)
     query_start_loc = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
-    paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, d**-0.5)
+    paged_attention(
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, d**-0.5, None, scales
+    )
     # A decode step (one query per sequence, rows of the same fused QKV), unsplit and split: the
     # split adds the reduce.
     for splits in (DecodeSplits(1, 64), DecodeSplits(2, 64)):
-        paged_decode(q[:2], k_cache, v_cache, block_tables, context_lens, d**-0.5, None, splits)
+        paged_decode(
+            q[:2], k_cache, v_cache, block_tables, context_lens, d**-0.5, None, splits, scales
+        )
     silu_mul(zeros(tokens, 2 * intermediate_size))

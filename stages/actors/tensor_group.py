@@ -62,6 +62,7 @@ def runner_config(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=resolve_max_model_len(config),
         enforce_eager=config.enforce_eager,
+        calculate_kv_scales=config.calculate_kv_scales,
         lora=config.lora,
     )
 

@@ -274,19 +274,23 @@ def kv_block_bytes_for(config: ModelConfig, block_size: int, element_bytes: int)
     )
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # vLLM's names for float8 e4m3 with per-tensor scales
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, quantization: str | None) -> str:
     """The KV cache's element type. "auto": bfloat16 when the weights are quantized (llama.cpp
     keeps a 16-bit cache as well; it halves what decode attention reads), else the model dtype.
-    Attention math is float32 either way. Torch-free: the scheduler sizes the cache with it."""
+    Attention math is float32 either way. fp8 / fp8_e4m3 (CUDA only): float8_e4m3fn, one byte an
+    element, with per-tensor scales. Torch-free: the scheduler sizes the cache with it."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of {KV_CACHE_DTYPES}"
         )
     if kv_cache_dtype == "auto":
         return "bfloat16" if quantization is not None else dtype
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return "float8_e4m3fn"
     return kv_cache_dtype
 
 

@@ -334,6 +334,100 @@ def test_prefill_finds_its_sequence_among_more_than_one_search_block(dtype: torc
     assert_close(run_attention(batch), reference_attention(batch), dtype)
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_representable(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return ((t.float() / scale).clamp(-448, 448).to(FP8).float() * scale).to(t.dtype)
+
+
+def fp8_step(batch: PagedBatch, scales: tuple[torch.Tensor, torch.Tensor]) -> PagedBatch:
+    """The batch with its new K/V made exact in e4m3 under these scales, and its cached tokens
+    stored in an fp8 cache (slots no sequence owns stay NaN).
+
+    Exact values, because Triton's interpreter rounds float32 to fp8 wrongly where rounding up
+    carries into the exponent (127.2 -> 64, not 128): on a GPU the conversion is the hardware's
+    cvt.rn.satfinite, so the test checks what is scaled and stored, not the interpreter's
+    rounding."""
+    k_cache = (batch.k_cache.float() / scales[0]).clamp(-448, 448).to(FP8)
+    v_cache = (batch.v_cache.float() / scales[1]).clamp(-448, 448).to(FP8)
+    assert torch.isnan(k_cache.float()).any()
+    return replace(
+        batch,
+        k_new=fp8_representable(batch.k_new, scales[0]),
+        v_new=fp8_representable(batch.v_new, scales[1]),
+        k_cache=k_cache,
+        v_cache=v_cache,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scenario", ["decode_only", "mixed"])
+def test_fp8_kv_cache_writes_scaled_e4m3_and_attends_to_its_values(
+    scenario: str, dtype: torch.dtype
+) -> None:
+    # Keys scaled by 5: with scale 1 some would saturate at 448, with 1/32 none does.
+    q_lens, cached_lens = SCENARIOS[scenario]
+    batch = make_batch(q_lens, cached_lens, 6, 2, 32, dtype, seed=6)
+    batch = replace(batch, k_new=batch.k_new * 5, k_cache=batch.k_cache * 5)
+    scales = (torch.tensor([1 / 32]), torch.tensor([0.5]))
+    step = fp8_step(batch, scales)
+    k_cache, v_cache = step.k_cache.clone(), step.v_cache.clone()
+    kernels.write_kv(step.k_new, step.v_new, k_cache, v_cache, step.slot_mapping, scales)
+    ref_k, ref_v = step.k_cache.clone(), step.v_cache.clone()
+    reference.write_kv(step.k_new, step.v_new, ref_k, ref_v, step.slot_mapping, scales)
+    # The bytes stored are torch's e4m3 rounding of value / scale.
+    assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
+    out = kernels.paged_attention(
+        step.q,
+        k_cache,
+        v_cache,
+        step.block_tables,
+        step.query_start_loc,
+        step.context_lens,
+        32**-0.5,
+        kv_scales=scales,
+    )
+    expected = reference.paged_attention(
+        step.q.float(),
+        reference.dequantize(ref_k, scales[0]),
+        reference.dequantize(ref_v, scales[1]),
+        step.block_tables,
+        step.query_start_loc,
+        step.context_lens,
+        32**-0.5,
+    )
+    assert_close(out, expected, dtype)
+
+
+def test_fp8_kv_cache_saturates_instead_of_overflowing() -> None:
+    batch = make_batch([1], [0], 2, 1, 16, torch.float32)
+    k = torch.full_like(batch.k_new, 1e4)
+    scales = (torch.tensor([1.0]), torch.tensor([1.0]))
+    cache = torch.zeros(batch.k_cache.shape, dtype=FP8)
+    kernels.write_kv(k, -k, cache, cache.clone(), batch.slot_mapping, scales)
+    slot = int(batch.slot_mapping[0])
+    stored = cache.view(-1, 1, 16)[slot].float()
+    assert torch.equal(stored, torch.full_like(stored, 448.0))
+
+
+def test_an_fp8_cache_needs_its_scales_and_another_none() -> None:
+    batch = make_batch([1], [3], 2, 1, 16, torch.float32)
+    fp8 = torch.zeros(batch.k_cache.shape, dtype=FP8)
+    with pytest.raises(ValueError, match="needs its k and v scales"):
+        kernels.write_kv(batch.k_new, batch.v_new, fp8, fp8.clone(), batch.slot_mapping)
+    with pytest.raises(ValueError, match="has no scales"):
+        kernels.write_kv(
+            batch.k_new,
+            batch.v_new,
+            batch.k_cache,
+            batch.v_cache,
+            batch.slot_mapping,
+            (torch.ones(1), torch.ones(1)),
+        )
+
+
 def test_decode_of_an_empty_padding_sequence_writes_zeros() -> None:
     batch = make_batch([1, 1, 1], [5, 20, 3], 4, 2, 16, torch.float32)
     expected = reference_attention(batch)

@@ -141,3 +141,48 @@ def test_triton_attention_backend_matches_the_torch_path(tiny_models):
         decode = run_step(model, cache, build_step(pool, [(seqs[1], 1)]))
         outputs.append(torch.cat([mixed, decode]))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
+)
+def test_an_fp8_kv_cache_keeps_the_logits_near_and_calculates_its_scales(tiny_models):
+    from gpu.backends import triton_kernels
+    from gpu.kv_cache import FP8, K_SCALE_CONSTANT
+
+    path = tiny_models["llama"]
+    config = load_model_config(str(path))
+    model = CausalLM(config, triton_kernels()).eval()
+    model.load_weights(iter_weights(str(path), config, torch.float32))
+    prompt = np.random.default_rng(6).integers(0, 128, 11).tolist()
+    outputs = {}
+    for name, dtype, calculate in (
+        ("fp32", torch.float32, False),
+        ("fp8", FP8, False),
+        ("fp8 calculated", FP8, True),
+    ):
+        seq = PagedSequence(list(prompt))
+        pool = BlockPool(num_blocks=16, block_size=BLOCK_SIZE, seed=5)
+        cache = KVCache(config, num_blocks=16, block_size=BLOCK_SIZE, dtype=dtype)
+        if calculate:
+            cache.calculate_scales_on_next_write()
+        prefill = run_step(model, cache, build_step(pool, [(seq, 10)]))
+        decode = run_step(model, cache, build_step(pool, [(seq, 1)]))
+        outputs[name] = torch.cat([prefill[-1:], decode])
+        if dtype == FP8:
+            scales = [layer.scales[0].item() for layer in cache.layers]
+            assert not any(layer.calculate_scales for layer in cache.layers)
+            if calculate:  # set from the prompt's keys, once: not 1.0, each layer its own
+                assert all(0 < s != 1.0 for s in scales) and len(set(scales)) == len(scales)
+                k_max = max(cache.layers[0][0].float().abs().max().item(), 1e-30)
+                # The prompt's largest key is stored near 200 (then rounded to e4m3's step of 16
+                # there; the decoded token's may go a little past it).
+                assert K_SCALE_CONSTANT * 0.9 <= k_max <= K_SCALE_CONSTANT * 1.3
+            else:
+                assert scales == [1.0] * len(scales)
+    for name in ("fp8", "fp8 calculated"):
+        # e4m3 keeps 3 mantissa bits: near the float32 cache's logits, not equal.
+        torch.testing.assert_close(outputs[name], outputs["fp32"], rtol=0.1, atol=0.1)
+        assert not torch.equal(outputs[name], outputs["fp32"])
+    assert outputs["fp8"].argmax(-1).tolist() == outputs["fp32"].argmax(-1).tolist()

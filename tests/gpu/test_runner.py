@@ -306,3 +306,9 @@ def test_copied_blocks_hold_the_same_keys_and_values_in_every_layer(llama_runner
         for destination in (5, 6):
             assert torch.equal(k_cache[destination], k_cache[3])
             assert torch.equal(v_cache[destination], v_cache[3])
+
+
+def test_an_fp8_kv_cache_is_refused_off_the_triton_kernels(tiny_models) -> None:
+    config = RunnerConfig(kv_cache_bytes=1 << 20, block_size=4, threads=1, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="needs the Triton"):
+        ModelRunner.from_path(str(tiny_models["llama"]), config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -457,3 +458,27 @@ def test_async_scheduling_is_taken_and_its_absence_refused(capsys: pytest.Captur
     assert "always plans a step" in capsys.readouterr().err
     config, _ = parse_args(["dummy", "--exclude-tools-when-tool-choice-none"], environ={})
     assert config.exclude_tools_when_tool_choice_none
+
+
+def test_an_fp8_kv_cache_is_cuda_only_and_its_scales_need_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from stages.config import num_kv_blocks
+
+    cuda = ["dummy", "--device", "cuda", "--kv-cache-memory", "64MiB"]
+    for name in ("fp8", "fp8_e4m3"):
+        engine = parse_args([*cuda, "--kv-cache-dtype", name, "--calculate-kv-scales"], environ={})[
+            1
+        ]
+        assert (engine.kv_cache_dtype, engine.calculate_kv_scales) == (name, True)
+    with pytest.raises(SystemExit):
+        parse_args(["dummy", "--device", "cpu", "--kv-cache-dtype", "fp8"], environ={})
+    assert "needs CUDA" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args([*cuda, "--calculate-kv-scales"], environ={})
+    assert "--calculate-kv-scales needs --kv-cache-dtype fp8" in capsys.readouterr().err
+    # One byte an element: twice the blocks of a bfloat16 cache in the same memory.
+    model = parse_args(["--device", "cuda", "--kv-cache-memory", "64MiB"], environ={})[1]
+    fp8 = dataclasses.replace(model, kv_cache_dtype="fp8")
+    bf16 = dataclasses.replace(model, kv_cache_dtype="bfloat16")
+    assert num_kv_blocks(fp8) == 2 * num_kv_blocks(bf16)
