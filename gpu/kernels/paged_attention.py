@@ -320,6 +320,7 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
@@ -327,12 +328,14 @@ def _paged_prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    # Program (tile, head) owns BLOCK_M queries of one sequence. Sequence b's tiles start at
-    # global tile query_start_loc[b] // BLOCK_M + b, which bounds the grid by T // BLOCK_M + B
-    # without reading the longest query length back to the host.
+    # Program (tile, KV head) owns BLOCK_Q queries of one sequence for each of the KV head's
+    # QUERIES_PER_KV query heads: the BLOCK_M rows of its tiles are (query, head) pairs, row r
+    # query r // QUERIES_PER_KV and head r % QUERIES_PER_KV, so each K/V tile is gathered once
+    # for the whole group. Sequence b's tiles start at global tile query_start_loc[b] // BLOCK_Q
+    # + b, which bounds the grid by T // BLOCK_Q + B without reading the longest query length
+    # back to the host.
     tile = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // QUERIES_PER_KV
+    kv_head = tl.program_id(1)
 
     # Which sequence: the count of sequences whose first tile is at or before this one, BLOCK_B
     # at a time, so that one variant serves any number of sequences.
@@ -341,19 +344,21 @@ def _paged_prefill_kernel(
         offs_b = chunk + tl.arange(0, BLOCK_B)
         in_step = offs_b < num_seqs
         seq_starts = tl.load(query_start_loc_ptr + offs_b, mask=in_step, other=0)
-        first_tiles = seq_starts // BLOCK_M + offs_b
+        first_tiles = seq_starts // BLOCK_Q + offs_b
         seq += tl.sum(((first_tiles <= tile) & in_step).to(tl.int32), axis=0)
 
     seq_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - seq_start
-    q_tile = tile - (seq_start // BLOCK_M + seq)
-    if q_tile * BLOCK_M >= q_len:
+    q_tile = tile - (seq_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
         return
 
     context_len = tl.load(context_lens_ptr + seq)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
-    offs_m = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
-    mask_m = offs_m < q_len
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = q_tile * BLOCK_Q + rows // QUERIES_PER_KV  # query index within the sequence
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    mask_m = (rows < BLOCK_Q * QUERIES_PER_KV) & (offs_m < q_len)
     q_pos = context_len - q_len + offs_m
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -361,7 +366,10 @@ def _paged_prefill_kernel(
 
     token = (seq_start + offs_m).to(tl.int64)
     q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+        q_ptr
+        + token[:, None] * stride_qt
+        + heads[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
     )
@@ -373,8 +381,8 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Causal: the last query of this tile sees KV positions up to and including its own; with a
     # sliding window, query p sees only positions > p - window, so early tiles may be skipped.
-    kv_end = context_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_M)
-    kv_first = tl.maximum(context_len - q_len + q_tile * BLOCK_M - window + 1, 0)
+    kv_end = context_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    kv_first = tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
     for start in range(kv_first // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
         kv_pos = start + offs_n
         kv_valid = (kv_pos < kv_end) & (kv_pos >= kv_first)
@@ -430,7 +438,10 @@ def _paged_prefill_kernel(
     # Padding rows past q_len may have seen nothing under a sliding window; they are not stored.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
-        out_ptr + token[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+        out_ptr
+        + token[:, None] * stride_ot
+        + heads[:, None] * stride_oh
+        + offs_d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
@@ -465,8 +476,11 @@ def paged_attention(
     window = _check_attention_args(q, k_cache, v_cache, block_tables, context_lens, sliding_window)
     fp8 = check_kv_scales(k_cache, kv_scales)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    block_m = 32 if q.element_size() == 2 else 16
-    _paged_prefill_kernel[(q.shape[0] // block_m + num_seqs, q.shape[1])](
+    layout = _layout(q, out, k_cache, v_cache, block_tables)
+    group = layout["QUERIES_PER_KV"]
+    tile = _prefill_tile(q.dtype, group)
+    block_q = tile["BLOCK_M"] // group
+    _paged_prefill_kernel[(q.shape[0] // block_q + num_seqs, k_cache.shape[2])](
         out,
         q,
         k_cache,
@@ -478,12 +492,12 @@ def paged_attention(
         scale * LOG2_E,
         window,
         num_seqs,
-        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
         BLOCK_N=_block_n(q.dtype, k_cache.dtype, 32),
         BLOCK_B=PREFILL_BLOCK_B,
         FP8=fp8,
-        **_dot_settings(q.dtype),
-        **_layout(q, out, k_cache, v_cache, block_tables),
+        **(_dot_settings(q.dtype) | tile),
+        **layout,
     )
     return out
 
@@ -627,6 +641,15 @@ def _block_n(q_dtype: torch.dtype, cache_dtype: torch.dtype, tensor_core_tile: i
     if q_dtype.itemsize == 2:
         return tensor_core_tile
     return tensor_core_tile // 2 if cache_dtype == torch.float32 else DOT_MIN
+
+
+def _prefill_tile(dtype: torch.dtype, group: int) -> dict[str, int]:
+    """The prefill kernel's rows (queries x the group's heads, a power of two) and warps. On
+    tensor cores 64 rows (16 queries of Llama-3's groups of 4) in 8 warps; float32's ieee dots
+    keep 16 rows (see _block_n). Checked for spills by pipeline-bench kernels."""
+    if dtype.itemsize == 2:
+        return dict(BLOCK_M=max(64, triton.next_power_of_2(group)), num_warps=8)
+    return dict(BLOCK_M=max(DOT_MIN, triton.next_power_of_2(group)), num_warps=8)
 
 
 def _dot_settings(dtype: torch.dtype) -> dict[str, object]:

@@ -300,6 +300,33 @@ def test_split_decode_reads_each_kv_element_once_per_kv_head(
         assert np.array_equal(counts[name], expected.flatten().numpy()), name
 
 
+@pytest.mark.skipif(not launch.interpreting(), reason="counts the interpreter's loads")
+def test_prefill_gathers_each_kv_tile_once_per_query_tile_for_the_whole_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One 40-token prompt, 4 query heads a KV head: tiles of 16 queries (64 rows). Position p
+    # is read by the tiles at or after its own, 3 - p // 16 of them, for all 4 heads at once.
+    batch = make_batch([40], [0], 8, 2, 32, torch.bfloat16, seed=2)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    kernels.write_kv(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    counts = loads_per_element(monkeypatch, {"k": k_cache, "v": v_cache})
+    kernels.paged_attention(
+        batch.q,
+        k_cache,
+        v_cache,
+        batch.block_tables,
+        batch.query_start_loc,
+        batch.context_lens,
+        32**-0.5,
+    )
+    expected = torch.zeros(k_cache.shape, dtype=torch.int64)
+    for pos in range(40):
+        block = int(batch.block_tables[0, pos // k_cache.shape[1]])
+        expected[block, pos % k_cache.shape[1]] = 3 - pos // 16
+    for name in ("k", "v"):
+        assert np.array_equal(counts[name], expected.flatten().numpy()), name
+
+
 def test_decode_split_bounds_follow_the_batch_and_the_context_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -321,6 +348,17 @@ def test_decode_split_bounds_follow_the_batch_and_the_context_bound(
     assert choose(256, 8, 1 << 20, cuda) == splits(paged_attention_module.MAX_DECODE_SPLITS, long)
     assert choose(1, 8, 256, cuda).count == 1  # one partition anyway
     assert choose(1, 8, 4096, torch.device("cpu")).count == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 8])
+def test_prefill_holds_a_kv_heads_whole_group_in_its_rows(group: int, dtype: torch.dtype) -> None:
+    # Rows are (query, head) pairs of one KV head's group: 64 // group queries a tile (3 and 5
+    # leave rows unused), chunks that start mid-sequence and end mid-tile, with sliding windows.
+    batch = make_batch([33, 5, 1, 70], [31, 64, 9, 0], 2 * group, 2, 32, dtype, seed=group)
+    for window in (None, 20):
+        expected = reference_attention(batch, window)
+        assert_close(run_attention(batch, window), expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
