@@ -535,15 +535,7 @@ def paged_decode(
         )
     layout = _layout(q, out, k_cache, v_cache, block_tables)
     group = layout["QUERIES_PER_KV"]
-    if splits.count == 1:
-        # Never written (one partition each), but float32 like the real ones: one variant.
-        partial_out = partial_max = partial_sum = torch.empty(1, device=q.device)
-    else:
-        partial_out = torch.empty(
-            num_seqs, num_heads, splits.count, head_dim, dtype=torch.float32, device=q.device
-        )
-        partial_max = torch.empty(num_seqs, num_heads, splits.count, device=q.device)
-        partial_sum = torch.empty_like(partial_max)
+    partial_out, partial_max, partial_sum = _partials(q, splits.count)
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits.count)](
         out,
         partial_out,
@@ -584,6 +576,20 @@ def paged_decode(
             BLOCK_S=REDUCE_BLOCK_S,
         )
     return out
+
+
+def _partials(q: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split decode's float32 partials (output, max, sum) of each (sequence, head,
+    partition); unsplit, never written, but float32 like the real ones: one kernel variant."""
+    num_seqs, num_heads, head_dim = q.shape
+    if count == 1:
+        unused = torch.empty(1, device=q.device)
+        return unused, unused, unused
+    partial_out = torch.empty(
+        num_seqs, num_heads, count, head_dim, dtype=torch.float32, device=q.device
+    )
+    partial_max = torch.empty(num_seqs, num_heads, count, device=q.device)
+    return partial_out, partial_max, torch.empty_like(partial_max)
 
 
 @dataclass(frozen=True, slots=True)
