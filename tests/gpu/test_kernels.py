@@ -119,20 +119,32 @@ SCENARIOS = {
 }
 
 
-def run_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
-    """The kernels' step: write the new K/V (into copies of the caches), then attend."""
+def written(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the batch's caches with its new K/V written by the kernel."""
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
     kernels.write_kv(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    return k_cache, v_cache
+
+
+def attend(
+    batch: PagedBatch,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     return kernels.paged_attention(
         batch.q,
-        k_cache,
-        v_cache,
+        *caches,
         batch.block_tables,
         batch.query_start_loc,
         batch.context_lens,
         batch.q.shape[-1] ** -0.5,
         sliding_window,
     )
+
+
+def run_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
+    """The kernels' step: write the new K/V (into copies of the caches), then attend."""
+    return attend(batch, written(batch), sliding_window)
 
 
 def reference_attention(batch: PagedBatch, sliding_window: int | None = None) -> torch.Tensor:
@@ -209,23 +221,29 @@ SPLIT_DECODE_CACHED = [0, 14, 63, 64, 199, 129, 400]
 FOUR_SPLITS = paged_attention_module.DecodeSplits(count=4, min_partition=64)
 
 
-def split_decode(
+def decode(
     batch: PagedBatch,
+    caches: tuple[torch.Tensor, torch.Tensor],
     sliding_window: int | None,
     splits: paged_attention_module.DecodeSplits | None = FOUR_SPLITS,
 ) -> torch.Tensor:
-    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-    kernels.write_kv(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
     return paged_attention_module.paged_decode(
         batch.q,
-        k_cache,
-        v_cache,
+        *caches,
         batch.block_tables,
         batch.context_lens,
         batch.q.shape[-1] ** -0.5,
         sliding_window,
         splits,
     )
+
+
+def split_decode(
+    batch: PagedBatch,
+    sliding_window: int | None,
+    splits: paged_attention_module.DecodeSplits | None = FOUR_SPLITS,
+) -> torch.Tensor:
+    return decode(batch, written(batch), sliding_window, splits)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 7, 100])
@@ -275,19 +293,9 @@ def test_split_decode_reads_each_kv_element_once_per_kv_head(
 ) -> None:
     # Four query heads share each KV head: a kernel per query head would read everything 4x.
     batch = make_batch([1] * 7, SPLIT_DECODE_CACHED, 8, 2, 32, torch.float32, seed=5)
-    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-    kernels.write_kv(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    k_cache, v_cache = written(batch)
     counts = loads_per_element(monkeypatch, {"k": k_cache, "v": v_cache})
-    paged_attention_module.paged_decode(
-        batch.q,
-        k_cache,
-        v_cache,
-        batch.block_tables,
-        batch.context_lens,
-        32**-0.5,
-        sliding_window,
-        FOUR_SPLITS,
-    )
+    decode(batch, (k_cache, v_cache), sliding_window)
     # Expected: every element of every position a query sees, once; nothing else.
     expected = torch.zeros(k_cache.shape, dtype=torch.int64)
     block_size = k_cache.shape[1]
@@ -307,18 +315,9 @@ def test_prefill_gathers_each_kv_tile_once_per_query_tile_for_the_whole_group(
     # One 40-token prompt, 4 query heads a KV head: tiles of 16 queries (64 rows). Position p
     # is read by the tiles at or after its own, 3 - p // 16 of them, for all 4 heads at once.
     batch = make_batch([40], [0], 8, 2, 32, torch.bfloat16, seed=2)
-    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-    kernels.write_kv(batch.k_new, batch.v_new, k_cache, v_cache, batch.slot_mapping)
+    k_cache, v_cache = written(batch)
     counts = loads_per_element(monkeypatch, {"k": k_cache, "v": v_cache})
-    kernels.paged_attention(
-        batch.q,
-        k_cache,
-        v_cache,
-        batch.block_tables,
-        batch.query_start_loc,
-        batch.context_lens,
-        32**-0.5,
-    )
+    attend(batch, (k_cache, v_cache))
     expected = torch.zeros(k_cache.shape, dtype=torch.int64)
     for pos in range(40):
         block = int(batch.block_tables[0, pos // k_cache.shape[1]])

@@ -127,8 +127,7 @@ def test_triton_attention_backend_matches_the_torch_path(tiny_models):
 
     path = tiny_models["mistral_swa"]
     config = load_model_config(str(path))
-    triton_model = CausalLM(config, triton_kernels()).eval()
-    triton_model.load_weights(iter_weights(str(path), config, torch.float32))
+    triton_model = load_ours(path, triton_kernels())
     torch_model = load_ours(path)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 128, n).tolist() for n in (9, 3)]
@@ -153,8 +152,7 @@ def test_an_fp8_kv_cache_keeps_the_logits_near_and_calculates_its_scales(tiny_mo
 
     path = tiny_models["llama"]
     config = load_model_config(str(path))
-    model = CausalLM(config, triton_kernels()).eval()
-    model.load_weights(iter_weights(str(path), config, torch.float32))
+    model = load_ours(path, triton_kernels())
     prompt = np.random.default_rng(6).integers(0, 128, 11).tolist()
     outputs = {}
     for name, dtype, calculate in (
