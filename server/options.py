@@ -261,9 +261,9 @@ OPTIONS: tuple[Option, ...] = (
         default="auto",
         choices=["auto", "float32", "bfloat16", "fp8", "fp8_e4m3"],
         help="KV cache element type; auto: bfloat16 with quantized weights, else the model dtype "
-        "(attention math is float32 either way). fp8 / fp8_e4m3 (CUDA): float8 e4m3, one byte "
-        "an element, each layer's K and V stored divided by a per-tensor scale (1.0, or see "
-        "--calculate-kv-scales)",
+        "(attention accumulates in float32 either way; on CUDA its dots take 16-bit operands). "
+        "fp8 / fp8_e4m3 (CUDA): float8 e4m3, one byte an element, each layer's K and V stored "
+        "divided by a per-tensor scale (1.0, or see --calculate-kv-scales)",
     ),
     option(
         "--calculate-kv-scales",

@@ -281,7 +281,7 @@ FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # vLLM's names for float8 e4m3 with p
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, quantization: str | None) -> str:
     """The KV cache's element type. "auto": bfloat16 when the weights are quantized (llama.cpp
     keeps a 16-bit cache as well; it halves what decode attention reads), else the model dtype.
-    Attention math is float32 either way. fp8 / fp8_e4m3 (CUDA only): float8_e4m3fn, one byte an
+    Attention accumulates in float32 either way. fp8 / fp8_e4m3 (CUDA only): float8_e4m3fn, one byte an
     element, with per-tensor scales. Torch-free: the scheduler sizes the cache with it."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
