@@ -150,46 +150,62 @@ class _PerTokenCollector(Collector):
     inter-token-latency histogram. They are plain numbers updated on the event loop (a bisect and
     two adds) and turned into metric families at scrape time: prometheus_client's Counter.inc and
     Histogram.observe take a lock each and cost about a third of the server's own Python per token.
+    One set per engine (`series`: each engine's label values).
     """
 
-    def __init__(self, model_name: str, itl_buckets: tuple[float, ...]) -> None:
-        self._model_name = model_name
-        self.generation_tokens = 0
+    def __init__(
+        self, labels: list[str], series: list[list[str]], itl_buckets: tuple[float, ...]
+    ) -> None:
+        self._labels = labels
+        self._series = series
+        self.generation_tokens = [0] * len(series)
         self._bounds = itl_buckets
-        self._counts = [0] * (len(itl_buckets) + 1)  # the last one is +Inf
-        self._itl_sum = 0.0
+        self._counts = [[0] * (len(itl_buckets) + 1) for _ in series]  # the last one is +Inf
+        self._itl_sums = [0.0] * len(series)
 
-    def observe_itl(self, seconds: float, times: int) -> None:
-        self._counts[bisect_left(self._bounds, seconds)] += times
-        self._itl_sum += seconds * times
+    def observe_itl(self, engine: int, seconds: float, times: int) -> None:
+        self._counts[engine][bisect_left(self._bounds, seconds)] += times
+        self._itl_sums[engine] += seconds * times
 
     def collect(self) -> Iterator[Metric]:
         tokens = CounterMetricFamily(
-            "vllm:generation_tokens", "Generation tokens produced.", labels=["model_name"]
+            "vllm:generation_tokens", "Generation tokens produced.", labels=self._labels
         )
-        tokens.add_metric([self._model_name], self.generation_tokens)
+        for values, count in zip(self._series, self.generation_tokens, strict=True):
+            tokens.add_metric(values, count)
         yield tokens
         itl = HistogramMetricFamily(
-            "vllm:inter_token_latency_seconds",
-            "Time between output tokens.",
-            labels=["model_name"],
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", labels=self._labels
         )
-        cumulative, buckets = 0, []
-        for bound, count in zip((*map(str, self._bounds), "+Inf"), self._counts, strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        itl.add_metric([self._model_name], buckets, self._itl_sum)
+        bounds = (*map(str, self._bounds), "+Inf")
+        for values, counts, total in zip(self._series, self._counts, self._itl_sums, strict=True):
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, counts, strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            itl.add_metric(values, buckets, total)
         yield itl
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str) -> None:
+    """What the server counts itself, under vLLM's names and labels: `model_name`, and with more
+    than one data-parallel replica `engine` (the replica that served the request)."""
+
+    def __init__(
+        self, stats: Callable[[], Mapping[str, float]], model_name: str, num_engines: int = 1
+    ) -> None:
         self.registry = CollectorRegistry()
-        self._model_name = model_name
+        self._labels = ["model_name", "engine"] if num_engines > 1 else ["model_name"]
+        # each engine's label values, by its index
+        self._series = (
+            [[model_name, str(e)] for e in range(num_engines)]
+            if num_engines > 1
+            else [[model_name]]
+        )
         self._owned: set[str] = set()  # names exported here; the engine's copies are skipped
         self._declare_latencies()
         self._declare_counts()
-        self._per_token = _PerTokenCollector(model_name, _LATENCY_BUCKETS_S)
+        self._per_token = _PerTokenCollector(self._labels, self._series, _LATENCY_BUCKETS_S)
         self.registry.register(self._per_token)
         self._owned.update(
             (
@@ -200,16 +216,27 @@ class ServerMetrics:
         )
         self.registry.register(_EngineStatsCollector(stats, model_name, frozenset(self._owned)))
         # The per-token paths use these children directly: `.labels()` costs a lock and a lookup.
-        self._prompt_tokens = self.prompt_tokens.labels(model_name)
-        self._ttft = self.ttft.labels(model_name)
+        self._prompt_tokens = [self.prompt_tokens.labels(*values) for values in self._series]
+        self._ttft = [self.ttft.labels(*values) for values in self._series]
 
     def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
         self._owned.update((name, f"{name}_total"))
-        return Counter(name, doc, ["model_name", *extra], registry=self.registry)
+        counter = Counter(name, doc, [*self._labels, *extra], registry=self.registry)
+        if not extra:
+            self._every_engine(counter)
+        return counter
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         self._owned.add(name)
-        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+        histogram = Histogram(name, doc, self._labels, buckets=buckets, registry=self.registry)
+        self._every_engine(histogram)
+        return histogram
+
+    def _every_engine(self, metric: Counter | Histogram) -> None:
+        """Each engine's series from the start, at zero (as vLLM's): a replica that has served
+        nothing yet is there to see, and a rate over it has a first sample."""
+        for values in self._series:
+            metric.labels(*values)
 
     def _declare_latencies(self) -> None:
         """The prompt and success counters and each request's latencies (vLLM's names)."""
@@ -276,17 +303,17 @@ class ServerMetrics:
             _TOKEN_BUCKETS,
         )
 
-    def observe_first_output(self, num_prompt_tokens: int, ttft_s: float) -> None:
-        self._prompt_tokens.inc(num_prompt_tokens)
-        self._ttft.observe(ttft_s)
+    def observe_first_output(self, num_prompt_tokens: int, ttft_s: float, engine: int = 0) -> None:
+        self._prompt_tokens[engine].inc(num_prompt_tokens)
+        self._ttft[engine].observe(ttft_s)
 
-    def observe_tokens(self, num_new_tokens: int, gap_s: float | None) -> None:
+    def observe_tokens(self, num_new_tokens: int, gap_s: float | None, engine: int = 0) -> None:
         """`gap_s`: time since the previous output, spread over the tokens it brought."""
         if num_new_tokens <= 0:
             return
-        self._per_token.generation_tokens += num_new_tokens
+        self._per_token.generation_tokens[engine] += num_new_tokens
         if gap_s is not None:
-            self._per_token.observe_itl(gap_s / num_new_tokens, num_new_tokens)
+            self._per_token.observe_itl(engine, gap_s / num_new_tokens, num_new_tokens)
 
     def observe_finish(
         self,
@@ -296,34 +323,41 @@ class ServerMetrics:
         num_output_tokens: int,
         metrics: RequestMetrics | None,
         max_tokens: int | None = None,
+        engine: int = 0,
     ) -> None:
         """One engine request (one choice) finished; `max_tokens` as the request set it."""
-        name = self._model_name
-        self.request_success.labels(name, finish_reason).inc()
-        self.e2e.labels(name).observe(e2e_s)
-        self.request_prompt_tokens.labels(name).observe(num_prompt_tokens)
-        self.request_generation_tokens.labels(name).observe(num_output_tokens)
+        labels = self._series[engine]
+        self.request_success.labels(*labels, finish_reason).inc()
+        self.e2e.labels(*labels).observe(e2e_s)
+        self.request_prompt_tokens.labels(*labels).observe(num_prompt_tokens)
+        self.request_generation_tokens.labels(*labels).observe(num_output_tokens)
         if max_tokens:  # as vLLM: only a request that set one
-            self.request_params_max_tokens.labels(name).observe(max_tokens)
+            self.request_params_max_tokens.labels(*labels).observe(max_tokens)
         if metrics is not None:
-            self.queue.labels(name).observe(metrics.queue_s)
-            self.prefill.labels(name).observe(metrics.prefill_s)
-            self.decode.labels(name).observe(metrics.decode_s)
-            self.inference.labels(name).observe(metrics.prefill_s + metrics.decode_s)
-            self.request_num_preemptions.labels(name).observe(metrics.num_preemptions)
-            self.prompt_tokens_cached.labels(name).inc(metrics.num_cached_prompt_tokens)
-            computed = num_prompt_tokens - max(metrics.num_cached_prompt_tokens, 0)
-            self.request_prefill_kv_computed.labels(name).observe(computed)
-            # vLLM's: the first token came with the prefill, so it is not counted
-            after_first = metrics.num_generated_tokens - 1
-            per_token = metrics.decode_s / after_first if after_first > 0 else 0.0
-            self.time_per_output_token.labels(name).observe(per_token)
+            self._observe_stages(labels, num_prompt_tokens, metrics)
 
-    def observe_request(self, n: int, max_num_generation_tokens: int) -> None:
+    def _observe_stages(
+        self, labels: list[str], num_prompt_tokens: int, metrics: RequestMetrics
+    ) -> None:
+        """A finished choice's times in each phase, preemptions and prompt tokens computed."""
+        self.queue.labels(*labels).observe(metrics.queue_s)
+        self.prefill.labels(*labels).observe(metrics.prefill_s)
+        self.decode.labels(*labels).observe(metrics.decode_s)
+        self.inference.labels(*labels).observe(metrics.prefill_s + metrics.decode_s)
+        self.request_num_preemptions.labels(*labels).observe(metrics.num_preemptions)
+        self.prompt_tokens_cached.labels(*labels).inc(metrics.num_cached_prompt_tokens)
+        computed = num_prompt_tokens - max(metrics.num_cached_prompt_tokens, 0)
+        self.request_prefill_kv_computed.labels(*labels).observe(computed)
+        # vLLM's: the first token came with the prefill, so it is not counted
+        after_first = metrics.num_generated_tokens - 1
+        per_token = metrics.decode_s / after_first if after_first > 0 else 0.0
+        self.time_per_output_token.labels(*labels).observe(per_token)
+
+    def observe_request(self, n: int, max_num_generation_tokens: int, engine: int = 0) -> None:
         """A request's n choices all finished: its n, and the most tokens one of them made."""
-        name = self._model_name
-        self.request_params_n.labels(name).observe(n)
-        self.request_max_generation_tokens.labels(name).observe(max_num_generation_tokens)
+        labels = self._series[engine]
+        self.request_params_n.labels(*labels).observe(n)
+        self.request_max_generation_tokens.labels(*labels).observe(max_num_generation_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

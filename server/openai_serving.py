@@ -188,7 +188,9 @@ class OpenAIServing:
         self.lora_adapters = LoraAdapters.of(
             self.served_model_names, config.enable_lora, config.lora_modules
         )
-        self.metrics = ServerMetrics(engine.stats, self.served_model_name)
+        self.metrics = ServerMetrics(
+            engine.stats, self.served_model_name, engine.model_info.num_engines
+        )
         self.fingerprint = f"pipeline-serve-{server_version()}"
         self.api_key = config.api_key.encode() if config.api_key is not None else None
         self.unknown_fields = UnknownFields(config.log_level == "debug")

@@ -79,11 +79,12 @@ class ChoiceGroup:
         self._left = n
         self._most_tokens = 0
 
-    def finished(self, num_output_tokens: int) -> None:
+    def finished(self, num_output_tokens: int, engine: int) -> None:
+        """One choice finished (on data-parallel replica `engine`: the last one's counts)."""
         self._left -= 1
         self._most_tokens = max(self._most_tokens, num_output_tokens)
         if self._left == 0:
-            self._metrics.observe_request(self._n, self._most_tokens)
+            self._metrics.observe_request(self._n, self._most_tokens, engine)
 
 
 class Tracker:
@@ -112,19 +113,21 @@ class Tracker:
         self.stop_reason: str | int | None = None
         self.request_metrics: RequestMetrics | None = None
         self.num_reasoning_tokens = 0  # known at the finish (with a reasoning parser)
+        self._engine = 0  # the data-parallel replica serving it, for the metrics' label
 
     def see(self, output: RequestOutput) -> None:
         now_ns = time.monotonic_ns()
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_output_tokens = output.num_output_tokens
+        self._engine = engine = output.engine
         if self._last_output_ns is None:
             self._metrics.observe_first_output(
-                output.num_prompt_tokens, (now_ns - self._arrival_ns) / 1e9
+                output.num_prompt_tokens, (now_ns - self._arrival_ns) / 1e9, engine
             )
             gap_s = None
         else:
             gap_s = (now_ns - self._last_output_ns) / 1e9
-        self._metrics.observe_tokens(len(output.token_ids), gap_s)
+        self._metrics.observe_tokens(len(output.token_ids), gap_s, engine)
         self._last_output_ns = now_ns
         if self._output is not None:
             self._output[0].append(output.text)
@@ -173,8 +176,9 @@ class Tracker:
             self.num_output_tokens,
             self.request_metrics,
             self._max_tokens,
+            self._engine,
         )
-        self._group.finished(self.num_output_tokens)
+        self._group.finished(self.num_output_tokens, self._engine)
 
 
 async def close_outputs(outputs: AsyncIterator[Any]) -> None:

@@ -234,6 +234,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     # its deltas reached the server (now_ns; 0: not from the pipeline)
     step_id: int = -1
     received_ns: int = 0
+    engine: int = 0  # the data-parallel replica that made it (vLLM's engine index)
 
 
 class RenderedPromptInfo(msgspec.Struct, frozen=True):
@@ -275,6 +276,9 @@ class ModelInfo:
     # What runs the model (a CPU kernel level of gpu/cpu_isa.py, `torch` or `triton`), as execute
     # published it at start; None until then.
     kernels: str | None = None
+    # Data-parallel replicas: with more than one, the server labels its metrics with vLLM's
+    # `engine` (RequestOutput.engine says which replica made an output).
+    num_engines: int = 1
 
 
 class EngineClient(Protocol):

@@ -121,7 +121,8 @@ class DataParallelEngine:
 
     @property
     def model_info(self) -> ModelInfo:
-        return self.replicas[0].model_info
+        info = self.replicas[0].model_info
+        return dataclasses.replace(info, num_engines=len(self.replicas))
 
     @property
     def ready(self) -> bool:

@@ -61,6 +61,7 @@ class EngineReaders(EngineState):
     async def _read_deltas(self) -> None:
         consumer = self.supervisor.consumers["deltas"]
         flights = self._flights
+        rank = self.config.data_parallel_rank
         with contextlib.suppress(RuntimeFault):
             while True:
                 with await consumer.recv_async() as message:
@@ -82,7 +83,7 @@ class EngineReaders(EngineState):
                         if not flight.output_ids:
                             flight.first_token_ns = now_ns()
                         flight.output_ids.append(token)
-                    output = _output(flight.request.request_id, batch, row, received)
+                    output = _output(flight.request.request_id, batch, row, received, rank)
                     flight.queue.put_nowait(output)
                     flight.unread += unread_cost(output)
                     if flight.unread > self.config.max_unread_tokens:
@@ -111,7 +112,9 @@ class EngineReaders(EngineState):
         )
 
 
-def _output(request_id: str, batch: deltas.DeltaBatch, row: int, received_ns: int) -> RequestOutput:
+def _output(
+    request_id: str, batch: deltas.DeltaBatch, row: int, received_ns: int, engine: int
+) -> RequestOutput:
     extra = batch.extra(row)
     prompt_ids, prompt_logprobs = None, None
     if extra.prompt_logprobs is not None:
@@ -136,6 +139,7 @@ def _output(request_id: str, batch: deltas.DeltaBatch, row: int, received_ns: in
         num_reasoning_tokens=extra.num_reasoning_tokens,
         step_id=batch.step_id,
         received_ns=received_ns,
+        engine=engine,
     )
 
 
@@ -185,6 +189,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         num_reasoning_tokens=last.num_reasoning_tokens,
         step_id=last.step_id,
         received_ns=first.received_ns,  # the time the merged output waited starts with its first
+        engine=last.engine,
     )
 
 

@@ -71,6 +71,18 @@ def test_two_replicas_behind_one_server(tmp_path: Path) -> None:
         _, metrics = http_get(port, "/metrics")
         for rank in (0, 1):
             assert f'vllm:num_blocks{{engine="{rank}",model_name="dummy"}}' in metrics
+        # the server's own counts, under the replica that served each request (vLLM's `engine`)
+        served, idle = routed[0]["engine"], 1 - routed[0]["engine"]
+        for rank, requests in ((served, 2.0), (idle, 0.0)):
+            labels = f'engine="{rank}",model_name="dummy"'
+            assert f"vllm:e2e_request_latency_seconds_count{{{labels}}} {requests}" in metrics
+            assert f"vllm:generation_tokens_total{{{labels}}} {requests * 4}" in metrics
+            assert f"vllm:inter_token_latency_seconds_count{{{labels}}}" in metrics
+        assert (
+            f'vllm:inter_token_latency_seconds_count{{engine="{idle}",model_name="dummy"}} 0.0'
+            in (metrics)
+        )
+        assert 'vllm:e2e_request_latency_seconds_count{model_name="dummy"}' not in metrics
 
         # replica 1 restarting: the server is still healthy and serves through replica 0
         os.kill(pids["dp1 schedule"], signal.SIGKILL)

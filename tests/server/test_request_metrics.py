@@ -80,6 +80,38 @@ def test_itl_histogram_spreads_a_merged_output_over_its_tokens() -> None:
     assert 'vllm:generation_tokens_total{model_name="m"} 5.0' in lines
 
 
+def test_under_data_parallel_each_count_is_the_serving_replicas() -> None:
+    gauges = {  # as the data-parallel engine reports its replicas' (stages/data_parallel.py)
+        f"{name}{{engine={rank}}}": 0.0
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        for rank in (0, 1)
+    }
+    metrics = ServerMetrics(lambda: gauges, "m", num_engines=2)
+    metrics.observe_first_output(7, 0.02, engine=1)
+    metrics.observe_tokens(1, None, engine=1)
+    metrics.observe_tokens(2, 0.02, engine=1)
+    metrics.observe_finish("stop", 0.1, 7, 3, stamps(), max_tokens=16, engine=1)
+    metrics.observe_request(1, 3, engine=1)
+    lines = metrics.render().decode().splitlines()
+    for name, served in (
+        ("vllm:prompt_tokens_total", "7.0"),
+        ("vllm:generation_tokens_total", "3.0"),
+        ("vllm:inter_token_latency_seconds_count", "2.0"),
+        ("vllm:time_to_first_token_seconds_count", "1.0"),
+        ("vllm:e2e_request_latency_seconds_count", "1.0"),
+        ("vllm:request_prefill_time_seconds_count", "1.0"),
+        ("vllm:request_params_max_tokens_count", "1.0"),
+        ("vllm:request_params_n_count", "1.0"),
+    ):
+        assert f'{name}{{engine="1",model_name="m"}} {served}' in lines, name
+        # the replica that served nothing has its series, at zero
+        assert f'{name}{{engine="0",model_name="m"}} 0.0' in lines, name
+    assert 'vllm:request_success_total{engine="1",finished_reason="stop",model_name="m"} 1.0' in (
+        lines
+    )
+    assert not [line for line in lines if line.startswith("vllm:") and 'engine="' not in line]
+
+
 def test_an_engine_histogram_is_served_as_one() -> None:
     # engine.stats() carries a histogram as cumulative `le` buckets and a `_sum` (stages/rings/
     # gauges.py); /metrics must serve vLLM's histogram, per data-parallel replica when labelled.
