@@ -466,8 +466,8 @@ OPTIONS: tuple[Option, ...] = (
         "--enable-prompt-tokens-details",
         server="enable_prompt_tokens_details",
         action="store_true",
-        help="usage says how many prompt tokens came from the prefix cache "
-        "(prompt_tokens_details.cached_tokens)",
+        help="usage says how many prompt tokens came from the prefix cache and how many the "
+        "request wrote into it (prompt_tokens_details.cached_tokens, created_cache_tokens)",
     ),
     option(
         "--enable-auto-tool-choice",

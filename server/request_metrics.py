@@ -11,23 +11,28 @@ _NS_PER_MS = 1e6
 
 
 def request_metrics_body(metrics: RequestMetrics) -> dict[str, Any]:
-    """vLLM's per-request fields plus where the request spent its time, stage by stage.
+    """vLLM's per-request fields (its build_per_request_timing_metrics) plus where the request
+    spent its time, stage by stage.
 
-    time_to_first_token_ms: arrival to the first output token.
+    time_to_first_token_ms: first scheduled to the first output token (the prefill; vLLM's).
     generation_time_ms: first to last output token.
-    mean_itl_ms: generation_time_ms over the gaps between output tokens.
-    tokens_per_second: output tokens over arrival-to-finish time.
+    queue_time_ms: rendered to first scheduled.
+    mean_itl_ms: generation_time_ms over the gaps between output tokens (absent with fewer than
+        two tokens, as vLLM leaves it out).
+    tokens_per_second: output tokens over first scheduled to the last token (vLLM's inference
+        interval, prefill included).
+    e2e_latency_ms and stage_time_ms: arrival to finish, and its parts.
     """
     num_tokens = metrics.num_generated_tokens
     generation_ns = max(metrics.last_token_ns - metrics.first_token_ns, 0)
+    inference_ns = max(metrics.last_token_ns - metrics.scheduled_ns, 0)
     e2e_ns = max(metrics.finished_ns - metrics.arrival_ns, 0)
     body: dict[str, Any] = {
-        "time_to_first_token_ms": max(metrics.first_token_ns - metrics.arrival_ns, 0) / _NS_PER_MS,
+        "time_to_first_token_ms": metrics.prefill_s * 1e3,
         "generation_time_ms": generation_ns / _NS_PER_MS,
         "e2e_latency_ms": e2e_ns / _NS_PER_MS,
         "queue_time_ms": metrics.queue_s * 1e3,
-        "mean_itl_ms": generation_ns / _NS_PER_MS / (num_tokens - 1) if num_tokens > 1 else 0.0,
-        "tokens_per_second": num_tokens / (e2e_ns / 1e9) if e2e_ns > 0 else 0.0,
+        "tokens_per_second": num_tokens / (inference_ns / 1e9) if inference_ns > 0 else 0.0,
         "num_generated_tokens": num_tokens,
         "num_cached_prompt_tokens": metrics.num_cached_prompt_tokens,
         "num_preemptions": metrics.num_preemptions,
@@ -39,6 +44,8 @@ def request_metrics_body(metrics: RequestMetrics) -> dict[str, Any]:
             "detokenize": metrics.detokenize_s * 1e3,
         },
     }
+    if num_tokens > 1:
+        body["mean_itl_ms"] = generation_ns / _NS_PER_MS / (num_tokens - 1)
     if metrics.spec_num_steps or metrics.spec_num_draft_tokens:
         steps = metrics.spec_num_steps
         drafted = metrics.spec_num_draft_tokens
@@ -51,5 +58,7 @@ def request_metrics_body(metrics: RequestMetrics) -> dict[str, Any]:
             # vLLM counts the bonus token: every verification step yields accepted + 1 tokens
             "mean_acceptance_length": 1.0 + accepted / steps if steps else 0.0,
             "acceptance_histogram": list(metrics.spec_acceptance_histogram),
+            # k: the histogram counts steps that accepted 0..k drafts
+            "num_spec_tokens": max(len(metrics.spec_acceptance_histogram) - 1, 0),
         }
     return body

@@ -310,15 +310,14 @@ def total_usage(choices: Sequence[Choice], ctx: ResponseContext) -> dict[str, An
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     if ctx.prompt_tokens_details:
         first_choices = {c.prompt_index: c for c in reversed(choices)}.values()
+        metrics = [c.tracker.request_metrics for c in first_choices]
         usage["prompt_tokens_details"] = {
-            "cached_tokens": sum(_cached_prompt_tokens(c.tracker) for c in first_choices)
+            "cached_tokens": sum(m.num_cached_prompt_tokens for m in metrics if m is not None),
+            "created_cache_tokens": sum(
+                m.num_cache_creation_tokens for m in metrics if m is not None
+            ),
         }
     return usage
-
-
-def _cached_prompt_tokens(tracker: Tracker) -> int:
-    metrics = tracker.request_metrics
-    return metrics.num_cached_prompt_tokens if metrics is not None else 0
 
 
 async def close_choices(choices: Sequence[Choice]) -> None:

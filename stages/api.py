@@ -177,6 +177,9 @@ class RequestMetrics(msgspec.Struct, frozen=True, array_like=True):
     detokenize_ns: int = 0  # time detokenize spent on this request's tokens
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
+    # prompt tokens this request computed and wrote into the prefix cache (vLLM's
+    # num_cache_creation_tokens: its cached blocks' tokens less those it found there)
+    num_cache_creation_tokens: int = 0
     num_recoveries: int = 0  # stage failures the request lived through (resumed, nothing lost)
     spec_num_steps: int = 0
     spec_num_draft_tokens: int = 0

@@ -722,6 +722,12 @@ class Scheduler:
             self.prefix_cache_queries += seq.num_prompt
             self.prefix_cache_hits += cached
 
+    def cache_created(self, seq: Sequence) -> int:
+        """The prompt tokens `seq` put into the prefix cache: those of the prompt blocks it
+        registered, less those it found there (vLLM's num_cache_creation_tokens)."""
+        registered = min(seq.num_registered * self.blocks.block_size, seq.num_prompt)
+        return max(registered - seq.num_cached_tokens, 0)
+
     def _register_prefix(self, seq: Sequence) -> None:
         """Register the prompt blocks this step's chunk completes (its step writes them before
         any later step can read them: execute runs steps in order)."""

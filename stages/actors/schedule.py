@@ -341,6 +341,7 @@ class ScheduleActor(AsyncActor):
         metrics["num_generated_tokens"] = rows["num_output_tokens"]
         metrics["num_preemptions"] = [seq.num_preemptions for seq in seqs]
         metrics["num_cached_prompt_tokens"] = [seq.num_cached_tokens for seq in seqs]
+        metrics["num_cache_creation_tokens"] = [self.scheduler.cache_created(s) for s in seqs]
         metrics["num_recoveries"] = [seq.num_recoveries for seq in seqs]
         metrics["spec_num_steps"] = [seq.spec_steps for seq in seqs]
         metrics["spec_num_draft_tokens"] = [seq.spec_drafted for seq in seqs]

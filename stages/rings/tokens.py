@@ -46,6 +46,7 @@ _SCHEDULE_METRICS = (
     "num_generated_tokens",
     "num_preemptions",
     "num_cached_prompt_tokens",
+    "num_cache_creation_tokens",
     "num_recoveries",
     "spec_num_steps",
     "spec_num_draft_tokens",

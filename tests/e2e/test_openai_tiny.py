@@ -593,6 +593,12 @@ def test_prefix_cache_counters_and_per_request_figure(server, client):
     assert first.model_extra["metrics"]["num_cached_prompt_tokens"] == 0 and cached >= 32
     assert metric(port, "vllm:prefix_cache_hits_total") - hits == cached
     assert second.usage.prompt_tokens_details.cached_tokens == cached
+    # vLLM's created_cache_tokens: the prompt tokens each request wrote into the cache
+    created = [
+        r.usage.prompt_tokens_details.model_extra["created_cache_tokens"] for r in (first, second)
+    ]
+    assert cached <= created[0] <= first.usage.prompt_tokens  # the first wrote what the second read
+    assert 0 <= created[1] <= second.usage.prompt_tokens - cached
     stream = client.chat.completions.create(
         model="tiny",
         messages=messages,

@@ -283,13 +283,16 @@ class FakeEngine:
     def _metrics(
         self, request: GenerateRequest, start_ns: int, first_token_ns: int, num_tokens: int
     ) -> RequestMetrics:
-        now_ns = time.monotonic_ns()
+        # a queue of 1 ms, then a prefill and decode that take the rest, in that order
+        scheduled_ns = start_ns + 1_000_000
+        first_token_ns = max(first_token_ns, scheduled_ns)
+        now_ns = max(time.monotonic_ns(), first_token_ns + num_tokens * 1_000)
         arrival_ns = request.arrival_ns or start_ns
         return RequestMetrics(
             arrival_ns=arrival_ns,
             render_start_ns=arrival_ns,
             rendered_ns=start_ns,
-            scheduled_ns=start_ns + 1_000_000,
+            scheduled_ns=scheduled_ns,
             first_token_ns=first_token_ns,
             last_token_ns=now_ns,
             finished_ns=now_ns,

@@ -206,6 +206,8 @@ def test_a_prompt_seen_before_takes_its_cached_blocks():
     assert chunk[2] == (40, 4)  # the 40 shared tokens come from the cache
     one, two = s.by_handle[1], s.by_handle[2]
     assert two.blocks[:10] == one.blocks[:10] and two.num_cached_tokens == 40
+    # what each put into the cache: all 10 blocks for the first, the 11th for the second
+    assert (s.cache_created(one), s.cache_created(two)) == (40, 4)
     assert s.stats()["prefix_cache_hits_total"] == 40
     assert s.stats()["prefix_cache_queries_total"] == 84
 
