@@ -247,12 +247,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
                 param="min_tokens",
             )
-        for key in self.logit_bias or {}:
-            if not key.isdigit() or int(key) >= vocab_size:
-                raise APIError(
-                    f"logit_bias keys must be token ids below {vocab_size}, got {key!r}",
-                    param="logit_bias",
-                )
+        _check_logit_bias(self.logit_bias or {}, vocab_size)
         _check_token_ids(self.stop_token_ids or (), vocab_size, "stop_token_ids")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise APIError("allowed_token_ids must not be empty", param="allowed_token_ids")
@@ -813,6 +808,33 @@ def _or(value: Any, default: Any) -> Any:
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_logit_bias(logit_bias: dict[str, float], vocab_size: int) -> None:
+    """Every bad key named at once, in vLLM's words: first those that are not integers, then
+    those outside the vocabulary."""
+    not_integers = [key for key in logit_bias if not _is_integer(key)]
+    if not_integers:
+        raise APIError(
+            "logit_bias contains key(s) that cannot be converted to integer token IDs: "
+            f"{not_integers!r}",
+            param="logit_bias",
+        )
+    outside = [int(key) for key in logit_bias if not 0 <= int(key) < vocab_size]
+    if outside:
+        raise APIError(
+            f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}",
+            param="logit_bias",
+        )
+
+
+def _is_integer(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:

@@ -373,6 +373,9 @@ async def test_an_orca_load_report_rides_on_a_generation_response(
         (CHAT, chat(seed=-(2**63) - 1), "greater_than_equal"),
         (COMPLETIONS, {"prompt": None, "prompt_embeds": []}, "Either prompt or prompt_embeds"),
         (COMPLETIONS, completion(prompt=[999999]), "out of vocabulary"),
+        # every bad logit_bias key named at once (vLLM's test_chat_logit_bias_validation)
+        (CHAT, chat(logit_bias={"bad1": 1.0, "bad2": 2.0}), "['bad1', 'bad2']"),
+        (CHAT, chat(logit_bias={"5": 1.0, "999999": 2.0, "-1": 0.5}), "[999999, -1]"),
     ],
 )
 async def test_errors_carry_the_words_vllm_clients_look_for(
