@@ -70,6 +70,17 @@ except BaseException as skipped:  # a mock of a vLLM class skips the test
     assert "mocks" in str(skipped)
 else:
     raise AssertionError("no skip")
+import vllm.envs as envs
+for use in (
+    lambda: envs.VLLM_MAX_N_SEQUENCES + 1,  # a constant of vLLM's in a test's arithmetic
+    lambda: serving_chat.OpenAIServingChat.__new__(serving_chat.OpenAIServingChat),
+):
+    try:
+        use()
+    except BaseException as skipped:
+        assert "vLLM internals" in str(skipped), skipped
+    else:
+        raise AssertionError("no skip")
 """
     env_path = str(PLUGIN_DIR)
     done = subprocess.run(
