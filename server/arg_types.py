@@ -136,3 +136,56 @@ def speculative_config(text: str) -> SpeculativeConfig:
         return SpeculativeConfig.parse(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _typed_keys(text: str, types: dict[str, type], flag: str) -> dict[str, Any]:
+    """A JSON object whose keys are among `types`, each value of its type."""
+    config = json_object(text)
+    for key, value in config.items():
+        expected = types.get(key)
+        if expected is None:
+            raise argparse.ArgumentTypeError(
+                f"{flag} has no key {key!r}; its keys: {', '.join(sorted(types))}"
+            )
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise argparse.ArgumentTypeError(
+                f"{flag}'s {key} must be a {expected.__name__}, got {value!r}"
+            )
+    return config
+
+
+# vLLM's StructuredOutputsConfig: its keys and their types
+STRUCTURED_OUTPUTS_KEYS: dict[str, type] = {
+    "backend": str,
+    "disable_fallback": bool,
+    "disable_any_whitespace": bool,
+    "disable_additional_properties": bool,
+    "reasoning_parser": str,
+    "reasoning_parser_plugin": str,
+    "enable_in_reasoning": bool,
+}
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+
+
+def structured_outputs_config(text: str) -> dict[str, Any]:
+    """vLLM's --structured-outputs-config, checked: known keys, values of their types, a backend
+    vLLM names (what the server makes of each is server/cli.py's _structured_outputs)."""
+    config = _typed_keys(text, STRUCTURED_OUTPUTS_KEYS, "--structured-outputs-config")
+    backend = config.get("backend", "auto")
+    if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"backend {backend!r} is not one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}"
+        )
+    return config
+
+
+# vLLM's ReasoningConfig: the texts thinking_token_budget opens and forces
+REASONING_KEYS: dict[str, type] = {
+    "reasoning_parser": str,
+    "reasoning_start_str": str,
+    "reasoning_end_str": str,
+}
+
+
+def reasoning_config(text: str) -> dict[str, Any]:
+    return _typed_keys(text, REASONING_KEYS, "--reasoning-config")

@@ -35,6 +35,7 @@ from server.logs import configure_server_logging
 from server.options import ATTENTION_BACKENDS, OPTIONS, build_parser
 from server.serve import serve_app
 from server.systemd import Notifier, PipelineState, monitor, status_line
+from server.vllm_configs import check_structured_outputs, merge_dotted, resolve_reasoning
 from stages.config import EngineConfig, default_model_path, generation_defaults
 from stages.device import default_dtype, resolve_device
 from stages.lora import LoraConfig, LoraError, read_adapter
@@ -93,10 +94,12 @@ def parse_args(
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # `pipeline-serve serve MODEL`, as `vllm serve MODEL`
         argv = argv[1:]
-    args = parser.parse_args(argv)
+    args = parser.parse_args(merge_dotted(argv))
     model = _model(parser, args)
     device = resolve_device(args.device)
     _check_flags(parser, args, model, device)
+    resolve_reasoning(parser, args)
+    structured_outputs_backend = check_structured_outputs(parser, args)
     if args.gpu_memory_utilization is not None and device != "cuda":
         args.kv_cache_memory = _cpu_kv_cache_memory(parser, args, model.path)
     names = _served_model_names(args, model)
@@ -119,6 +122,7 @@ def parse_args(
         .strip()
         .lower()
         in ("1", "true"),
+        structured_outputs_backend=structured_outputs_backend,
         **{entry.server: getattr(args, entry.dest) for entry in OPTIONS if entry.server},
     )
     return config, _engine_config(args, model, device, names[0], sampling, lora)
@@ -328,6 +332,8 @@ def _engine_config(
         "lora": lora,
         "default_max_tokens": sampling.default_max_tokens,
         "max_tokens_cap": sampling.max_tokens_cap,
+        "reasoning_start_str": (args.reasoning_config or {}).get("reasoning_start_str"),
+        "reasoning_end_str": (args.reasoning_config or {}).get("reasoning_end_str"),
     }
     given = {entry.engine: getattr(args, entry.dest) for entry in OPTIONS if entry.engine}
     overrides = {name: value for name, value in {**given, **derived}.items() if value is not None}

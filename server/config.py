@@ -35,6 +35,8 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     # Output parsing for chat (stages.text.parsers), named and switched on as in `vllm serve`.
     reasoning_parser: str | None = None  # --reasoning-parser: reasoning_content split out
+    # --structured-outputs-config's backend as asked (vLLM's names); llguidance compiles them all
+    structured_outputs_backend: str = "auto"
     tool_call_parser: str | None = None  # --tool-call-parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" works
     # Chat: the role of the reply when add_generation_prompt is set (vLLM's --response-role),

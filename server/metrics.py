@@ -11,7 +11,7 @@ import re
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -358,6 +358,17 @@ class ServerMetrics:
         labels = self._series[engine]
         self.request_params_n.labels(*labels).observe(n)
         self.request_max_generation_tokens.labels(*labels).observe(max_num_generation_tokens)
+
+    def structured_outputs(self, requested: str, backend: str) -> None:
+        """What compiles the grammars (`backend`, vLLM's name for it) and the backend that
+        --structured-outputs-config asked for, as an info gauge."""
+        info = Gauge(
+            "vllm:structured_outputs_info",
+            "The structured-outputs backend that compiles grammars, and the one asked for.",
+            ["model_name", "backend", "requested"],
+            registry=self.registry,
+        )
+        info.labels(self._series[0][0], backend, requested).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,6 +38,7 @@ from server.serving import (
     close_choices,
     start,
 )
+from server.vllm_configs import SERVED_BACKEND
 from stages.api import ChatPrompt, EngineClient, EngineError, GenerateRequest, SamplingParams
 
 log = structlog.get_logger("server")
@@ -191,6 +192,7 @@ class OpenAIServing:
         self.metrics = ServerMetrics(
             engine.stats, self.served_model_name, engine.model_info.num_engines
         )
+        self.metrics.structured_outputs(config.structured_outputs_backend, SERVED_BACKEND)
         self.fingerprint = f"pipeline-serve-{server_version()}"
         self.api_key = config.api_key.encode() if config.api_key is not None else None
         self.unknown_fields = UnknownFields(config.log_level == "debug")

@@ -24,8 +24,10 @@ from server.arg_types import (
     port,
     positive_int,
     positive_seconds,
+    reasoning_config,
     seconds,
     speculative_config,
+    structured_outputs_config,
 )
 from server.config import ServerConfig
 from server.limits import (
@@ -488,6 +490,27 @@ OPTIONS: tuple[Option, ...] = (
         choices=sorted(REASONING_PARSERS),
         help="split <think>...</think> out of chat output into reasoning_content: deepseek_r1 "
         "(reasoning from the first token), qwen3 (only inside the tags)",
+    ),
+    option(
+        "--reasoning-config",
+        metavar="JSON",
+        type=reasoning_config,
+        help='vLLM\'s {"reasoning_start_str": "<think>", "reasoning_end_str": "Time to '
+        'answer.</think>"} (or --reasoning-config.KEY VALUE): the text that opens the thinking '
+        "and the text forced when a request's thinking_token_budget is spent; each defaults to "
+        "the reasoning parser's tag, and with both a budget needs no parser",
+    ),
+    option(
+        "--structured-outputs-config",
+        vllm="the flag; every grammar is compiled by llguidance (its guidance backend)",
+        metavar="JSON",
+        type=structured_outputs_config,
+        help='vLLM\'s {"backend": "auto", ...} (or --structured-outputs-config.KEY VALUE). '
+        "Grammars are compiled by llguidance (vLLM's guidance backend): another backend is "
+        "served by it, logged at start and in /metrics (vllm:structured_outputs_info); JSON is "
+        "always compact (disable_any_whitespace) and a grammar holds from the first token "
+        "(enable_in_reasoning: true); disable_additional_properties, reasoning_parser_plugin "
+        "and enable_in_reasoning false are refused",
     ),
     option(
         "--trust-request-chat-template",

@@ -135,6 +135,10 @@ class EngineConfig:
     data_parallel_rank: int = 0
     # --data-parallel-routing: "cache_aware" or "round_robin" (stages/router.py)
     data_parallel_routing: str = "cache_aware"
+    # --reasoning-config (vLLM's ReasoningConfig) for thinking_token_budget: the text that opens
+    # the thinking and the text forced when a budget is spent; empty: the reasoning parser's tags.
+    reasoning_start_str: str = ""
+    reasoning_end_str: str = ""
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}

@@ -213,7 +213,8 @@ def map_args(args: list[str]) -> tuple[list[str], list[str]]:
     while i < len(args):
         arg = str(args[i])
         name, has_inline, _ = arg.partition("=")
-        takes_value = known.get(name)
+        # vLLM's dotted form of a JSON config flag (--structured-outputs-config.backend X)
+        takes_value = known.get(name.partition(".")[0] if "." in name else name)
         if name in MODEL_FLAGS or (name.startswith("-") and takes_value is None):
             dropped.append(name)
             # a value follows unless it is another flag (or inline)

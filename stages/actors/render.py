@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import anyio.to_thread
@@ -42,6 +42,7 @@ from stages.text.snapshot import tokenizer_of
 from stages.text.structured import GRAMMAR_STACK_BYTES, compile_grammar
 from stages.text.template_sandbox import TemplateSandbox
 from stages.text.thinking import ThinkingBudget
+from stages.text.tokenizer import TokenizerBundle
 
 INLINE_PROMPT_CHARS = 32 * 1024  # about 8k tokens: milliseconds to template and tokenize
 RENDER_THREADS = 2
@@ -252,30 +253,43 @@ class RenderActor(AsyncActor):
         )
 
     def thinking_budget(self, request: GenerateRequest, ids: list[int]) -> ThinkingBudget | None:
-        """The request's thinking_token_budget with its reasoning parser's tags as tokens."""
-        budget = request.sampling.thinking_token_budget
-        if budget is None:
-            return None
-        if request.reasoning_parser is None:
-            raise EngineError(
-                "thinking_token_budget needs a reasoning parser (--reasoning-parser), whose "
-                "tags mark the thinking",
-                param="thinking_token_budget",
-            )
-        if request.sampling.structured is not None:
-            # the grammar holds from the first token here, so it would refuse the close tag
-            raise EngineError(
-                "thinking_token_budget cannot be combined with structured outputs",
-                param="thinking_token_budget",
-            )
-        tags = REASONING_PARSERS[request.reasoning_parser]
-        return ThinkingBudget.of(
-            budget,
-            self.bundle.encode(tags.start, add_bos=False),
-            self.bundle.encode(tags.end, add_bos=False),
-            ids,
-            tags.starts_inside,
+        return thinking_budget(request, ids, self.bundle, self.ctx.config)
+
+
+def thinking_budget(
+    request: GenerateRequest, ids: Sequence[int], bundle: TokenizerBundle, config: EngineConfig
+) -> ThinkingBudget | None:
+    """The request's thinking_token_budget with its think tags as tokens (vLLM's rule: the
+    open and forced texts of --reasoning-config, else the reasoning parser's tags; the model
+    ends its thinking itself with the parser's close tag, else with the forced text)."""
+    budget = request.sampling.thinking_token_budget
+    if budget is None:
+        return None
+    parser = request.reasoning_parser
+    tags = REASONING_PARSERS[parser] if parser is not None else None
+    start = config.reasoning_start_str or (tags.start if tags else "")
+    forced = config.reasoning_end_str or (tags.end if tags else "")
+    if not start or not forced:
+        raise EngineError(
+            "thinking_token_budget needs the tags that mark the thinking: a reasoning parser "
+            "(--reasoning-parser) or --reasoning-config's reasoning_start_str and "
+            "reasoning_end_str",
+            param="thinking_token_budget",
         )
+    if request.sampling.structured is not None:
+        # the grammar holds from the first token here, so it would refuse the close tag
+        raise EngineError(
+            "thinking_token_budget cannot be combined with structured outputs",
+            param="thinking_token_budget",
+        )
+    return ThinkingBudget.of(
+        budget,
+        bundle.encode(start, add_bos=False),
+        bundle.encode(tags.end if tags else forced, add_bos=False),
+        ids,
+        tags is not None and tags.starts_inside,
+        bundle.encode(forced, add_bos=False),
+    )
 
 
 def _slow_to_render(request: GenerateRequest) -> bool:

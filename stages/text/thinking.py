@@ -18,9 +18,12 @@ class ThinkingBudget(msgspec.Struct, frozen=True, array_like=True):
 
     budget: int  # tokens allowed inside the tags
     start_ids: tuple[int, ...]  # the open tag's tokens
-    end_ids: tuple[int, ...]  # the close tag's tokens, forced when the budget is spent
+    end_ids: tuple[int, ...]  # the close tag's tokens (where the model ends its thinking itself)
     inside: bool  # the output begins inside the tags
     count: int = 0  # thinking tokens the prompt already holds after its open tag
+    # what is forced when the budget is spent (--reasoning-config's reasoning_end_str: a
+    # transition phrase before the close tag, say); () : the close tag itself
+    forced_ids: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -30,6 +33,7 @@ class ThinkingBudget(msgspec.Struct, frozen=True, array_like=True):
         end_ids: Sequence[int],
         prompt_ids: Sequence[int],
         implied: bool,  # the parser's rule: the output begins in reasoning (DeepSeek-R1)
+        forced_ids: Sequence[int] = (),
     ) -> ThinkingBudget:
         """As vLLM reads the prompt: inside when its last open tag comes after its last close
         tag, and the tokens after that open tag count already."""
@@ -37,18 +41,20 @@ class ThinkingBudget(msgspec.Struct, frozen=True, array_like=True):
         last_end = _last_index(prompt_ids, end_ids)
         opened = last_start > last_end
         count = len(prompt_ids) - (last_start + len(start_ids)) if opened else 0
-        return cls(budget, tuple(start_ids), tuple(end_ids), opened or implied, count)
+        forced = tuple(forced_ids) if tuple(forced_ids) != tuple(end_ids) else ()
+        return cls(budget, tuple(start_ids), tuple(end_ids), opened or implied, count, forced)
 
 
 class ThinkingTracker:
     """Follows one request's sampled tokens: inside the tags or not, how many it thought, and the
     end tag's tokens still to force."""
 
-    __slots__ = ("_end", "_forcing", "_start", "_tail", "budget", "count", "inside")
+    __slots__ = ("_end", "_forced", "_forcing", "_start", "_tail", "budget", "count", "inside")
 
     def __init__(self, spec: ThinkingBudget) -> None:
         self.budget = spec.budget
         self._start, self._end = spec.start_ids, spec.end_ids
+        self._forced = spec.forced_ids or spec.end_ids
         self.inside = spec.inside
         self.count = spec.count
         self._forcing = -1  # index into the end tag being forced; -1: not forcing
@@ -57,11 +63,11 @@ class ThinkingTracker:
     def forced(self) -> int:
         """The token the next sample must be (-1: any)."""
         self._begin_forcing()
-        return self._end[self._forcing] if self._forcing >= 0 else -1
+        return self._forced[self._forcing] if self._forcing >= 0 else -1
 
     def _begin_forcing(self) -> None:
-        """The budget is spent: the close tag's tokens are forced from the next one on."""
-        if self._forcing < 0 and self.inside and self.count >= self.budget and self._end:
+        """The budget is spent: the end's tokens are forced from the next one on."""
+        if self._forcing < 0 and self.inside and self.count >= self.budget and self._forced:
             self._forcing = 0
 
     def forced_along(self, drafts: Sequence[int]) -> list[int]:
@@ -74,6 +80,7 @@ class ThinkingTracker:
         probe = ThinkingTracker.__new__(ThinkingTracker)
         probe.budget, probe.count, probe.inside = self.budget, self.count, self.inside
         probe._start, probe._end, probe._forcing = self._start, self._end, self._forcing
+        probe._forced = self._forced
         probe._tail = deque(self._tail, maxlen=self._tail.maxlen)
         for token in drafts:
             probe.consume(token)
@@ -87,7 +94,7 @@ class ThinkingTracker:
         self._tail.append(token)
         if self._forcing >= 0:
             self._forcing += 1
-            if self._forcing == len(self._end):
+            if self._forcing == len(self._forced):
                 self._forcing, self.inside, self.count = -1, False, 0
             return
         if _ends_with(self._tail, self._end):

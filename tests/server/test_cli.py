@@ -482,3 +482,54 @@ def test_an_fp8_kv_cache_is_cuda_only_and_its_scales_need_it(
     fp8 = dataclasses.replace(model, kv_cache_dtype="fp8")
     bf16 = dataclasses.replace(model, kv_cache_dtype="bfloat16")
     assert num_kv_blocks(fp8) == 2 * num_kv_blocks(bf16)
+
+
+def test_vllms_dotted_config_keys_fold_into_the_json() -> None:
+    argv = [
+        "dummy",
+        "--reasoning-config",
+        '{"reasoning_start_str": "<think>", "reasoning_end_str": "x"}',
+        "--reasoning-config.reasoning_end_str",
+        "Time to answer.</think>",  # a dotted key wins over the same key of the JSON
+        "--speculative-config.method=ngram",
+        "--speculative-config.num_speculative_tokens",
+        "3",  # read as JSON: the number 3
+    ]
+    _, engine = parse_args(argv, environ={})
+    assert (engine.reasoning_start_str, engine.reasoning_end_str) == (
+        "<think>",
+        "Time to answer.</think>",
+    )
+    assert engine.speculative is not None and engine.speculative.num_speculative_tokens == 3
+
+
+def test_the_structured_outputs_config_is_served_by_llguidance_or_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with structlog.testing.capture_logs() as logs:
+        config, _ = parse_args(["dummy", "--structured-outputs-config.backend", "xgrammar"], {})
+    assert config.structured_outputs_backend == "xgrammar"
+    assert any(  # served by llguidance instead, and the start says so
+        line.get("requested") == "xgrammar" and line["backend"] == "guidance" for line in logs
+    )
+    assert parse_args(["dummy"], {})[0].structured_outputs_backend == "auto"
+    # vLLM's other way of naming the reasoning parser
+    named = parse_args(["dummy", "--structured-outputs-config.reasoning_parser", "qwen3"], {})
+    assert named[0].reasoning_parser == "qwen3"
+    for refused in (
+        '{"backend": "nope"}',
+        '{"disable_additional_properties": true}',
+        '{"enable_in_reasoning": false}',
+        '{"reasoning_parser_plugin": "/x.py"}',
+        '{"disable_fallback": "yes"}',  # not a bool
+        '{"bakend": "auto"}',  # no such key
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["dummy", "--structured-outputs-config", refused], {})
+        assert "structured-outputs-config" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # two parsers that differ
+        parse_args(
+            ["dummy", "--reasoning-parser", "qwen3", "--reasoning-config.reasoning_parser", "x"],
+            {},
+        )
+    assert "reasoning parser" in capsys.readouterr().err

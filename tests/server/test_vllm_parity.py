@@ -451,3 +451,16 @@ async def test_tools_leave_the_prompt_when_tool_choice_is_none_if_the_server_say
     prompt = engine.requests[-1].prompt
     assert isinstance(prompt, ChatPrompt)
     assert prompt.tools == (None if exclude else tools)
+
+
+async def test_metrics_say_which_backend_compiles_the_grammars(make_app: Any) -> None:
+    """--structured-outputs-config's backend is served by llguidance (vLLM's guidance): the
+    substitution is in /metrics, not only in the start's log."""
+    for requested in ("xgrammar", "auto"):
+        text = await (
+            await make_app(structured_outputs_backend=requested).test_client().get("/metrics")
+        ).get_data(as_text=True)
+        assert (
+            f'vllm:structured_outputs_info{{backend="guidance",model_name="fake-model",'
+            f'requested="{requested}"}} 1.0'
+        ) in text

@@ -3,6 +3,11 @@ forced once the budget is spent."""
 
 from __future__ import annotations
 
+import pytest
+
+from stages.actors.render import thinking_budget
+from stages.api import EngineError, GenerateRequest, SamplingParams, TextPrompt
+from stages.config import EngineConfig
 from stages.text.thinking import ThinkingBudget, ThinkingTracker
 
 START, END = (1, 2), (3, 4)  # two-token tags, as "<think>" is in a vocabulary without it
@@ -81,3 +86,54 @@ def test_tokens_taken_several_a_step_follow_the_close_tag_forced_among_them():
     assert tracker.forced() == 4
     tracker.consume(4)
     assert not tracker.inside and tracker.forced() == -1
+
+
+def test_a_forced_end_of_its_own_is_forced_and_the_close_tag_still_ends_the_thinking():
+    """--reasoning-config's reasoning_end_str: a transition phrase and the close tag are forced
+    when the budget is spent; a model that closes the tag itself in time is left alone."""
+    forced = (9, 9, *END)  # "Time to answer." then the close tag
+    spent = ThinkingTracker(ThinkingBudget(2, START, END, inside=True, forced_ids=forced))
+    assert run(spent, [7, 8, 5, 5, 5, 5, 6]) == [7, 8, 9, 9, 3, 4, 5]
+    assert not spent.inside
+    in_time = ThinkingTracker(ThinkingBudget(5, START, END, inside=True, forced_ids=forced))
+    assert run(in_time, [7, 3, 4, 5, 5, 5, 5]) == [7, 3, 4, 5, 5, 5, 5]
+
+
+def test_a_forced_end_equal_to_the_close_tag_is_not_stored_twice():
+    assert ThinkingBudget.of(5, START, END, [9], implied=False, forced_ids=END).forced_ids == ()
+
+
+class _Words:
+    """A tokenizer of one token per known word (what render's budget needs of one)."""
+
+    VOCAB = {"<think>": (1, 2), "</think>": (3, 4), "[begin]": (6,), "Answer now.": (9, 9)}
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return list(self.VOCAB.get(text, (8,)))
+
+
+def _budgeted(parser: str | None) -> GenerateRequest:
+    sampling = SamplingParams(thinking_token_budget=3)
+    return GenerateRequest("r", TextPrompt("x"), sampling, reasoning_parser=parser)
+
+
+def test_render_takes_the_tags_of_the_reasoning_config_before_the_parsers():
+    words = _Words()
+    plain = EngineConfig(model_path="m")
+    # the parser's tags alone
+    qwen = thinking_budget(_budgeted("qwen3"), [5], words, plain)
+    assert qwen is not None and (qwen.start_ids, qwen.end_ids, qwen.forced_ids) == (START, END, ())
+    # a forced end of its own: the parser's close tag still ends the thinking
+    ending = EngineConfig(model_path="m", reasoning_end_str="Answer now.")
+    forced = thinking_budget(_budgeted("qwen3"), [5], words, ending)
+    assert forced is not None and (forced.end_ids, forced.forced_ids) == (END, (9, 9))
+    # both texts given: a budget needs no parser, the forced text also ends the thinking
+    both = EngineConfig(model_path="m", reasoning_start_str="[begin]", reasoning_end_str="</think>")
+    alone = thinking_budget(_budgeted(None), [6, 5], words, both)
+    assert alone is not None and (alone.start_ids, alone.end_ids) == ((6,), END)
+    assert alone.inside and alone.count == 1  # the prompt opened it
+    with pytest.raises(EngineError) as refused:
+        thinking_budget(_budgeted(None), [5], words, plain)
+    assert refused.value.param == "thinking_token_budget" and "--reasoning-config" in str(
+        refused.value
+    )
