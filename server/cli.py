@@ -334,6 +334,9 @@ def _engine_config(
         "max_tokens_cap": sampling.max_tokens_cap,
         "reasoning_start_str": (args.reasoning_config or {}).get("reasoning_start_str"),
         "reasoning_end_str": (args.reasoning_config or {}).get("reasoning_end_str"),
+        "structured_outputs_in_reasoning": (args.structured_outputs_config or {}).get(
+            "enable_in_reasoning"
+        ),
     }
     given = {entry.engine: getattr(args, entry.dest) for entry in OPTIONS if entry.engine}
     overrides = {name: value for name, value in {**given, **derived}.items() if value is not None}

@@ -508,9 +508,9 @@ OPTIONS: tuple[Option, ...] = (
         help='vLLM\'s {"backend": "auto", ...} (or --structured-outputs-config.KEY VALUE). '
         "Grammars are compiled by llguidance (vLLM's guidance backend): another backend is "
         "served by it, logged at start and in /metrics (vllm:structured_outputs_info); JSON is "
-        "always compact (disable_any_whitespace) and a grammar holds from the first token "
-        "(enable_in_reasoning: true); disable_additional_properties, reasoning_parser_plugin "
-        "and enable_in_reasoning false are refused",
+        "always compact (disable_any_whitespace); with a reasoning parser a grammar holds once "
+        "the reasoning has ended, or with enable_in_reasoning true from the first token; "
+        "disable_additional_properties and reasoning_parser_plugin are refused",
     ),
     option(
         "--trust-request-chat-template",

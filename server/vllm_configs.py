@@ -1,10 +1,11 @@
 """vLLM's JSON config flags as `vllm serve` takes them: the dotted form (`--X.key value`), and
 what --structured-outputs-config and --reasoning-config mean beside the other flags.
 
-Every grammar here is compiled by llguidance (vLLM's `guidance` backend) and holds from the first
-output token (vLLM's `enable_in_reasoning: true`); what this server cannot do as asked stops the
-start with the reason, and a backend it serves with llguidance instead is logged at start and
-shown in /metrics (`vllm:structured_outputs_info`).
+Every grammar here is compiled by llguidance (vLLM's `guidance` backend); with a reasoning parser
+it holds once the reasoning has ended, or with `enable_in_reasoning: true` from the first token,
+as in vLLM. What this server cannot do as asked stops the start with the reason, and a backend it
+serves with llguidance instead is logged at start and shown in /metrics
+(`vllm:structured_outputs_info`).
 """
 
 from __future__ import annotations
@@ -108,11 +109,6 @@ def check_structured_outputs(parser: argparse.ArgumentParser, args: argparse.Nam
         )
     if config.get("reasoning_parser_plugin"):
         parser.error("--structured-outputs-config reasoning_parser_plugin: plugins are not loaded")
-    if config.get("enable_in_reasoning") is False:
-        parser.error(
-            "--structured-outputs-config enable_in_reasoning false cannot be honoured: a grammar "
-            "holds from the first output token here, reasoning included"
-        )
     backend: str = config.get("backend", "auto")
     if backend not in ("auto", SERVED_BACKEND):
         log.warning(
@@ -120,11 +116,5 @@ def check_structured_outputs(parser: argparse.ArgumentParser, args: argparse.Nam
             "backend asked for",
             requested=backend,
             backend=SERVED_BACKEND,
-        )
-    if args.reasoning_parser is not None and "enable_in_reasoning" not in config:
-        log.info(
-            "structured outputs hold from the first output token, reasoning included (vLLM's "
-            "enable_in_reasoning: true)",
-            reasoning_parser=args.reasoning_parser,
         )
     return backend

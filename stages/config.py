@@ -139,6 +139,9 @@ class EngineConfig:
     # the thinking and the text forced when a budget is spent; empty: the reasoning parser's tags.
     reasoning_start_str: str = ""
     reasoning_end_str: str = ""
+    # --structured-outputs-config's enable_in_reasoning: a request's grammar holds from its first
+    # token, reasoning included; False (vLLM's default): once its reasoning has ended.
+    structured_outputs_in_reasoning: bool = False
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}

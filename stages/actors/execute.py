@@ -229,7 +229,7 @@ class ExecuteActor(SyncActor):
         for handle, request in requests:
             consumed = () if request.resume is None else request.resume.output_ids
             self.building[handle] = self.builder.submit(
-                self.grammars.build, request.grammar, consumed
+                self.grammars.build, request.grammar, consumed, request.grammar_after
             )
 
     def announce_matchers(self, outbox: Producer) -> None:

@@ -41,7 +41,7 @@ from stages.text.prompts import (
 from stages.text.snapshot import tokenizer_of
 from stages.text.structured import GRAMMAR_STACK_BYTES, compile_grammar
 from stages.text.template_sandbox import TemplateSandbox
-from stages.text.thinking import ThinkingBudget
+from stages.text.thinking import ThinkingBudget, last_index
 from stages.text.tokenizer import TokenizerBundle
 
 INLINE_PROMPT_CHARS = 32 * 1024  # about 8k tokens: milliseconds to template and tokenize
@@ -199,20 +199,14 @@ class RenderActor(AsyncActor):
             if keep < 0:  # what leaves room for max_tokens (or for one token)
                 keep = max(1, self.max_model_len - (s.max_tokens or 1))
             ids = truncate(ids, keep, s.truncation_side)
-        max_tokens = check_lengths(len(ids), s.max_tokens, self.max_model_len)
         config = self.ctx.config
-        if s.max_tokens is None and config.default_max_tokens is not None:
-            # the generation config's max_new_tokens, within the room left (as vLLM caps it)
-            max_tokens = min(max_tokens, config.default_max_tokens)
-        if config.max_tokens_cap is not None:
-            max_tokens = min(max_tokens, config.max_tokens_cap)
         given = (*(s.logit_bias or {}), *(s.allowed_token_ids or ()), *(s.logprob_token_ids or ()))
         for token in (*given, *s.stop_token_ids):
             if not 0 <= token < self.bundle.vocab_size:
                 raise EngineError(f"token id {token} is out of vocabulary", param="logit_bias")
         rendered = RenderedRequest(
             sampling=s,
-            max_tokens=max_tokens,
+            max_tokens=self.max_tokens(s.max_tokens, len(ids)),
             stop_token_ids=s.stop_token_ids + (() if s.ignore_eos else self.eos_ids),
             bad_words=bad_word_ids(self.bundle, s.bad_words),
             grammar="" if s.structured is None else compile_grammar(s.structured),
@@ -220,6 +214,7 @@ class RenderActor(AsyncActor):
             cache_salt=request.cache_salt,
             thinking=self.thinking_budget(request, ids),
             lora=request.lora,
+            grammar_after=grammar_after(request, ids, self.bundle, config),
         )
         detok = DetokParams(
             stop=s.stop,
@@ -252,6 +247,17 @@ class RenderActor(AsyncActor):
             detok=encoder.encode(detok),
         )
 
+    def max_tokens(self, asked: int | None, num_prompt_tokens: int) -> int:
+        """The request's max_tokens against the room its prompt leaves; with none asked, the
+        generation config's default within it (as vLLM caps it); and the server's cap."""
+        max_tokens = check_lengths(num_prompt_tokens, asked, self.max_model_len)
+        config: EngineConfig = self.ctx.config
+        if asked is None and config.default_max_tokens is not None:
+            max_tokens = min(max_tokens, config.default_max_tokens)
+        if config.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, config.max_tokens_cap)
+        return max_tokens
+
     def thinking_budget(self, request: GenerateRequest, ids: list[int]) -> ThinkingBudget | None:
         return thinking_budget(request, ids, self.bundle, self.ctx.config)
 
@@ -276,10 +282,11 @@ def thinking_budget(
             "reasoning_end_str",
             param="thinking_token_budget",
         )
-    if request.sampling.structured is not None:
-        # the grammar holds from the first token here, so it would refuse the close tag
+    if request.sampling.structured is not None and config.structured_outputs_in_reasoning:
+        # the grammar holds from the first token, so it would refuse the close tag
         raise EngineError(
-            "thinking_token_budget cannot be combined with structured outputs",
+            "thinking_token_budget cannot be combined with structured outputs under "
+            "--structured-outputs-config enable_in_reasoning true",
             param="thinking_token_budget",
         )
     return ThinkingBudget.of(
@@ -290,6 +297,25 @@ def thinking_budget(
         tags is not None and tags.starts_inside,
         bundle.encode(forced, add_bos=False),
     )
+
+
+def grammar_after(
+    request: GenerateRequest, ids: Sequence[int], bundle: TokenizerBundle, config: EngineConfig
+) -> tuple[int, ...]:
+    """The reasoning parser's close tag as tokens when a constrained request reasons first
+    (vLLM's rule, enable_in_reasoning false: the grammar holds once the reasoning has ended,
+    which a prompt whose last think tag is the close tag has already); () otherwise."""
+    parser = request.reasoning_parser
+    if request.sampling.structured is None or parser is None:
+        return ()
+    if config.structured_outputs_in_reasoning:
+        return ()
+    tags = REASONING_PARSERS[parser]
+    start = bundle.encode(tags.start, add_bos=False)
+    end = bundle.encode(tags.end, add_bos=False)
+    if last_index(ids, end) > last_index(ids, start):
+        return ()
+    return tuple(end)
 
 
 def _slow_to_render(request: GenerateRequest) -> bool:

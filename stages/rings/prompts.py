@@ -25,6 +25,9 @@ class RenderedRequest(msgspec.Struct, frozen=True, array_like=True):
     stop_token_ids: tuple[int, ...]  # the request's, and the model's EOS ids unless ignore_eos
     bad_words: tuple[tuple[int, ...], ...] = ()  # each bad word's tokens, alone and after a space
     grammar: str = ""  # compiled llguidance grammar (stages.text.structured); "": unconstrained
+    # The tokens that end the reasoning, after which the grammar holds (vLLM's structured
+    # outputs with a reasoning parser, enable_in_reasoning false); (): from the first token.
+    grammar_after: tuple[int, ...] = ()
     resume: Resume | None = None  # resubmitted after a stage failure: the outputs already sent
     cache_salt: str | None = None  # mixed into the first prompt block's hash (prefix caching)
     thinking: ThinkingBudget | None = None  # thinking_token_budget, with the tags as tokens

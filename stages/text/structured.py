@@ -13,6 +13,7 @@ this; its masks take tens of microseconds per row.
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -130,6 +131,29 @@ def _structural_tag(spec: object) -> str:
     return llguidance.StructTag.to_grammar(tags)
 
 
+class ReasoningGate:
+    """A constrained request that reasons first (vLLM's enable_in_reasoning false): its grammar
+    holds only once the output has ended the reasoning with `end_ids` (the parser's close tag);
+    until then the request samples freely and its matcher takes no token."""
+
+    __slots__ = ("_end", "_tail")
+
+    def __init__(self, end_ids: Sequence[int]) -> None:
+        self._end = list(end_ids)
+        self._tail: deque[int] = deque(maxlen=len(self._end))
+
+    def passes(self, token: int) -> bool:
+        """Feed an output token; True once it ended the reasoning (the grammar holds from the
+        token after it)."""
+        self._tail.append(token)
+        return len(self._tail) == len(self._end) and list(self._tail) == self._end
+
+    def copy(self) -> ReasoningGate:
+        probe = ReasoningGate(self._end)
+        probe._tail.extend(self._tail)
+        return probe
+
+
 class GrammarMatchers:
     """Execute's matchers, one per constrained request, and the masks they write for a step.
 
@@ -146,6 +170,7 @@ class GrammarMatchers:
         self.width = (vocab_size + 31) // 32  # int32 words per mask row
         self._eos_ids = list(eos_ids)
         self._matchers: dict[int, llguidance.LLMatcher] = {}
+        self._gates: dict[int, ReasoningGate] = {}  # requests still reasoning, grammar waiting
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -153,24 +178,39 @@ class GrammarMatchers:
     def __contains__(self, handle: int) -> bool:
         return handle in self._matchers
 
-    def build(self, grammar: str, consumed: Sequence[int] = ()) -> llguidance.LLMatcher:
+    def build(
+        self, grammar: str, consumed: Sequence[int] = (), after: Sequence[int] = ()
+    ) -> tuple[llguidance.LLMatcher, ReasoningGate | None]:
         """A matcher of the grammar that has taken the tokens `consumed` (a request resumed after
-        a stage failure). Up to seconds for a large grammar, with the GIL released: execute calls
-        it in a worker thread (with a stack of GRAMMAR_STACK_BYTES), then `add`s the matcher."""
+        a stage failure), and with `after` (the tokens that end the reasoning) the gate that
+        holds it back until they were written. Up to seconds for a large grammar, with the GIL
+        released: execute calls it in a worker thread (with a stack of GRAMMAR_STACK_BYTES),
+        then `add`s what it built."""
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        gate = ReasoningGate(after) if after else None
         for token in consumed:
-            if not matcher.is_error():
+            if gate is not None:
+                gate = None if gate.passes(token) else gate
+            elif not matcher.is_error():
                 matcher.consume_token(token)
-        return matcher
+        return matcher, gate
 
-    def add(self, handle: int, matcher: llguidance.LLMatcher) -> None:
-        self._matchers[handle] = matcher
+    def add(self, handle: int, built: tuple[llguidance.LLMatcher, ReasoningGate | None]) -> None:
+        self._matchers[handle], gate = built
+        if gate is not None:
+            self._gates[handle] = gate
 
     def drop(self, handle: int) -> None:
         self._matchers.pop(handle, None)
+        self._gates.pop(handle, None)
 
     def consume(self, handle: int, token: int) -> None:
         """The token sampled for the request (a constrained one; others are ignored)."""
+        gate = self._gates.get(handle)
+        if gate is not None:
+            if gate.passes(token):
+                del self._gates[handle]
+            return
         matcher = self._matchers.get(handle)
         if matcher is not None and not matcher.is_error():
             matcher.consume_token(token)
@@ -187,10 +227,30 @@ class GrammarMatchers:
         out = np.full((1 if last_only else 1 + len(drafts), self.width), -1, np.int32)
         if matcher.is_error():
             return self.masks([handle] * len(out), [True] * len(out))
+        gate = self._gates.get(handle)
+        start = 0  # the positions before the reasoning's end sample freely (rows of all ones)
+        if gate is not None:
+            probe = gate.copy()
+            # the grammar holds after the draft that ends the reasoning, if one does
+            start = next((j for j, t in enumerate(drafts, 1) if probe.passes(int(t))), 0)
+            if not start:
+                return out
+            drafts = drafts[start:]
         if not last_only:
-            matcher.unsafe_compute_mask_ptr(out[0].ctypes.data, out[0].nbytes)
+            matcher.unsafe_compute_mask_ptr(out[start].ctypes.data, out[start].nbytes)
+        return self._masks_after(matcher, drafts, out, start, last_only)
+
+    def _masks_after(
+        self,
+        matcher: llguidance.LLMatcher,
+        drafts: Sequence[int],
+        out: np.ndarray,
+        start: int,
+        last_only: bool,
+    ) -> np.ndarray:
+        """draft_masks from row `start` on, its mask written: the drafts taken in turn."""
         consumed = 0
-        for j, token in enumerate(drafts, start=1):
+        for j, token in enumerate(drafts, start=start + 1):
             if matcher.is_stopped() or matcher.try_consume_tokens([int(token)]) != 1:
                 if not last_only:
                     out[j:] = out[j - 1]
@@ -210,7 +270,7 @@ class GrammarMatchers:
         rows = [
             (row, self._matchers[handle])
             for row, (handle, samples) in enumerate(zip(handles, sampling, strict=True))
-            if samples and handle in self._matchers
+            if samples and handle in self._matchers and handle not in self._gates
         ]
         if not rows:
             return np.zeros((len(handles), 0), np.int32)

@@ -37,8 +37,8 @@ class ThinkingBudget(msgspec.Struct, frozen=True, array_like=True):
     ) -> ThinkingBudget:
         """As vLLM reads the prompt: inside when its last open tag comes after its last close
         tag, and the tokens after that open tag count already."""
-        last_start = _last_index(prompt_ids, start_ids)
-        last_end = _last_index(prompt_ids, end_ids)
+        last_start = last_index(prompt_ids, start_ids)
+        last_end = last_index(prompt_ids, end_ids)
         opened = last_start > last_end
         count = len(prompt_ids) - (last_start + len(start_ids)) if opened else 0
         forced = tuple(forced_ids) if tuple(forced_ids) != tuple(end_ids) else ()
@@ -109,7 +109,7 @@ def _ends_with(tail: deque[int], tag: Sequence[int]) -> bool:
     return bool(tag) and len(tail) >= len(tag) and list(tail)[-len(tag) :] == list(tag)
 
 
-def _last_index(ids: Sequence[int], tag: Sequence[int]) -> int:
+def last_index(ids: Sequence[int], tag: Sequence[int]) -> int:
     """Where the last occurrence of `tag` starts in `ids`; -1 if nowhere."""
     if not tag:
         return -1

@@ -519,7 +519,6 @@ def test_the_structured_outputs_config_is_served_by_llguidance_or_refused(
     for refused in (
         '{"backend": "nope"}',
         '{"disable_additional_properties": true}',
-        '{"enable_in_reasoning": false}',
         '{"reasoning_parser_plugin": "/x.py"}',
         '{"disable_fallback": "yes"}',  # not a bool
         '{"bakend": "auto"}',  # no such key

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 
 import pytest
@@ -630,10 +631,18 @@ def test_a_prefix_cache_reset_makes_a_repeated_prompt_compute_again(engine_loop)
 
 def test_reasoning_tokens_are_counted_in_the_detokenize_stage(engine_loop):
     """A grammar makes the random model write think tags; the final output says how many output
-    tokens lie inside them (a token counts when any of its characters is reasoning)."""
+    tokens lie inside them (a token counts when any of its characters is reasoning). The prompt
+    ends with closed tags (as a template that turns thinking off writes), so the grammar holds
+    from the first token instead of after the reasoning (vLLM's rule)."""
     engine, loop = engine_loop
     shape = StructuredOutput("regex", "<think>[a-z ]{8,24}</think>[a-z]{2,6}", "guided_regex")
-    req = replace(request(temperature=0, max_tokens=48, structured=shape), reasoning_parser="qwen3")
+    bundle = engine.bundle
+    closed = list(bundle.encode("Hello world!"))
+    closed += bundle.encode("<think>", add_bos=False) + bundle.encode("</think>", add_bos=False)
+    req = replace(
+        request(TokensPrompt(closed), temperature=0, max_tokens=48, structured=shape),
+        reasoning_parser="qwen3",
+    )
     outs = loop.run(collect(engine, req))
     final = outs[-1]
     assert all(o.num_reasoning_tokens == 0 for o in outs[:-1])
@@ -671,15 +680,21 @@ def test_thinking_token_budget_forces_the_end_of_thinking(engine_loop):
     free = replace(budgeted, sampling=replace(budgeted.sampling, thinking_token_budget=None))
     unbudgeted = [t for o in loop.run(collect(engine, free)) for t in o.token_ids]
     assert unbudgeted[:4] == ids[:4] and unbudgeted[4 : 4 + len(end)] != end  # same seed
-    without_parser = request(max_tokens=4, thinking_token_budget=4)
+    with pytest.raises(EngineError) as info:  # no tags to count the thinking by
+        loop.run(collect(engine, request(max_tokens=4, thinking_token_budget=4)))
+    assert info.value.status == 400 and info.value.param == "thinking_token_budget"
+    # under a grammar (vLLM's default, enable_in_reasoning false): the thinking is free, its
+    # end forced, and the grammar holds from there
     with_grammar = replace(
         budgeted,
-        sampling=replace(budgeted.sampling, structured=StructuredOutput("regex", "[a-z]+")),
+        sampling=replace(
+            budgeted.sampling, structured=StructuredOutput("regex", "[a-z]{3}"), ignore_eos=False
+        ),
     )
-    for refused in (without_parser, with_grammar):
-        with pytest.raises(EngineError) as info:
-            loop.run(collect(engine, refused))
-        assert info.value.status == 400 and info.value.param == "thinking_token_budget"
+    outs = loop.run(collect(engine, with_grammar))
+    ids = [t for o in outs for t in o.token_ids]
+    assert ids[4 : 4 + len(end)] == end
+    assert re.fullmatch("[a-z]{3}", "".join(o.text for o in outs))
 
 
 def test_every_planned_step_lands_in_the_iteration_tokens_histogram(engine_loop):

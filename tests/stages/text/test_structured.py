@@ -165,7 +165,7 @@ def test_the_deepest_grammars_within_the_limits_compile_on_a_grammar_thread(matc
 
     def compile_and_build() -> None:
         for spec in deep_specs():
-            built.append(matchers.build(compile_grammar(spec)))
+            built.append(matchers.build(compile_grammar(spec))[0])
 
     previous = threading.stack_size(GRAMMAR_STACK_BYTES)
     try:
@@ -221,7 +221,7 @@ def test_draft_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(matche
     assert masks.shape == (len(drafts) + 1, before.shape[0])
     assert (masks[0] == before).all()
     # after each accepted draft, the mask is the one a matcher that took it would give
-    probe = matchers.build(grammar)
+    probe, _ = matchers.build(grammar)
     for j, token in enumerate(ab + cd, start=1):
         probe.consume_token(token)
         want = np.full_like(before, -1)
@@ -289,3 +289,40 @@ def test_a_malformed_structural_tag_is_a_400(tag):
     with pytest.raises(EngineError) as info:
         compile_grammar(spec)
     assert info.value.status == 400 and info.value.param == "response_format"
+
+
+def test_a_request_that_reasons_first_is_free_until_its_reasoning_ends(matchers, bundle):
+    """vLLM's structured outputs with a reasoning parser (enable_in_reasoning false): the
+    grammar holds once the close tag is written, and the matcher takes nothing before it."""
+    grammar = compile_grammar(StructuredOutput("regex", "[0-9]{3}"))
+    end = bundle.encode("</think>", add_bos=False)
+    matchers.add(1, matchers.build(grammar, after=end))
+    thinking = bundle.encode("<think>Let me see", add_bos=False)
+    for token in thinking + end[:-1]:
+        assert matchers.masks([1], [True]).shape == (1, 0)  # free: no row is constrained
+        matchers.consume(1, token)
+    matchers.consume(1, end[-1])  # the reasoning ends: the grammar holds from here
+    assert follow(matchers, bundle, 1, min).isdigit()
+    # resumed after a stage failure with part of the output written: the same split
+    resumed = bundle.encode("<think>ok", add_bos=False) + end + bundle.encode("12", add_bos=False)
+    matchers.add(2, matchers.build(grammar, resumed, after=end))
+    assert len(follow(matchers, bundle, 2, min)) == 1
+
+
+def test_draft_masks_of_a_reasoning_request_hold_after_the_draft_that_ends_it(matchers, bundle):
+    grammar = compile_grammar(StructuredOutput("regex", "[0-9]{3}"))
+    end = bundle.encode("</think>", add_bos=False)
+    matchers.add(1, matchers.build(grammar, after=end))
+    thought = bundle.encode("hm", add_bos=False) + end
+    drafts = thought + bundle.encode("12", add_bos=False)
+    masks = matchers.draft_masks(1, drafts)
+    opened = len(thought)  # the position after the close tag's last token
+    assert (masks[:opened] == -1).all()  # before it: free
+    digits = allowed(masks[opened], bundle.vocab_size)
+    assert digits and all(bundle.decode([t]).isdigit() for t in digits)
+    assert (masks[-1] != -1).any()
+    last = matchers.draft_masks(1, drafts, last_only=True)
+    assert (last[0] == masks[-1]).all()
+    free = matchers.draft_masks(1, bundle.encode("hm", add_bos=False), last_only=True)
+    assert (free == -1).all()  # the reasoning not ended: still free
+    assert matchers.masks([1], [True]).shape == (1, 0)  # and the gate itself did not move

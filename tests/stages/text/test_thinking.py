@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from stages.actors.render import thinking_budget
-from stages.api import EngineError, GenerateRequest, SamplingParams, TextPrompt
+from stages.actors.render import grammar_after, thinking_budget
+from stages.api import (
+    EngineError,
+    GenerateRequest,
+    SamplingParams,
+    StructuredOutput,
+    TextPrompt,
+)
 from stages.config import EngineConfig
 from stages.text.thinking import ThinkingBudget, ThinkingTracker
 
@@ -137,3 +143,22 @@ def test_render_takes_the_tags_of_the_reasoning_config_before_the_parsers():
     assert refused.value.param == "thinking_token_budget" and "--reasoning-config" in str(
         refused.value
     )
+
+
+def test_a_constrained_request_reasons_first_unless_told_otherwise():
+    """vLLM's enable_in_reasoning false (its default): with a reasoning parser the grammar waits
+    for the close tag, unless the prompt's last think tag already closed the reasoning."""
+    words = _Words()
+    plain = EngineConfig(model_path="m")
+    structured = SamplingParams(structured=StructuredOutput("regex", "[0-9]+"))
+
+    def request(parser: str | None) -> GenerateRequest:
+        return GenerateRequest("r", TextPrompt("x"), structured, reasoning_parser=parser)
+
+    assert grammar_after(request("qwen3"), [5], words, plain) == END
+    assert grammar_after(request("qwen3"), [*START, 5, *END], words, plain) == ()  # closed
+    assert grammar_after(request("deepseek_r1"), [5, *START], words, plain) == END
+    assert grammar_after(request(None), [5], words, plain) == ()  # no reasoning to wait for
+    in_reasoning = EngineConfig(model_path="m", structured_outputs_in_reasoning=True)
+    assert grammar_after(request("qwen3"), [5], words, in_reasoning) == ()
+    assert grammar_after(_budgeted("qwen3"), [5], words, plain) == ()  # no grammar
