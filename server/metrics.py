@@ -34,7 +34,8 @@ _PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)  # vLLM's REQUEST_NUM_PREEMPTIONS_
 # Gauges a dashboard expects even before the engine reports them.
 _ENGINE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_:]")
-_LABELLED = re.compile(r"(?P<name>[^{]+)\{(?P<labels>[^}]*)\}")
+_LABELLED = re.compile(r"(?P<name>[^{]+)\{(?P<labels>.*)\}", re.DOTALL)
+_LABEL = re.compile(r'\s*(\w+)=("(?:[^"\\]|\\.)*"|[^,]*)')
 
 
 class _EngineStatsCollector(Collector):
@@ -140,9 +141,12 @@ def orca_header(metrics_format: str, stats: Mapping[str, float]) -> str | None:
 
 
 def _labels(text: str) -> tuple[tuple[str, str], ...]:
-    """`engine=1,position=0` as ((engine, 1), (position, 0))."""
-    pairs = (part.partition("=") for part in text.split(",") if part)
-    return tuple((label.strip(), value.strip()) for label, _, value in pairs)
+    """`engine=1,position=0` as ((engine, 1), (position, 0)); a value may be a JSON string
+    (`adapters="a,b"`), for one that holds commas."""
+    return tuple(
+        (label, json.loads(value) if value.startswith('"') else value.strip())
+        for label, value in _LABEL.findall(text)
+    )
 
 
 class _PerTokenCollector(Collector):

@@ -33,6 +33,7 @@ from stages.engine_lifecycle import EngineLifecycle
 from stages.engine_readers import next_output
 from stages.engine_state import Flight
 from stages.lora import LoraError, read_adapter
+from stages.published import lora_requests_info
 from stages.rings import common, requests
 from stages.rings.gauges import unpack_gauges
 from stages.text.checkpoint import resolve_kv_cache_dtype
@@ -210,6 +211,8 @@ class Engine(EngineLifecycle):
         if self._info.kernels is not None:  # an info gauge: which kernels run the model
             stats[f"kernels_info{{kernels={self._info.kernels}}}"] = 1.0
         stats[self._cache_config_info] = 1.0
+        if self.config.lora is not None and (info := lora_requests_info(self.config)) is not None:
+            stats[info[0]] = info[1]
         return stats
 
     @property

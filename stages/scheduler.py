@@ -531,6 +531,12 @@ class Scheduler:
             return 0
         return sum(1 for s in self.waiting if s.lora_id and s.lora_id not in loras)
 
+    def lora_ids(self) -> tuple[set[int], set[int]]:
+        """The adapters of the running requests and those of the waiting ones (vLLM's
+        lora_requests_info)."""
+        running = {seq.lora_id for seq in self.running if seq.lora_id}
+        return running, {seq.lora_id for seq in self.waiting if seq.lora_id}
+
     def _running_loras(self) -> set[int]:
         """The adapters of the running requests (at most --max-loras)."""
         if not self.config.max_loras:

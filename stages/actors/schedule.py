@@ -28,6 +28,7 @@ from stages.actors.detok_link import DetokLink
 from stages.beam_group import BeamRequest
 from stages.config import EngineConfig, resolve_max_model_len
 from stages.kv_size import planned_num_blocks
+from stages.published import publish_lora_requests
 from stages.rings import common, plan, prompts, results, tokens
 from stages.rings.common import FINISH_STOP, PromptLogprobs
 from stages.rings.gauges import StepTokens, pack_gauges
@@ -67,6 +68,9 @@ class ScheduleActor(AsyncActor):
         self.tokenizer: TokenizerBundle | None = None  # loaded for the first stop string of a beam
         self.wake = asyncio.Event()
         self.awaiting_matchers: dict[int, Sequence] = {}  # by handle, until execute has built them
+        # adapters' names by id, and the running and waiting ones last published (--enable-lora)
+        self.lora_names: dict[int, str] = {}
+        self.lora_published: tuple[list[str], list[str]] | None = None
         self.matchers_to_build: list[Sequence] = []  # of those, the ones not yet sent to execute
         self.admitted: deque[int] = deque(maxlen=ADMITTED_MEMORY)
         self.admitted_set: set[int] = set()
@@ -96,6 +100,8 @@ class ScheduleActor(AsyncActor):
         return True
 
     async def run(self) -> None:
+        if self.scheduler.config.max_loras:  # what an earlier schedule published is gone
+            self.publish_loras()
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self.read_prompts())
             tasks.create_task(self.read_stop_hits())
@@ -123,7 +129,10 @@ class ScheduleActor(AsyncActor):
                     handles, prompt = [], prompts.unpack_prompt(message)
             if prompt is not None and self.admit(prompt.handle):
                 seq = _sequence(prompt)
-                if prompt.request().grammar:
+                rendered = prompt.request()
+                if rendered.lora is not None:
+                    self.lora_names[rendered.lora.lora_id] = rendered.lora.name
+                if rendered.grammar:
                     self.awaiting_matchers[seq.handle] = seq
                     self.matchers_to_build.append(seq)
                 else:
@@ -250,6 +259,21 @@ class ScheduleActor(AsyncActor):
         stats["num_requests_waiting"] += len(self.awaiting_matchers)
         stats["num_requests_waiting_deferred"] += len(self.awaiting_matchers)
         self.ctx.set_gauges(pack_gauges(stats, self.step_tokens, self.scheduler.accepted_per_pos))
+        if self.scheduler.config.max_loras:
+            self.publish_loras()
+
+    def publish_loras(self) -> None:
+        """The names of the running and waiting requests' adapters, for vLLM's
+        lora_requests_info (stages/published.py), whenever they change."""
+        running, waiting = self.scheduler.lora_ids()
+        waiting |= {seq.lora_id for seq in self.awaiting_matchers.values() if seq.lora_id}
+        names = (
+            sorted(self.lora_names.get(i, str(i)) for i in running),
+            sorted(self.lora_names.get(i, str(i)) for i in waiting),
+        )
+        if names != self.lora_published:
+            self.lora_published = names
+            publish_lora_requests(self.ctx.config, self.scheduler.config.max_loras, *names)
 
     def with_first_prompt_token(
         self, prompt: PromptLogprobs

@@ -188,3 +188,30 @@ def test_load_refuses_what_cannot_be_served(server, models, tmp_path):
         status == 400 and message == "The lora adapter 'tiny' conflicts with a served base model."
     )
     assert http_get(port, "/health")[0] == 200
+
+
+def test_lora_requests_info_names_the_running_adapters(server, client):
+    """vLLM's vllm:lora_requests_info (read by LoRA-aware routers): its labels name the
+    adapters of the running and the waiting requests, its value says since when."""
+    port, _ = server
+
+    def info() -> list[str]:
+        lines = http_get(port, "/metrics")[1].splitlines()
+        return [line for line in lines if line.startswith("vllm:lora_requests_info{")]
+
+    stream = client.completions.create(
+        model="alpha",
+        prompt=PROMPT,
+        max_tokens=200,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))  # running now
+    (running,) = info()
+    stream.close()
+    assert 'max_lora="2"' in running and 'running_lora_adapters="alpha"' in running
+    assert 'waiting_lora_adapters=""' in running
+    assert float(running.split()[-1]) > 1.7e9  # wall-clock seconds, as vLLM's
+    greedy(client, "tiny")  # a step after the abort: nothing runs under an adapter
+    (idle,) = info()
+    assert 'running_lora_adapters=""' in idle
