@@ -33,9 +33,11 @@ from gpu.model import CausalLM, rope_inv_freq
 from gpu.quantize import QUANTIZATION_MODES, quantize_linears
 from gpu.random_weights import fill_random
 from gpu.sampler import (
+    GREEDY_BELOW_TEMPERATURE,
     SampleOutput,
     SamplingArrays,
     TokenHistory,
+    argmax_rows,
     logprob_summary,
     rejection_sample,
     rows_needing_token_ids,
@@ -631,6 +633,8 @@ class ModelRunner:
         num_top = max(0, int(batch.sampling.num_logprobs[sampled].max(initial=-1)))
         if len(sampled) == 0:
             return _nothing_sampled(num_seqs, num_top)
+        if draft_probs is None and not num_draft.any() and _plain_greedy(batch):
+            return self._sample_greedy(batch, states, logits, last_row, sampled)
 
         # One virtual row per position sampled: j = 0 is the input token's, j >= 1 draft j's.
         per_row = num_draft[sampled] + 1  # [S]
@@ -666,6 +670,30 @@ class ModelRunner:
         )
         _keep_emitted(batch, states, num_draft, counts, position_of, token_ids)
         return counts, token_ids, logprobs, ranks, top_ids, top_logprobs
+
+    def _sample_greedy(
+        self,
+        batch: StepBatch,
+        states: list[_RequestState],
+        logits: torch.Tensor,  # [R, V] float32 on the device
+        last_row: dict[int, int],  # batch row -> its last row of `logits`
+        sampled: np.ndarray,  # [S] batch rows that sample
+    ) -> tuple[np.ndarray, ...]:
+        """_sample when every row is plain greedy decoding (_plain_greedy): each sampling row's
+        argmax, no logprobs, none of the sampler's per-row work (the same tokens it would pick:
+        its greedy rows are the argmax of the unchanged logits)."""
+        num_seqs = len(states)
+        rows = [last_row[int(b)] for b in sampled]
+        picked = logits if rows == list(range(len(logits))) else logits[rows]
+        tokens = argmax_rows(picked).cpu().numpy()  # [S]
+        token_ids = np.full(num_seqs, -1, dtype=np.int64)
+        token_ids[sampled] = tokens
+        for b, token in zip(sampled.tolist(), tokens.tolist(), strict=True):
+            history = states[b].token_ids
+            del history[int(batch.context_lens[b]) :]
+            history.append(token)
+        nothing = _nothing_sampled(num_seqs, 0)
+        return nothing[0], token_ids, *nothing[2:]
 
     def _sample_positions(
         self,
@@ -990,6 +1018,32 @@ def profile_batch(num_tokens: int, num_seqs: int, block_size: int) -> StepBatch:
         sample=np.ones(rows, bool),
         sampling=SamplingArrays.defaults(rows),
         prompt_logprobs=np.full(rows, -1, np.int32),
+    )
+
+
+def _plain_greedy(batch: StepBatch) -> bool:
+    """Whether every row decodes greedily with no knob that changes the argmax of its logits or
+    reads more than it (logprobs, penalties, bans, biases, a grammar, a forced token, a
+    minimum length), so that sampling is the argmax alone."""
+    p = batch.sampling
+    return bool(
+        batch.grammar_masks is None
+        and batch.forced_along is None
+        and p.token_bitmask.shape[1] == 0
+        and (p.temperature < GREEDY_BELOW_TEMPERATURE).all()
+        and (p.num_logprobs < 0).all()
+        and (p.min_tokens <= 0).all()
+        and not rows_needing_token_ids(p).any()
+        and (p.forced_token_ids < 0).all()
+        and all(
+            ids.size == 0 or (ids < 0).all()
+            for ids in (
+                p.logit_bias_ids,
+                p.allowed_token_ids,
+                p.bad_token_ids,
+                p.logprob_token_ids,
+            )
+        )
     )
 
 

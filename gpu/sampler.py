@@ -24,7 +24,7 @@ import torch
 
 from stages.api import SamplingParams
 
-_GREEDY_BELOW_TEMPERATURE = 1e-5
+GREEDY_BELOW_TEMPERATURE = 1e-5
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads (seed, step) over the seed space
 _SEED_MASK = (1 << 63) - 1
 
@@ -213,6 +213,15 @@ class TokenHistory:
         return cls(
             len(output_ids), np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)
         )
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] int64
+    """Each row's argmax (the first, on ties). On the CPU through numpy, whose argmax is
+    vectorised: torch's took 58 us a row of SmolLM2's 49,152 logits and 544 us for 8 (one
+    thread), numpy's 4.5 and 26."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.detach().numpy().argmax(1))
+    return logits.argmax(1)
 
 
 def rows_needing_token_ids(params: SamplingArrays) -> np.ndarray:  # -> [S] bool
@@ -429,10 +438,12 @@ def sample(
     _apply_penalties(logits, params, history)
 
     temperature = _on(params.temperature.astype(np.float32), logits)
-    rows_np = np.flatnonzero(params.temperature >= _GREEDY_BELOW_TEMPERATURE)
+    rows_np = np.flatnonzero(params.temperature >= GREEDY_BELOW_TEMPERATURE)
     all_random = len(rows_np) == len(logits)
     # every row sampled: no argmax, and the rows are scaled where they are (this is our copy)
-    token_ids = logits.new_zeros(len(logits), dtype=torch.int64) if all_random else logits.argmax(1)
+    token_ids = (
+        logits.new_zeros(len(logits), dtype=torch.int64) if all_random else argmax_rows(logits)
+    )
     random_rows = _on(rows_np, logits)
     probs = None
     if len(rows_np):

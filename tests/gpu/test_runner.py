@@ -312,3 +312,74 @@ def test_an_fp8_kv_cache_is_refused_off_the_triton_kernels(tiny_models) -> None:
     config = RunnerConfig(kv_cache_bytes=1 << 20, block_size=4, threads=1, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="needs the Triton"):
         ModelRunner.from_path(str(tiny_models["llama"]), config)
+
+
+def test_plain_greedy_steps_take_the_argmax_path_and_match_the_sampler(
+    tiny_models, monkeypatch
+) -> None:
+    """A batch of plain greedy rows skips the sampler (an argmax, nothing per row); its steps,
+    prefill chunks beside decodes included, give what the sampler gives, entry for entry."""
+    import gpu.runner
+
+    def run(fast: bool) -> list[list[dict]]:
+        if not fast:
+            monkeypatch.setattr(gpu.runner, "_plain_greedy", lambda batch: False)
+        runner = ModelRunner.from_path(
+            str(tiny_models["llama"]), RunnerConfig(kv_cache_bytes=1 << 20, block_size=4, threads=1)
+        )
+        rng = np.random.default_rng(3)
+        requests = [
+            Request(i, rng.integers(3, 128, n).tolist(), 5) for i, n in enumerate((9, 3, 14))
+        ]
+        generate(runner, requests, chunk_tokens=4)
+        monkeypatch.undo()
+        return [r.results for r in requests]
+
+    fast, full = run(True), run(False)
+    assert _same(fast, full)
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal, nan equal to nan (the logprob of an entry that did not ask for one)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (a != a and b != b)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.parametrize(
+    "knob",
+    [
+        dict(temperature=0.7),
+        dict(num_logprobs=0),
+        dict(min_tokens=3),
+        dict(repetition_penalty=1.2),
+        dict(logit_bias_ids=[5]),
+        dict(allowed_token_ids=[5, 6]),
+        dict(forced_token_ids=7),
+    ],
+)
+def test_any_knob_keeps_a_batch_on_the_sampler(knob) -> None:
+    from gpu.runner import _plain_greedy
+
+    def batch(**sampling: object) -> StepBatch:
+        request = Request(0, [1, 2], 1, sampling=sampling)
+        return StepBatch(
+            handles=np.zeros(1, np.int64),
+            input_ids=np.zeros(1, np.int64),
+            positions=np.zeros(1, np.int64),
+            query_start_loc=np.array([0, 1], np.int32),
+            context_lens=np.ones(1, np.int32),
+            block_tables=np.zeros((1, 1), np.int32),
+            slot_mapping=np.zeros(1, np.int64),
+            prompt_lens=np.ones(1, np.int32),
+            sample=np.ones(1, bool),
+            sampling=sampling_rows([request]),
+            prompt_logprobs=np.full(1, -1, np.int32),
+        )
+
+    assert _plain_greedy(batch())
+    assert not _plain_greedy(batch(**knob))
