@@ -161,7 +161,13 @@ def classify(records: list[dict[str, Any]], aside: list[dict[str, str]]) -> list
 
 
 def run_suite(
-    checkout: Path, suite: Suite, model: str, deps: Path, keyword: str | None, source: Path
+    checkout: Path,
+    suite: Suite,
+    model: str,
+    deps: Path,
+    keyword: str | None,
+    source: Path,
+    max_new_tokens: int = 0,
 ) -> Run:
     from stages.text.checkpoint import load_model_config
 
@@ -186,6 +192,7 @@ def run_suite(
         ),
         # the server runs from `source`, whatever the pytest run's directory
         "PIPELINE_SERVE_SOURCE": str(source),
+        "PIPELINE_SERVE_MAX_NEW_TOKENS": str(max_new_tokens or ""),
     }
     command = [
         sys.executable, "-m", "pytest", *suite.paths,
@@ -249,6 +256,8 @@ def print_summary(result: dict[str, Any]) -> None:
             print(f"  {item['test']}\n      {item['reason'][:200]}")
     print("\nskipped, by reason:", ", ".join(f"{r} ({n})" for r, n in result["skipped_reasons"]))
     print("flags the tests pass that the server lacks:", " ".join(result["dropped_flags"]))
+    if result.get("max_new_tokens"):
+        print(f"each server capped a request's new tokens at {result['max_new_tokens']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         "gives a before/after)",
     )
     parser.add_argument("-k", dest="keyword", help="pytest's -k, within the suites")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=512,
+        help="each server's cap on a request's new tokens (vLLM's --override-generation-config "
+        "max_new_tokens) unless the test sets a generation config; 0: none. Tests that set no "
+        "max_tokens otherwise write up to the whole context (8k tokens on 2 cores)",
+    )
     args = parser.parse_args(argv)
     if not (args.vllm / "tests" / "entrypoints").is_dir():
         parser.error(f"{args.vllm} has no tests/entrypoints: give a checkout of vLLM")
@@ -275,11 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     ensure_dependencies(args.deps)
     runs = {
         name: run_suite(
-            args.vllm.resolve(), SUITES[name], model, args.deps, args.keyword, args.server_source
+            args.vllm.resolve(),
+            SUITES[name],
+            model,
+            args.deps,
+            args.keyword,
+            args.server_source,
+            args.max_new_tokens,
         )
         for name in args.suite or SUITES
     }
-    result = summary(runs)
+    result = summary(runs) | {"max_new_tokens": args.max_new_tokens}
     print_summary(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -233,6 +233,16 @@ def map_args(args: list[str]) -> tuple[list[str], list[str]]:
     return kept, dropped
 
 
+def _generation_cap(args: list[str]) -> list[str]:
+    """The runner's cap on a request's new tokens (PIPELINE_SERVE_MAX_NEW_TOKENS), as vLLM's
+    --override-generation-config max_new_tokens, unless the test sets a generation config: the
+    tests that set no max_tokens would otherwise write up to the whole context on 2 cores."""
+    cap = os.environ.get("PIPELINE_SERVE_MAX_NEW_TOKENS")
+    if not cap or {"--generation-config", "--override-generation-config"} & set(args):
+        return []
+    return ["--override-generation-config", json.dumps({"max_new_tokens": int(cap)})]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -272,6 +282,7 @@ class RemoteOpenAIServer:
             *names,
             *address,
             *seed_args,
+            *_generation_cap(args),
             *args,
         ]
         env = {**os.environ, **(env_dict or {})}
