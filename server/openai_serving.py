@@ -39,7 +39,14 @@ from server.serving import (
     start,
 )
 from server.vllm_configs import SERVED_BACKEND
-from stages.api import ChatPrompt, EngineClient, EngineError, GenerateRequest, SamplingParams
+from stages.api import (
+    ChatPrompt,
+    EngineClient,
+    EngineError,
+    GenerateRequest,
+    SamplingParams,
+    TokensPrompt,
+)
 
 log = structlog.get_logger("server")
 
@@ -259,9 +266,13 @@ class OpenAIServing:
         }
         return msgspec.structs.replace(sampling, **defaults) if defaults else sampling
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> ChatPrompt:
-        """The chat body's prompt; a 400 for a template of its own unless the server trusts it."""
+    def chat_prompt(self, body: ChatCompletionRequest) -> ChatPrompt | TokensPrompt:
+        """The chat body's prompt (the ids a prefill server forwarded in kv_transfer_params,
+        when it did); a 400 for a template of its own unless the server trusts it."""
         body.check_chat_template(self.config.trust_request_chat_template)
+        reused = body.reused_prompt_ids
+        if reused is not None:
+            return TokensPrompt(reused)
         return body.prompt(self.config.exclude_tools_when_tool_choice_none)
 
     def chat_parsers(self, body: ChatCompletionRequest) -> tuple[str | None, str | None]:

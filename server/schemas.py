@@ -78,6 +78,8 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 class _GenerationRequest(msgspec.Struct, kw_only=True):
     """Fields that chat and text completions share."""
 
+    _REUSES_PROMPT_IDS = False  # kv_transfer_params' prompt_token_ids taken as the prompt
+
     model: str | None = None
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
@@ -178,7 +180,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
                 "read them",
                 param="vllm_xargs",
             )
-        if self.kv_transfer_params:
+        reused = "prompt_token_ids" if self._REUSES_PROMPT_IDS else None
+        if {key for key in self.kv_transfer_params or {} if key != reused}:
             raise APIError(
                 "kv_transfer_params is not supported: this server has no KV connector",
                 param="kv_transfer_params",
@@ -327,6 +330,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     _LOGPROB_COUNTS = ("prompt_logprobs", "top_logprobs")
+    # vLLM's decode-side reuse: kv_transfer_params' prompt_token_ids are the prompt, untokenized
+    _REUSES_PROMPT_IDS = True
     messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
@@ -411,6 +416,32 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             )
         self._validate_tools()
         self.structured()  # after the tools: a forced tool_choice reads them
+        self._check_reused_prompt_ids(vocab_size)
+
+    def _check_reused_prompt_ids(self, vocab_size: int) -> None:
+        ids = (self.kv_transfer_params or {}).get("prompt_token_ids")
+        if ids is None:
+            return
+        # bool is an int subclass, hence the exact type check (vLLM's)
+        if not isinstance(ids, list) or not ids or any(type(t) is not int or t < 0 for t in ids):
+            raise APIError(
+                "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of "
+                "non-negative integers.",
+                param="kv_transfer_params.prompt_token_ids",
+            )
+        if outside := [t for t in ids if t >= vocab_size]:
+            raise APIError(
+                f"Token id {outside[0]} is out of vocabulary",
+                param="kv_transfer_params.prompt_token_ids",
+            )
+
+    @property
+    def reused_prompt_ids(self) -> list[int] | None:
+        """vLLM's decode-side reuse (disaggregated serving): the prompt's ids, as the prefill
+        server tokenized them, given in kv_transfer_params; None with echo, which renders the
+        messages (as vLLM ignores them then)."""
+        ids = (self.kv_transfer_params or {}).get("prompt_token_ids")
+        return None if ids is None or self.echo else list(ids)
 
     def _validate_tools(self) -> None:
         if self.tools == []:
@@ -578,6 +609,9 @@ class BatchChatCompletionRequest(ChatCompletionRequest, kw_only=True):
             # the response's prompt extras are of one prompt
             "prompt_logprobs": self.prompt_logprobs is not None,
             "return_prompt_text": bool(self.return_prompt_text),
+            # one pre-tokenized prompt cannot serve several conversations (vLLM's words)
+            "kv_transfer_params['prompt_token_ids']": "prompt_token_ids"
+            in (self.kv_transfer_params or {}),
         }
         for name, given in unsupported.items():
             if given:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from quart import Quart
 
-from stages.api import ChatPrompt
+from stages.api import ChatPrompt, TokensPrompt
 from tests.server.fake_engine import VOCAB_SIZE, FakeEngine
 from tests.server.test_errors import CHAT, COMPLETIONS, assert_error, chat, completion
 
@@ -335,6 +335,10 @@ async def test_the_batch_chat_endpoint_answers_each_conversation(
         ({"tools": [WEATHER_TOOL]}, "tools"),
         ({"messages": [[{"role": "user", "content": "a"}], []]}, "messages[1]"),
         ({"messages": [[{"role": "user", "content": "a"}], [{"role": 5}]]}, "messages[1][0].role"),
+        (
+            {"kv_transfer_params": {"prompt_token_ids": [1, 2]}},
+            "kv_transfer_params['prompt_token_ids']",
+        ),
     ],
 )
 async def test_the_batch_chat_endpoint_refuses_what_vllm_refuses(
@@ -464,3 +468,27 @@ async def test_metrics_say_which_backend_compiles_the_grammars(make_app: Any) ->
             f'vllm:structured_outputs_info{{backend="guidance",model_name="fake-model",'
             f'requested="{requested}"}} 1.0'
         ) in text
+
+
+async def test_prompt_ids_forwarded_in_kv_transfer_params_are_the_prompt(
+    app: Quart, engine: FakeEngine
+) -> None:
+    """vLLM's decode-side reuse (test_kv_transfer_prompt_token_ids_round_trip): the ids a
+    prefill server tokenized are used as they are, whatever the messages say; with echo the
+    messages are rendered; other kv_transfer_params still need a KV connector."""
+    client = app.test_client()
+    reused = {"kv_transfer_params": {"prompt_token_ids": [7, 8, 9]}, "return_token_ids": True}
+    body = await (await client.post(CHAT, json=chat(max_tokens=2, **reused))).get_json()
+    assert body["prompt_token_ids"] == [7, 8, 9]
+    assert isinstance(engine.requests[-1].prompt, TokensPrompt)
+    await client.post(CHAT, json=chat(max_tokens=2, echo=True, **reused))
+    assert isinstance(engine.requests[-1].prompt, ChatPrompt)  # echo renders the messages
+    for params, param in (
+        ({"prompt_token_ids": []}, "kv_transfer_params.prompt_token_ids"),
+        ({"prompt_token_ids": [1, True]}, "kv_transfer_params.prompt_token_ids"),
+        ({"prompt_token_ids": [10**7]}, "kv_transfer_params.prompt_token_ids"),
+        ({"prompt_token_ids": [1], "do_remote_prefill": True}, "kv_transfer_params"),
+    ):
+        response = await client.post(CHAT, json=chat(max_tokens=2, kv_transfer_params=params))
+        assert response.status_code == 400, params
+        assert (await response.get_json())["error"]["param"] == param
