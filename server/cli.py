@@ -179,11 +179,6 @@ def _check_flags(
             "--no-enable-chunked-prefill cannot be honoured: this scheduler always prefills "
             "prompts in chunks beside running decodes"
         )
-    if args.async_scheduling is False:
-        parser.error(
-            "--no-async-scheduling cannot be honoured: schedule always plans a step while the "
-            "one before it runs"
-        )
     backend = ATTENTION_BACKENDS[device]
     if args.attention_backend is not None and args.attention_backend.upper() != backend:
         parser.error(

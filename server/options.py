@@ -633,10 +633,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     option(
         "--async-scheduling",
+        engine="async_scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="schedule plans each step while the one before runs (but for steps verifying "
-        "drafts): always, here, so --no-async-scheduling is refused",
+        help="schedule plans each step while the one before runs (the default, as in vLLM; steps "
+        "verifying drafts wait for the results before them); --no-async-scheduling plans each "
+        "step after the one before has returned, which costs the plan's time between steps",
     ),
     option(
         "--trust-remote-code",

@@ -142,6 +142,9 @@ class EngineConfig:
     # --structured-outputs-config's enable_in_reasoning: a request's grammar holds from its first
     # token, reasoning included; False (vLLM's default): once its reasoning has ended.
     structured_outputs_in_reasoning: bool = False
+    # vLLM's --async-scheduling: schedule plans a step while the one before it runs; False
+    # (--no-async-scheduling): each step waits for the results of the one before
+    async_scheduling: bool = True
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}

@@ -212,6 +212,9 @@ class SchedulerConfig:
     long_prefill_share: float = 1 / 3
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
+    # vLLM's --async-scheduling (the default): a step is planned while the one before it runs;
+    # False: each after the results of the one before
+    async_scheduling: bool = True
     # --max-loras: adapters the running requests may use at once (execute's weight slots, so
     # every step fits them); 0: no adapters.
     max_loras: int = 0
@@ -330,7 +333,7 @@ class Scheduler:
     def max_in_flight(self) -> int:
         """Steps to keep in flight: two overlap planning with execution; one lets every plan know
         the tokens it drafts from."""
-        return 1 if self.wants_drafts else 2
+        return 1 if self.wants_drafts or not self.config.async_scheduling else 2
 
     # -- planning --------------------------------------------------------------------------------
 

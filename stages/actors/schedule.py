@@ -62,6 +62,7 @@ class ScheduleActor(AsyncActor):
                 enable_prefix_caching=config.enable_prefix_caching,
                 speculative=config.speculative,
                 max_loras=0 if config.lora is None else config.lora.max_loras,
+                async_scheduling=config.async_scheduling,
             ),
             decode=self.decode,
         )

@@ -449,13 +449,12 @@ def test_mm_limits_are_checked_and_logged_as_limiting_nothing(
         assert "--limit-mm-per-prompt" in capsys.readouterr().err
 
 
-def test_async_scheduling_is_taken_and_its_absence_refused(capsys: pytest.CaptureFixture[str]):
+def test_async_scheduling_is_the_default_and_its_absence_is_honoured() -> None:
     assert parse_args(["dummy", "--async-scheduling"], environ={}) == parse_args(
         ["dummy"], environ={}
     )
-    with pytest.raises(SystemExit):
-        parse_args(["dummy", "--no-async-scheduling"], environ={})
-    assert "always plans a step" in capsys.readouterr().err
+    assert parse_args(["dummy"], environ={})[1].async_scheduling
+    assert not parse_args(["dummy", "--no-async-scheduling"], environ={})[1].async_scheduling
     config, _ = parse_args(["dummy", "--exclude-tools-when-tool-choice-none"], environ={})
     assert config.exclude_tools_when_tool_choice_none
 

@@ -110,3 +110,32 @@ def _check_every_path(quantization: str, tiny_chat_model) -> None:
     finally:
         runner.run(engine.stop())
         runner.close()
+
+
+def test_steps_planned_after_each_result_write_the_same_tokens(tiny_chat_model):
+    """--no-async-scheduling (each step planned after the one before returned) changes when
+    steps are planned, not what they compute."""
+    results = []
+    for async_scheduling in (True, False):
+        runner = LoopThread()
+        engine = Engine(
+            EngineConfig(
+                model_path=tiny_chat_model,
+                served_model_name="tiny",
+                max_num_seqs=8,
+                max_num_batched_tokens=24,
+                kv_cache_bytes=2 * 1024 * 1024,
+                quantization="int4",
+                threads=2,
+                log_format="json",
+                log_level="error",
+                async_scheduling=async_scheduling,
+            )
+        )
+        runner.run(engine.start())
+        try:
+            results.append(runner.run(_run(engine, "batch", list(range(len(PROMPTS))))))
+        finally:
+            runner.run(engine.stop())
+            runner.close()
+    assert results[0] == results[1]

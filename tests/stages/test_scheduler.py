@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from stages.kv_blocks import BlockManager
@@ -481,3 +483,11 @@ def test_the_published_gauges_read_back_with_vllms_waiting_reasons():
     assert read["iteration_tokens_total{le=+Inf}"] == 4
     assert read["iteration_tokens_total_sum"] == 1 + 1 + 40 + 9000
     assert read["spec_decode_num_accepted_tokens_per_pos_total{position=1}"] == 3
+
+
+def test_without_async_scheduling_one_step_is_in_flight_at_a_time():
+    """vLLM's --no-async-scheduling: schedule plans a step only after the one before returned."""
+    config = SchedulerConfig(8, 32, 512, 64, 4)
+    assert Scheduler(config).max_in_flight == 2  # planned while the one before runs
+    synced = Scheduler(dataclasses.replace(config, async_scheduling=False))
+    assert synced.max_in_flight == 1
