@@ -270,12 +270,16 @@ class RemoteOpenAIServer:
         args, dropped = map_args(list(vllm_serve_args))
         _report({"kind": "server", "model": model, "dropped": dropped, "kept": args})
         self.host = "127.0.0.1"
-        self.port = _free_port()
+        # auto_port=False: the test names the port among its flags (vLLM's RemoteOpenAIServer)
+        given_port = args[args.index("--port") + 1] if "--port" in args else None
+        self.port = int(given_port) if not auto_port and given_port else _free_port()
         # vLLM's --uds: the server answers on that socket only (url_root names it as vLLM does)
         self.uds = args[args.index("--uds") + 1] if "--uds" in args else None
         names = [] if "--served-model-name" in args else ["--served-model-name", model]
         seed_args = [] if seed is None or "--seed" in args else ["--seed", str(seed)]
-        address = [] if self.uds else ["--host", self.host, "--port", str(self.port)]
+        address = [] if self.uds else ["--host", self.host]
+        if not self.uds and (auto_port or given_port is None):
+            address += ["--port", str(self.port)]
         command = [
             *json.loads(os.environ["PIPELINE_SERVE_CMD"]),
             os.environ["PIPELINE_SERVE_MODEL"],
