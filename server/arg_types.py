@@ -169,7 +169,7 @@ STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-f
 
 def structured_outputs_config(text: str) -> dict[str, Any]:
     """vLLM's --structured-outputs-config, checked: known keys, values of their types, a backend
-    vLLM names (what the server makes of each is server/cli.py's _structured_outputs)."""
+    vLLM names (what the server makes of them: server/vllm_configs.py)."""
     config = _typed_keys(text, STRUCTURED_OUTPUTS_KEYS, "--structured-outputs-config")
     backend = config.get("backend", "auto")
     if backend not in STRUCTURED_OUTPUTS_BACKENDS:
