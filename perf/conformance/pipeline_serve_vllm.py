@@ -135,7 +135,42 @@ def _tokenizer(tokenizer_name: str = "", *args: Any, **kwargs: Any) -> Any:
 _served_tokenizer: Any = None
 
 
+class _HubApi:
+    """vllm.transformers_utils.repo_utils.hf_api(): a conftest's download of the test's model
+    ahead of the server is nothing to do here (the served model is on disk); a LoRA repo is
+    still built as one."""
+
+    def snapshot_download(self, repo_id: str, *args: Any, **kwargs: Any) -> str | None:
+        return _lora_adapter(repo_id) if "lora" in repo_id.lower() else None
+
+
+class _Platform:
+    """vllm.platforms.current_platform as a test asks it where it runs: a CPU, no GPU."""
+
+    device_type = "cpu"
+
+    def is_rocm(self) -> bool:
+        return False
+
+    def is_cuda(self) -> bool:
+        return False
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def device_count(self) -> int:
+        return 0
+
+    def supports_fp8(self) -> bool:
+        return False
+
+
 _KNOWN = {
+    "vllm.platforms": {"current_platform": _Platform()},
+    "vllm.transformers_utils.repo_utils": {"hf_api": _HubApi},
     "vllm.tokenizers": {"get_tokenizer": _tokenizer},
     "vllm.transformers_utils.tokenizer": {"get_tokenizer": _tokenizer},
     "vllm.version": {"__version__": "pipeline-serve"},
@@ -464,7 +499,21 @@ def _served_tokenizer_for_hub_names(from_pretrained: Any) -> Any:
     return load
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """Before the first conftests: a suite rooted below tests/ (tool_use) imports tests.utils
+    from its own conftest, which pytest loads before pytest_configure."""
+    _install()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _install()
+
+
+def _install() -> None:
+    """The stand-ins of tests.utils, the hub's downloads and its tokenizers (once)."""
+    if isinstance(sys.modules.get("tests.utils"), _TestsUtils):
+        return
     import huggingface_hub
     import transformers
 
@@ -500,6 +549,9 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
     reason = text.splitlines()[-1] if text else ""
     if outcome == "failed" and any(words in text for words in _NO_NETWORK):
         outcome, reason = "skipped", "downloads from the hub (no network here)"
+    elif outcome == "failed" and "pipeline_serve_vllm._Internal" in text:
+        # a module that builds vLLM's own classes (pydantic models over its types) at import
+        outcome, reason = "skipped", f"{INTERNAL}: the module builds vLLM's classes at import"
     _report(
         {
             "kind": "test",
