@@ -1740,8 +1740,8 @@ uint64_t stream_read(const uint64_t *data, int64_t words) {
 }
 
 /* int8 multiply-adds per second of this build's GEMM instruction with every operand in
- * registers: 512-bit vpdpbusd (64 a instruction) with AVX-512 VNNI, 256-bit vpmaddubsw (32)
- * with AVX2, 0 in the portable build (no integer dot instruction to bound it). 12 independent
+ * registers: 512-bit vpdpbusd (64 a instruction) with AVX-512 VNNI, 256-bit vpdpbusd (32) with
+ * AVX-VNNI, 256-bit vpmaddubsw (32) with AVX2, 0 in the portable build (no integer dot instruction to bound it). 12 independent
  * chains per thread hide the latency; the loop cannot be folded, each result feeding the next. */
 double int8_peak_macs(int64_t iterations) {
 #if defined(GEMM_LAYOUT)
@@ -1758,6 +1758,15 @@ double int8_peak_macs(int64_t iterations) {
         __m512i r = a[0];
         for (int j = 1; j < 12; j++) r = _mm512_xor_si512(r, a[j]);
         sink += _mm512_reduce_add_epi32(r);
+#elif defined(DPBUSD256)
+        __m256i a[12];
+        const __m256i c = _mm256_set1_epi8(3), x = _mm256_set1_epi8(5);
+        for (int j = 0; j < 12; j++) a[j] = _mm256_set1_epi32(j);
+        for (int64_t i = 0; i < iterations; i++)
+            for (int j = 0; j < 12; j++) a[j] = DPBUSD256(a[j], c, x);
+        __m256i r = a[0];
+        for (int j = 1; j < 12; j++) r = _mm256_xor_si256(r, a[j]);
+        sink += _mm256_extract_epi32(r, 0);
 #else
         __m256i a[12];
         const __m256i x = _mm256_set1_epi8(5);
