@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+import structlog
 from msgspec import Meta
 
 from server.errors import APIError
@@ -25,6 +26,18 @@ from stages.api import (
     TextPrompt,
     TokensPrompt,
 )
+
+log = structlog.get_logger("server")
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(event: str, param: str) -> None:
+    """A warning the first time a kind of request is served differently from what it asked
+    (vLLM's warning_once): per request it would flood the log."""
+    if (event, param) not in _warned:
+        _warned.add((event, param))
+        log.warning(event, param=param)
+
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -416,6 +429,13 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
             )
         self._validate_tools()
         self.structured()  # after the tools: a forced tool_choice reads them
+        set_aside = _GenerationRequest.structured(self) if self.forced_tool else None
+        if set_aside is not None:
+            _warn_once(
+                "structured output set aside: tool_choice forces a tool call, whose schema "
+                "shapes the output",
+                param=set_aside.param,
+            )
         self._check_reused_prompt_ids(vocab_size)
 
     def _check_reused_prompt_ids(self, vocab_size: int) -> None:
@@ -505,11 +525,10 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
         forced = self.forced_tool
         if forced is None:
             return super().structured()
-        if super().structured() is not None:
-            raise APIError(
-                "a forced tool_choice cannot be combined with another structured output",
-                param="tool_choice",
-            )
+        # A forced call's output is the call: response_format (or another structured output)
+        # shapes content, which such a reply does not have, so the call's schema takes the
+        # place of it, as in vLLM (validate logs it). The other is still checked.
+        super().structured()
         if forced == "required":
             # vLLM's shape: a JSON list of {"name", "parameters"}, one entry per call. Each
             # tool's $defs move to the root, where its "#/$defs/..." references point.

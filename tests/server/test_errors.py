@@ -84,16 +84,6 @@ BAD_REQUESTS = [
         400,
         "tool_choice",
     ),
-    (
-        CHAT,
-        chat(
-            tools=[{"type": "function", "function": {"name": "f"}}],
-            tool_choice={"type": "function", "function": {"name": "f"}},
-            response_format={"type": "json_object"},
-        ),
-        400,
-        "tool_choice",
-    ),
     (CHAT, chat(tools=[{"type": "function"}]), 400, "tools[0]"),
     (CHAT, chat(logit_bias={"abc": 1}), 400, "logit_bias"),
     (CHAT, chat(logit_bias={"5": 101}), 400, "logit_bias"),

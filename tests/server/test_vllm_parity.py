@@ -279,6 +279,42 @@ async def test_tool_schemas_with_defs_compile_under_a_forced_choice(
     compile_grammar(spec)  # raises EngineError on a dangling pointer
 
 
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": {"regex": "[a-z]+"}},
+    ],
+)
+async def test_a_forced_call_takes_the_place_of_another_structured_output(
+    app: Quart, engine: FakeEngine, tool_choice: Any, other: dict[str, Any]
+) -> None:
+    """vLLM's test_response_format_with_tool_choice_required: the call's schema constrains the
+    output and the reply is the call (a forced call has no content for response_format to
+    shape); a malformed other is still refused."""
+    messages = [{"role": "user", "content": '[{"name": "get_weather", "parameters": {}}]'}]
+    if tool_choice != "required":
+        messages = [{"role": "user", "content": "{}"}]
+    body = chat(messages=messages, tools=[WEATHER_TOOL], tool_choice=tool_choice, **other)
+    response = await app.test_client().post(CHAT, json=body)
+    assert response.status_code == 200
+    spec = engine.requests[-1].sampling.structured
+    assert spec is not None and spec.kind == "json" and "WeatherOptions" in spec.value
+    choice = (await response.get_json())["choices"][0]
+    # a named choice finishes "stop" (the call was the reply asked for), as in vLLM and OpenAI
+    assert choice["finish_reason"] == ("tool_calls" if tool_choice == "required" else "stop")
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    malformed = chat(
+        tools=[WEATHER_TOOL], tool_choice=tool_choice, response_format={"type": "yaml"}
+    )
+    refused = await app.test_client().post(CHAT, json=malformed)
+    assert refused.status_code == 400
+    assert_error(await refused.get_json(), "BadRequestError", "response_format.type")
+
+
 async def test_two_tools_defining_one_name_differently_are_refused(app: Quart) -> None:
     other = json.loads(json.dumps(WEATHER_TOOL))
     other["function"]["name"] = "get_forecast"
