@@ -16,23 +16,68 @@ from gpu import native
 from gpu.attention import AttentionInputs, StepLayout
 
 
-class Rope:
-    """One step's rotary angles, computed once for every layer: cos and sin, and for the Triton
-    kernel their concatenation and the token rows, made at the first layer that asks."""
+def rope_angles(
+    positions: torch.Tensor,  # [T] int64
+    inv_freq: torch.Tensor,  # [D / 2] float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # -> (cos, sin), each [T, D / 2] float32
+    """Each position's rotary angles, in float32 as transformers and vLLM compute them: the
+    one definition behind a step's cos and sin and the Triton kernel's table of positions."""
+    freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)
+    return freqs.cos(), freqs.sin()
 
-    __slots__ = ("_table", "cos", "sin")
+
+class Rope:
+    """One step's rotary angles, made at most once for all its layers. The CPU kernels read
+    cos and sin [T, D / 2], computed from the positions at the first layer that asks. The Triton
+    kernel reads rows of an angle table (cos | sin, [N, D]): the model's table of every position
+    where it has one (`CausalLM.set_angle_table`, made once at load as vLLM's cos_sin_cache, so a
+    step computes no angle: the positions are the rows), else the step's cos and sin
+    concatenated, token t at row t."""
+
+    __slots__ = ("_cos", "_inv_freq", "_positions", "_rows", "_sin", "_table")
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.cos = cos  # [T, D // 2] float32
-        self.sin = sin  # [T, D // 2] float32
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cos: torch.Tensor | None = cos  # [T, D // 2] float32
+        self._sin: torch.Tensor | None = sin
+        self._positions: torch.Tensor | None = None
+        self._inv_freq: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
 
-    def table(self) -> tuple[torch.Tensor, torch.Tensor]:  # -> ([T, D] float32, [T] int64)
-        """The angles as the Triton rotary kernel's cache, token t at row t, and those rows."""
-        if self._table is None:
-            angles = torch.cat([self.cos, self.sin], dim=1)
-            self._table = (angles, torch.arange(len(angles), device=angles.device))
-        return self._table
+    @classmethod
+    def at(
+        cls,
+        positions: torch.Tensor,  # [T] int64
+        inv_freq: torch.Tensor,  # [D / 2] float32
+        table: torch.Tensor | None = None,  # [N, D] float32, rows of positions 0 .. N - 1
+    ) -> Rope:
+        """The angles of these positions, computed when first read."""
+        rope = cls.__new__(cls)
+        rope._cos = rope._sin = None
+        rope._positions, rope._inv_freq = positions, inv_freq
+        rope._table, rope._rows = (table, positions) if table is not None else (None, None)
+        return rope
+
+    def _angles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos is None or self._sin is None:
+            assert self._positions is not None and self._inv_freq is not None
+            self._cos, self._sin = rope_angles(self._positions, self._inv_freq)
+        return self._cos, self._sin
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self._angles()[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self._angles()[1]
+
+    def table(self) -> tuple[torch.Tensor, torch.Tensor]:  # -> ([N, D] float32, [T] int64)
+        """The Triton rotary kernel's angle table and the row each token reads."""
+        if self._table is None or self._rows is None:
+            angles = torch.cat(self._angles(), dim=1)
+            self._table, self._rows = angles, torch.arange(len(angles), device=angles.device)
+        return self._table, self._rows
 
 
 @dataclass(slots=True, frozen=True)
@@ -218,14 +263,15 @@ def triton_kernels() -> Kernels:
         kv: tuple[torch.Tensor, torch.Tensor],
         inputs: AttentionInputs,
     ) -> torch.Tensor:
-        head_dim = rope.cos.shape[1] * 2
+        head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
         tokens = qkv.shape[0]
         q, k, v = qkv.split(
             [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
         )
         q = q.view(tokens, num_heads, head_dim)
         k = k.view(tokens, num_kv_heads, head_dim)
-        # The step's angles as the kernel's cache, token t at row t: rotated in place in qkv.
+        # The model's angle table and the tokens' positions, or the step's own angles: rotated
+        # in place in qkv.
         angles, rows = rope.table()
         kernels.rotary(q, k, rows, angles)
         v = v.view(tokens, num_kv_heads, head_dim)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gpu.attention import AttentionInputs
-from gpu.backends import TORCH_KERNELS, Kernels, Rope, torch_rms_norm
+from gpu.backends import TORCH_KERNELS, Kernels, Rope, rope_angles, torch_rms_norm
 from stages.text.checkpoint import ModelConfig, RopeScaling, UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -137,6 +137,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq: torch.Tensor  # [head_dim // 2] float32, RoPE angular frequencies
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.angle_table: torch.Tensor | None  # [positions, head_dim] float32: cos | sin
+        self.register_buffer("angle_table", None, persistent=False)
         self.fused_layers: FusedLayers | None = None  # set by quantize_linears where it fits
         self.lora: LoraSlots | None = None  # set by gpu.lora.install_lora (--enable-lora)
 
@@ -148,8 +150,7 @@ class CausalLM(nn.Module):
         inputs: AttentionInputs,
         logits_indices: torch.Tensor,  # logits_indices: [S] int64, rows of T that need logits
     ) -> torch.Tensor:  # -> [S, vocab] float32
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
-        rope = Rope(freqs.cos(), freqs.sin())
+        rope = Rope.at(positions, self.inv_freq, self.angle_table)
         layout = self.kernels.prepare(inputs)
         x = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
@@ -167,6 +168,13 @@ class CausalLM(nn.Module):
         else:
             x = x[logits_indices]
         return self.lm_head(self.model.norm(x)).float()
+
+    def set_angle_table(self, max_positions: int) -> None:
+        """Every position's rotary angles below `max_positions` as one table (vLLM's
+        cos_sin_cache), for kernels that read angles by position (the Triton rotary): a step
+        then computes none. Each row has the bits a step's own angles would have."""
+        positions = torch.arange(max_positions, device=self.inv_freq.device)
+        self.angle_table = torch.cat(rope_angles(positions, self.inv_freq), dim=1)
 
     @torch.no_grad()
     def load_weights(

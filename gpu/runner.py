@@ -301,6 +301,8 @@ class ModelRunner:
         local_shape = local_shape or model_config
         if config.lora is not None:
             install_lora(model, config.lora, device, tensor_parallel)
+        if device.type == "cuda" and kernels_name(model.kernels) == "triton":
+            _set_angle_tables(model, draft, config)  # before the KV cache takes what is left
         kv_dtype = _KV_DTYPES[
             resolve_kv_cache_dtype(config.kv_cache_dtype, config.dtype, config.quantization)
         ]
@@ -850,6 +852,14 @@ class ModelRunner:
             out_top_ids,
             out_top_logprobs,
         )
+
+
+def _set_angle_tables(model: CausalLM, draft: CausalLM | None, config: RunnerConfig) -> None:
+    """Every position's rotary angles once, for the Triton rotary (CausalLM.set_angle_table)."""
+    max_len = config.max_model_len or model.config.max_position_embeddings
+    for network in (model, draft):
+        if network is not None and network.angle_table is None:
+            network.set_angle_table(max_len)
 
 
 def _load_model(

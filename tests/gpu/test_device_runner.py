@@ -407,6 +407,25 @@ def test_cuda_graph_decode_steps_equal_eager_ones(tiny_random):
 
 @pytest.mark.cuda
 @needs_cuda
+def test_a_cuda_runner_reads_rotary_angles_from_one_table(tiny_random):
+    """#33 item 8: the Triton rotary reads the model's table of every position, whose rows are
+    the angles a step would compute for itself (the interpreter test runs the forward)."""
+    from gpu.backends import rope_angles
+
+    runner = random_runner(
+        tiny_random, device="cuda", dtype="bfloat16", max_num_seqs=4, enforce_eager=True
+    )
+    table = runner.model.angle_table
+    max_len = runner.config.max_model_len or runner.model_config.max_position_embeddings
+    assert table is not None and table.shape[0] == max_len
+    positions = torch.tensor([0, 5, max_len - 1], device="cuda")
+    assert torch.equal(
+        table[positions], torch.cat(rope_angles(positions, runner.model.inv_freq), 1)
+    )
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_gpu_memory_utilization_sizes_the_kv_cache_from_the_device(tiny_random):
     free, total = torch.cuda.mem_get_info()
     fraction = 0.05  # of an H200, 7 GiB: the tiny model leaves nearly all of it to the cache

@@ -146,6 +146,41 @@ def test_triton_attention_backend_matches_the_torch_path(tiny_models):
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
 )
+def test_an_angle_table_gives_the_same_logits_and_a_step_computes_no_angle(
+    tiny_models, monkeypatch
+):
+    """#33 item 8: with the model's table of every position (as the runner makes on CUDA), the
+    Triton rotary reads it by position; the logits are those of a step's own angles, bit for
+    bit, and no layer computes an angle."""
+    from gpu import backends
+
+    path = tiny_models["llama"]
+    config = load_model_config(str(path))
+    model = load_ours(path, backends.triton_kernels())
+    prompt = np.random.default_rng(7).integers(0, 128, 11).tolist()
+
+    def prefill_and_decode() -> torch.Tensor:
+        seq = PagedSequence(list(prompt))
+        pool = BlockPool(num_blocks=16, block_size=BLOCK_SIZE, seed=5)
+        cache = KVCache(config, num_blocks=16, block_size=BLOCK_SIZE)
+        prefill = run_step(model, cache, build_step(pool, [(seq, 10)]))
+        return torch.cat([prefill, run_step(model, cache, build_step(pool, [(seq, 1)]))])
+
+    own = prefill_and_decode()
+    model.set_angle_table(64)
+    assert model.angle_table is not None and model.angle_table.shape == (64, 2 * 8)
+
+    def no_angles(*_: object) -> None:
+        raise AssertionError("a step computed its angles beside the model's table")
+
+    monkeypatch.setattr(backends, "rope_angles", no_angles)
+    assert torch.equal(prefill_and_decode(), own)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
+)
 def test_an_fp8_kv_cache_keeps_the_logits_near_and_calculates_its_scales(tiny_models):
     from gpu.backends import triton_kernels
     from gpu.kv_cache import FP8, K_SCALE_CONSTANT
