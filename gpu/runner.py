@@ -721,14 +721,7 @@ class ModelRunner:
         on_device = sample(
             picked, params, history, self.generator, keep_probs=keep_probs, owned=owned
         )
-        result = SampleOutput(
-            *(
-                value if f == "probs" or value is None else value.cpu()
-                for f in SampleOutput.__slots__
-                for value in (getattr(on_device, f),)
-            )
-        )
-        return picked, result
+        return picked, _to_host(on_device)
 
     def _rejection_sample(
         self,
@@ -852,6 +845,19 @@ class ModelRunner:
             out_top_ids,
             out_top_logprobs,
         )
+
+
+def _to_host(on_device: SampleOutput) -> SampleOutput:
+    """The samples on the host, but for the distributions (which stay where they are): on a
+    GPU the fields are copied without blocking into pinned memory and waited for once, one host
+    sync for the step's samples instead of one a field (#33 item 8)."""
+    device = on_device.token_ids.device
+    fields = [getattr(on_device, f) for f in SampleOutput.__slots__ if f != "probs"]
+    if device.type != "cuda":
+        return SampleOutput(*fields, on_device.probs)
+    copies = [t.to("cpu", non_blocking=True) for t in fields]
+    torch.cuda.current_stream(device).synchronize()
+    return SampleOutput(*copies, on_device.probs)
 
 
 def _set_angle_tables(model: CausalLM, draft: CausalLM | None, config: RunnerConfig) -> None:
