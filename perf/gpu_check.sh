@@ -3,7 +3,8 @@
 # the working tree: the CUDA tests (each Triton kernel against the torch reference, CUDA graphs,
 # memory sizing, GGUF on CUDA), `pipeline-bench model` on random Llama-3-8B weights (prefill of 2k
 # tokens; decode at batch 1, 64 and 256 as CUDA graphs and eagerly; batch 1 against the HBM
-# roofline, weight and KV bytes / 4.8 TB/s), and `pipeline-bench serve` at c=1 and c=256 against
+# roofline, weight and KV bytes / 4.8 TB/s, and each decode batch beside `pipeline-bench
+# roofline`'s prediction for this GPU), and `pipeline-bench serve` at c=1 and c=256 against
 # `pipeline-serve --random-weights llama-3-8b`. Writes gpu_check.json and gpu_check.md (one table
 # per part, with the fraction reached of the issue's goals) and every step's log.
 #
@@ -49,7 +50,11 @@ SITE="${SITE:-/tmp/site}"
 
 if [ "$DEVICE" = cuda ]; then
     MODEL=llama-3-8b
-    MODEL_ARGS=(--batches 1,64,256 --context 512 --prefill-tokens 2048 --steps 8)
+    DECODE_BATCHES=(1 64 256)
+    CONTEXT=512
+    PREFILL=2048  # also the bench's max_model_len: its CUDA graphs' block tables are as wide
+    MODEL_ARGS=(--batches "$(IFS=,; echo "${DECODE_BATCHES[*]}")" --context "$CONTEXT"
+                --prefill-tokens "$PREFILL" --steps 8)
     SERVE_ARGS=(--max-num-seqs 256 --max-model-len 4096 --max-num-batched-tokens 8192
                 --max-prefill-tokens-while-decoding 2048)
     LEVELS=("1 8" "256 512")  # concurrency, requests: each level well under two minutes
@@ -119,6 +124,28 @@ step tests "$PY" -m pytest -q -p no:cacheprovider -m cuda --junitxml="$OUT_DIR/p
 # 2. The model runner alone: prefill, and decode as CUDA graphs against eager steps.
 step model "$PY" -m perf.cli model --device "$DEVICE" --random-weights "$MODEL" --weights bf16 \
     "${MODEL_ARGS[@]}" --json "$OUT_DIR/model.json" || true
+
+# 2b. What each measured decode step should take on this GPU (pipeline-bench roofline: the bytes
+# and FLOPs of every kernel by design, at the GPU's HBM bandwidth and tensor peak), which the
+# report sets beside the measured step. On CPU there is no GPU to predict.
+if [ "$DEVICE" = cuda ]; then
+    if [ "$DRY_RUN" = 1 ]; then
+        GPU_KIND="${GPU_KIND:-h200}"
+    else
+        GPU_KIND="${GPU_KIND:-$("$PY" -c 'import torch
+name = torch.cuda.get_device_name().lower()
+print(next((k for k in ("h200", "h100", "a100") if k in name), ""))' || true)}"
+    fi
+    if [ -z "$GPU_KIND" ]; then
+        echo "gpu_check: no roofline for this GPU (the roofline knows a100, h100, h200)" >&2
+    else
+        for batch in "${DECODE_BATCHES[@]}"; do
+            step "roofline_b$batch" "$PY" -m perf.cli roofline --model "$MODEL" --gpu "$GPU_KIND" \
+                --batch "$batch" --context "$CONTEXT" --max-model-len "$PREFILL" \
+                --json "$OUT_DIR/roofline_b$batch.json" || true
+        done
+    fi
+fi
 
 # 3. The server on the same shape, and the load generator at each level.
 PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"

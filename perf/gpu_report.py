@@ -1,8 +1,10 @@
 """The GPU check's one JSON and one Markdown table (perf/gpu_check.sh): the CUDA tests' outcome,
-the model bench (prefill, decode with and without CUDA graphs, against the HBM roofline) and the
-serve bench, with the fraction reached of the issue's goals.
+the model bench (prefill, decode with and without CUDA graphs, against the HBM roofline and
+beside `pipeline-bench roofline`'s prediction of each decode step) and the serve bench, with the
+fraction reached of the issue's goals.
 
-Usage: python -m perf.gpu_report OUT_DIR  (reads pytest.xml, model.json, serve_c*.json there;
+Usage: python -m perf.gpu_report OUT_DIR  (reads pytest.xml, model.json, roofline_b*.json,
+serve_c*.json there;
 writes gpu_check.json and gpu_check.md)
 """
 
@@ -45,8 +47,25 @@ def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _predictions(out: Path) -> dict[tuple[int, int], dict[str, Any]]:
+    """(batch, context) -> pipeline-bench roofline's prediction of that decode step."""
+    found = {}
+    for path in sorted(out.glob("roofline_b*.json")):
+        r = _load(path)
+        if r:
+            found[(r["batch"], r["context"])] = r
+    return found
+
+
 def build_report(out: Path) -> dict[str, Any]:
     model = _load(out / "model.json")
+    if model:
+        predicted = _predictions(out)
+        for r in model["rows"]:
+            p = predicted.get((r["batch"], r["context"])) if r["mode"] == "decode" else None
+            if p is not None:
+                r["predicted_step_ms"] = p["step_s"] * 1e3
+                r["predicted_gpu"] = p["gpu"]
     serve_runs = []
     for path in sorted(out.glob("serve_c*.json")):
         report = _load(path)
@@ -92,18 +111,25 @@ def format_markdown(report: dict[str, Any]) -> str:
             "",
             f"Model bench on {model.get('device')} (roofline at {model['bandwidth_gb_s']:.0f} GB/s):",
             "",
-            "| mode | batch | ctx | tok/s | eager tok/s | graphs / eager | ms/step | roofline |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| mode | batch | ctx | tok/s | eager tok/s | graphs / eager | ms/step | predicted "
+            "ms/step | predicted / measured | roofline |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in model["rows"]:
             eager = r.get("eager_tok_per_s")
             ratio = r["tok_per_s"] / eager if eager else None
             roof = r["roofline_fraction"]
+            step, predicted = r.get("step_ms"), r.get("predicted_step_ms")
+            reached = predicted / step if predicted and step else None
             lines.append(
                 f"| {r['mode']} | {r['batch']} | {r['context']} | {r['tok_per_s']:.0f} | "
-                f"{_fmt(eager, '.0f')} | {_fmt(ratio, '.2f')} | {_fmt(r.get('step_ms'), '.2f')} | "
+                f"{_fmt(eager, '.0f')} | {_fmt(ratio, '.2f')} | {_fmt(step, '.2f')} | "
+                f"{_fmt(predicted, '.2f')} | {_fmt(reached, '.2f')} | "
                 f"{_fmt(None if roof is None else 100 * roof, '.0f')}{'%' if roof else ''} |"
             )
+        if any("predicted_gpu" in r for r in model["rows"]):
+            gpu = next(r["predicted_gpu"] for r in model["rows"] if "predicted_gpu" in r)
+            lines += ["", f"Predicted: `pipeline-bench roofline --gpu {gpu}` for each decode step."]
     if report["serve"]:
         lines += [
             "",

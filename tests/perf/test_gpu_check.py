@@ -35,13 +35,18 @@ def test_a_dry_run_names_every_gpu_step(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     steps = [line.split("]")[0].lstrip("[") for line in lines]
-    assert steps == ["tests", "model", "serve", "serve_c1", "serve_c256", "report"]
-    tests, model, serve = lines[0], lines[1], lines[2]
+    assert steps == [
+        "tests", "model", "roofline_b1", "roofline_b64", "roofline_b256", "serve", "serve_c1",
+        "serve_c256", "report",
+    ]  # fmt: skip
+    tests, model, serve = lines[0], lines[1], lines[5]
+    # a prediction for each decode batch the model bench measures, at its context
+    assert "roofline --model llama-3-8b --gpu h200 --batch 64 --context 512" in lines[3]
     assert "-m cuda" in tests and "tests/gpu/test_kernels.py" in tests
     assert "--device cuda --random-weights llama-3-8b" in model
     assert "--batches 1,64,256" in model and "--prefill-tokens 2048" in model
     assert "--random-weights llama-3-8b --device cuda" in serve
-    assert "--concurrency 256" in lines[4]
+    assert "--concurrency 256" in lines[7]
     assert not (tmp_path / "gpu_check.json").exists()
 
 
@@ -91,5 +96,37 @@ def test_the_report_says_the_fraction_of_each_goal(tmp_path):
     assert report["goals"]["c256_throughput_goal_reached"] == pytest.approx(0.8)
     table = format_markdown(report)
     assert "CUDA tests: did not run" in table
-    assert "| decode | 1 | 512 | 150 | 100 | 1.50 | 6.70 | 56% |" in table
+    assert "| decode | 1 | 512 | 150 | 100 | 1.50 | 6.70 | - | - | 56% |" in table
     assert "0.80 of the 12,500 goal" in table
+
+
+def test_the_report_sets_the_roofline_prediction_beside_each_decode_step(tmp_path):
+    from perf.roofline import main as roofline_main
+
+    rows = [
+        {"mode": "decode", "batch": b, "context": 512, "weights": "bf16", "tok_per_s": 1.0,
+         "eager_tok_per_s": None, "baseline_tok_per_s": 0.0, "roofline_fraction": 0.5,
+         "step_ms": ms}
+        for b, ms in ((1, 9.0), (64, 12.0))
+    ]  # fmt: skip
+    (tmp_path / "model.json").write_text(
+        json.dumps({"device": "cuda", "bandwidth_gb_s": 4800.0, "rows": rows})
+    )
+    assert (
+        roofline_main(
+            str(tmp_path / "roofline_b64.json"),
+            model="llama-3-8b",
+            gpu="h200",
+            batch=64,
+            context=512,
+        )
+        == 0
+    )
+    predicted = json.loads((tmp_path / "roofline_b64.json").read_text())["step_s"] * 1e3
+    report = build_report(tmp_path)
+    decode1, decode64 = report["model"]["rows"]
+    assert "predicted_step_ms" not in decode1  # no prediction for it: none made
+    assert decode64["predicted_step_ms"] == pytest.approx(predicted)
+    table = format_markdown(report)
+    assert f"| 12.00 | {predicted:.2f} | {predicted / 12.0:.2f} | 50% |" in table
+    assert "`pipeline-bench roofline --gpu h200`" in table
