@@ -61,6 +61,9 @@ class ActorSpec:
     heartbeat_interval_s: float = 0.5
     # Kept files (pipeline/kept.py) the actor finds again, as it left them, when it is restarted.
     kept_files: tuple[str, ...] = ()
+    # The CPUs the process may run on (sched_setaffinity), set before the actor is made; empty:
+    # wherever the OS puts it.
+    cpus: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +222,8 @@ def run_actor(launch: ActorLaunch) -> None:
     """Process entry of every actor."""
     if launch.process_title is not None:
         set_process_title(launch.process_title, launch.spec.name)
+    if launch.spec.cpus:
+        os.sched_setaffinity(0, launch.spec.cpus)
     # The supervisor owns the shutdown order; a terminal's Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     arm_parent_death_signal(launch.parent_pid)

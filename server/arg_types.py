@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from stages.cpu_bind import check_setting
 from stages.lora import LoraError, LoraModule
 from stages.speculative_config import SpeculativeConfig
 
@@ -66,6 +67,14 @@ def port(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"not a TCP port: {value}")
     return value
+
+
+def check_cpu_binding(text: str) -> str:
+    """--cpu-threads-bind: none, auto or a list of cores such as 0-3,6."""
+    try:
+        return check_setting(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error} (or none, or auto)") from None
 
 
 def json_of(kind: type, description: str) -> Callable[[str], Any]:

@@ -38,6 +38,7 @@ from server.systemd import Notifier, PipelineState, monitor, status_line
 from server.vllm_configs import check_structured_outputs, merge_dotted, resolve_reasoning
 from stages.config import EngineConfig, default_model_path, generation_defaults
 from stages.device import default_dtype, resolve_device
+from stages.engine_layout import resolve_binding
 from stages.lora import LoraConfig, LoraError, read_adapter
 from stages.text.checkpoint import FP8_KV_CACHE_DTYPES
 from stages.text.random_model import write_random_checkpoint
@@ -487,6 +488,17 @@ async def serve(config: ServerConfig, engine_config: EngineConfig, notifier: Not
     return 0
 
 
+def bind_front_end(engine_config: EngineConfig) -> EngineConfig:
+    """--cpu-threads-bind: the cores resolved once for the whole pipeline (execute's threads,
+    the other stages), and this process, the HTTP front end, onto the other stages' cores."""
+    engine_config = resolve_binding(engine_config)
+    binding = engine_config.cpu_binding
+    if binding is not None:
+        os.sched_setaffinity(0, binding.others)
+        log.info("CPU cores bound", compute=list(binding.compute), others=list(binding.others))
+    return engine_config
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config, engine_config = parse_args(argv)
     # The stages are titled "pipeline-serve: <stage>" by their supervisor (stages/engine.py).
@@ -494,6 +506,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     setproctitle.setthreadtitle("pipeline-serve")
     configure_server_logging(config.log_format, config.log_level, config.uvicorn_log_level)
     notifier = Notifier.from_environ(os.environ, os.getpid())  # systemd's, when it started us
+    try:
+        engine_config = bind_front_end(engine_config)
+    except ValueError as error:
+        log.error("cannot bind CPU threads", reason=str(error))
+        notifier.close()
+        return 2
     try:
         return uvloop.run(serve(config, engine_config, notifier))
     finally:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.arg_types import (
+    check_cpu_binding,
     fraction,
     int_at_least,
     json_list,
@@ -385,6 +386,16 @@ OPTIONS: tuple[Option, ...] = (
         engine="threads",
         type=positive_int,
         help="CPU threads for the model (per replica; default: the cores, shared among replicas)",
+    ),
+    option(
+        "--cpu-threads-bind",
+        vllm=OWN,
+        engine="cpu_threads_bind",
+        type=check_cpu_binding,
+        default="none",
+        help="none (default), auto, or cores such as 0-3: the model's threads one a core (auto: "
+        "the lowest), the other stages and the server on the cores left over, or beside the last "
+        "thread where none is (vLLM's VLLM_CPU_OMP_THREADS_BIND; one pipeline on the CPU)",
     ),
     option(
         "--data-parallel-size",

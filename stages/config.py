@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from stages.cpu_bind import CpuBinding
 from stages.lora import LoraConfig
 from stages.speculative_config import SpeculativeConfig
 from stages.text.checkpoint import (
@@ -95,6 +96,12 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # stages.text.checkpoint.resolve_kv_cache_dtype
     threads: int = 0  # 0: torch's default (all cores); divided among tensor-parallel ranks
+    # --cpu-threads-bind (stages/cpu_bind.py): "none", "auto" or a list of cores for the model's
+    # threads, one each; the other stages and the server run on the cores left over.
+    # cpu_binding: those cores, resolved once (stages.cpu_bind.resolve_binding) from the
+    # affinity of the process that starts the engine, before any of it is bound.
+    cpu_threads_bind: str = "none"
+    cpu_binding: CpuBinding | None = None
     # --tensor-parallel-size: execute processes that each hold a shard of every layer, joined by
     # torch.distributed at master_addr:master_port (0: a free port, picked at each start);
     # tensor_parallel_rank is set per execute process by the engine.

@@ -12,6 +12,7 @@ from pipeline.actor import ActorSpec
 from pipeline.broadcast import BroadcastSpec
 from pipeline.ring import RingSpec
 from stages.config import EngineConfig
+from stages.cpu_bind import NONE, plan_binding
 from stages.rings import deltas, forward, plan, prompts, requests, results, tokens
 
 
@@ -39,6 +40,9 @@ def pipeline_layout(
     )
     tp_rings, config, tp_ranks = _tensor_parallel_ranks(config, step_bytes)
     execute_out = ("results", "forward") if tp_rings else ("results",)
+    config = resolve_binding(config)  # the engine resolved it already: the same cores
+    binding = config.cpu_binding
+    compute, others = ((), ()) if binding is None else (binding.compute, binding.others)
     # The asyncio stages do not spin: a spin blocks their whole event loop, several readers each
     # spin, and messages come once per step (milliseconds apart), so spinning would only burn one
     # of two cores. Execute, a blocking loop fed a step ahead, keeps the short default spin.
@@ -50,6 +54,7 @@ def pipeline_layout(
             ("requests",),
             ("prompts", "errors"),
             spin_s=0.0,
+            cpus=others,
         ),
         ActorSpec(
             "schedule",
@@ -58,6 +63,7 @@ def pipeline_layout(
             ("prompts", "results", "stop_hits"),
             ("plan", "tokens"),
             spin_s=0.0,
+            cpus=others,
         ),
         ActorSpec(
             "execute",
@@ -67,6 +73,7 @@ def pipeline_layout(
             execute_out,
             heartbeat_interval_s=0.5,
             kept_files=("weights",),  # the prepared model, mapped again after a restart
+            cpus=compute,
         ),
         ActorSpec(
             "detokenize",
@@ -75,9 +82,26 @@ def pipeline_layout(
             ("tokens",),
             ("deltas", "stop_hits"),
             spin_s=0.0,
+            cpus=others,
         ),
     ]
     return rings + tp_rings, actors + tp_ranks
+
+
+def resolve_binding(config: EngineConfig) -> EngineConfig:
+    """The config with --cpu-threads-bind's cores resolved (`cpu_binding`, and `threads` one a
+    compute core), from this process's affinity: once, before anything is bound (a pipeline
+    restarted later lays its stages on the same cores). One pipeline of one rank, on the CPU."""
+    if config.cpu_threads_bind == NONE or config.cpu_binding is not None:
+        return config
+    if config.tensor_parallel_size > 1 or config.data_parallel_size > 1 or config.device != "cpu":
+        raise ValueError(
+            "--cpu-threads-bind binds one CPU pipeline's threads: not with --tensor-parallel-size"
+            " or --data-parallel-size above 1, nor on a GPU"
+        )
+    binding = plan_binding(config.cpu_threads_bind, config.threads)
+    assert binding is not None
+    return dataclasses.replace(config, cpu_binding=binding, threads=len(binding.compute))
 
 
 def _tensor_parallel_ranks(

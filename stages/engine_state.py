@@ -33,7 +33,7 @@ from stages.config import (
     sized_from_device_memory,
 )
 from stages.draft_vocab import check_draft_vocabulary
-from stages.engine_layout import pipeline_layout, process_title, replica_fields
+from stages.engine_layout import pipeline_layout, process_title, replica_fields, resolve_binding
 from stages.rings import common
 from stages.text.checkpoint import (
     UnsupportedModelError,
@@ -81,6 +81,7 @@ class EngineState:
     """What `Engine` holds; its parts are the classes built on this one."""
 
     def __init__(self, config: EngineConfig) -> None:
+        config = resolve_binding(config)  # --cpu-threads-bind's cores, before any is bound
         model_config = load_model_config(config.model_path)
         if config.tensor_parallel_size > 1 and config.quantization is not None:
             problem = quantized_shard_problem(model_config, config.tensor_parallel_size)

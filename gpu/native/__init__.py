@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -64,8 +64,13 @@ _SIGNATURES: dict[str, tuple[object, ...]] = {
     ),
     "stream_read": (_ptr, _i64),
     "int8_peak_macs": (_i64,),
+    "bind_threads": (_ptr, _i64),
 }
-_RETURNS = {"stream_read": ctypes.c_uint64, "int8_peak_macs": ctypes.c_double}
+_RETURNS = {
+    "stream_read": ctypes.c_uint64,
+    "int8_peak_macs": ctypes.c_double,
+    "bind_threads": ctypes.c_int,
+}
 _RETURNS_STATUS = (
     *("q4_1_matmul", "q8_0_matmul", "q4_1_gemm", "q8_0_gemm", "paged_decode_attention"),
     *("q4_decode_layer", "q4_layer_attn_in", "q4_layer_attn_out", "paged_prefill_attention"),
@@ -518,6 +523,16 @@ def stream_read_bytes_per_s(tensors: list[torch.Tensor], passes: int = 5) -> flo
             _lib().stream_read(t.data_ptr(), t.numel() * t.element_size() // 8)
         best = min(best, time.perf_counter() - start)
     return total / best if best > 0 else 0.0
+
+
+def bind_threads(cpus: Sequence[int]) -> int:
+    """Each thread of the OpenMP pool (the kernels' and torch's) onto one of `cpus`, thread t
+    onto cpus[t % len]: how many were bound (0 where the OS has no per-thread affinity)."""
+    cores = (ctypes.c_int32 * len(cpus))(*cpus)
+    bound = int(_lib().bind_threads(ctypes.addressof(cores), len(cpus)))
+    if bound < 0:
+        raise OSError(f"bind_threads: the OS refused to bind a thread to one of {list(cpus)}")
+    return bound
 
 
 def int8_peak_macs_per_s(iterations: int = 2_000_000) -> float:

@@ -11,7 +11,9 @@
  * weights: w = d * q, q in -127..127), against activations quantized per 32 to int8 (as
  * llama.cpp does), with integer dot products (AVX512-VNNI, else AVX2, else scalar).
  */
+#define _GNU_SOURCE /* sched_setaffinity's CPU sets, under -std=c11 */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1795,3 +1797,24 @@ double int8_peak_macs(int64_t iterations) {
 
 /* Query vectors (query heads per KV head) an attention work item holds at most. */
 int attend_vectors(void) { return ATTEND_VECTORS; }
+
+/* Each thread of the OpenMP pool onto one CPU: thread t onto cpus[t % n] (--cpu-threads-bind,
+ * as vLLM's CPU backend binds its OpenMP threads). Returns the threads bound; -1 if the OS
+ * refused one (a CPU outside the process's mask). */
+int bind_threads(const int32_t *cpus, int64_t n) {
+#if defined(__linux__)
+    int bound = 0, failed = 0;
+#pragma omp parallel reduction(+ : bound, failed)
+    {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpus[omp_get_thread_num() % n], &set);
+        if (sched_setaffinity(0, sizeof set, &set) == 0) bound += 1;
+        else failed += 1;
+    }
+    return failed ? -1 : bound;
+#else
+    (void)cpus, (void)n;
+    return 0;
+#endif
+}

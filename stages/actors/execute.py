@@ -11,11 +11,12 @@ file's pages; one restarted after a failure maps the file instead of loading the
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from stages.actors.tensor_group import (
 from stages.api import LoraRequest
 from stages.beam_group import scoring_sampling
 from stages.config import EngineConfig, num_kv_blocks, sized_from_device_memory
+from stages.cpu_bind import NONE
 from stages.kv_size import publish_num_blocks
 from stages.published import KERNELS, publish
 from stages.rings import plan, results
@@ -110,6 +112,11 @@ class ExecuteActor(SyncActor):
                 self.ctx.kept.get("weights") if keep else None,
                 tp,
             )
+        # Threads started later (the grammar builder) inherit the thread that starts them, which
+        # binding pins to one core: they get back all of this process's cores.
+        cores = sorted(os.sched_getaffinity(0))
+        if config.cpu_threads_bind != NONE:
+            bind_compute_threads(cores, self.ctx.log)
         if config.snapshot_dir:  # what /version, /metrics and the engine's log name
             publish(config, KERNELS, self.runner.kernels_name)
         if sized:
@@ -132,7 +139,12 @@ class ExecuteActor(SyncActor):
         self.grammars = _grammar_matchers(config)
         # Every thread started from here on (the builder) can compile any grammar render let by.
         threading.stack_size(GRAMMAR_STACK_BYTES)
-        self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self.builder = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="grammar",
+            initializer=os.sched_setaffinity,
+            initargs=(0, cores),
+        )
         self.building: dict[int, Future[llguidance.LLMatcher]] = {}
 
     def prepared_runner(
@@ -404,6 +416,20 @@ class ExecuteActor(SyncActor):
                     if tracker is not None:
                         tracker.consume(token)
             at += count
+
+
+def bind_compute_threads(cores: list[int], log: Any) -> None:
+    """--cpu-threads-bind: the engine gave this process its compute cores; each thread of the
+    OpenMP pool (the C kernels' and torch's) now takes one, in order, thread 0 (this one, which
+    also runs the step's serial work) the lowest. Without the C kernels the pool cannot be
+    reached thread by thread: the process mask alone holds, and the log says so."""
+    from gpu import native
+
+    if native.load() is None:
+        log.warning("compute threads not bound one a core: no CPU kernels", cores=cores)
+        return
+    bound = native.bind_threads(cores)
+    log.info("compute threads bound", cores=cores, threads=bound)
 
 
 def _grammar_matchers(config: EngineConfig) -> GrammarMatchers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -531,3 +532,21 @@ def test_the_structured_outputs_config_is_served_by_llguidance_or_refused(
             {},
         )
     assert "reasoning parser" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_cpu_threads_bind_puts_the_front_end_beside_the_other_stages(tmp_path) -> None:
+    from server.cli import bind_front_end
+
+    _, engine_config = parse_args(["--cpu-threads-bind", "auto", "--threads", "1"])
+    assert engine_config.cpu_threads_bind == "auto"
+    before = os.sched_getaffinity(0)
+    try:
+        resolved = bind_front_end(engine_config)
+        assert resolved.cpu_binding is not None and resolved.threads == 1
+        assert os.sched_getaffinity(0) == set(resolved.cpu_binding.others)
+        assert min(before) not in resolved.cpu_binding.others  # thread 0's core is execute's
+    finally:
+        os.sched_setaffinity(0, before)
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu-threads-bind", "0-"])
