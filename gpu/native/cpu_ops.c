@@ -215,6 +215,42 @@ void rope_write_kv(float *qkv, int64_t tokens, const float *cos_t, const float *
 
 /* ---------------------------------------------------------------- paged decode attention */
 
+#if defined(CPU_AVX2)
+#define KV_PREFETCH 16 /* positions ahead */
+
+/* The prefetch helpers are always inlined: a plain static inline one is, to GCC's IPA pure-const
+ * pass, a call without side effects (a prefetch is none to it), which it deletes before inlining,
+ * so that no prefetch of them reached any build until this was found. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *cache, int64_t index,
+                                                               int64_t dim, int bf16) {
+    const char *row = (const char *)cache + index * (bf16 ? 2 : 4);
+    for (int64_t off = 0; off < dim * (bf16 ? 2 : 4); off += 64)
+        _mm_prefetch(row + off, _MM_HINT_T0);
+}
+
+#define KV_PREFETCH_FAR 64 /* positions ahead, into L2: DRAM latency needs many lines in flight */
+static inline __attribute__((always_inline)) void prefetch_row_l2(const void *cache,
+                                                                  int64_t index, int64_t dim,
+                                                                  int bf16) {
+    const char *row = (const char *)cache + index * (bf16 ? 2 : 4);
+    for (int64_t off = 0; off < dim * (bf16 ? 2 : 4); off += 64)
+        _mm_prefetch(row + off, _MM_HINT_T1);
+}
+
+/* While key j of n is converted: key rows a few positions ahead into L1 (the walk through the
+ * block table hides the pattern from the hardware) and further ahead into L2; as the keys end,
+ * the first value rows. */
+static inline __attribute__((always_inline)) void prefetch_ahead_of_key(
+    const void *k_cache, const void *v_cache, int bf16, const int64_t *rows, int64_t j, int64_t n,
+    int64_t dim) {
+    if (j + KV_PREFETCH < n) prefetch_row(k_cache, rows[j + KV_PREFETCH], dim, bf16);
+    if (j + KV_PREFETCH_FAR < n)
+        prefetch_row_l2(k_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
+    else if (j + KV_PREFETCH_FAR - n < n)
+        prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR - n], dim, bf16);
+}
+
+#endif
 
 #if defined(__AVX512F__)
 /* 16 cache values at index i as float32. */
@@ -231,11 +267,15 @@ static inline __m512 load16(const void *cache, int64_t i, int bf16) {
  * g's output row is outs[g]. */
 static inline __attribute__((always_inline)) void pv_tile(
     const int GN, const int CN, const float *probs, int64_t probs_stride, const void *v_cache,
-    int bf16, const int64_t *rows, int64_t n, int64_t c0, float *const *outs, const float *inv) {
+    int bf16, const int64_t *rows, int64_t n, int64_t c0, float *const *outs, int64_t dim,
+    const float *inv) {
     __m512 acc[4][4];
     for (int g = 0; g < GN; g++)
         for (int c = 0; c < CN; c++) acc[g][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
+        if (j + KV_PREFETCH < n) prefetch_row(v_cache, rows[j + KV_PREFETCH] + c0, 16 * CN, bf16);
+        if (c0 == 0 && j + KV_PREFETCH_FAR < n)
+            prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
         __m512 v[4];
         for (int c = 0; c < CN; c++) v[c] = load16(v_cache, rows[j] + c0 + 16 * c, bf16);
         for (int g = 0; g < GN; g++) {
@@ -252,7 +292,7 @@ static inline __attribute__((always_inline)) void pv_tile(
 #define PV_CASE(G, C)                                                                         \
     case (G) * 8 + (C):                                                                       \
         pv_tile(G, C, probs + v0 * stride, stride, v_cache, bf16, rows, upto, c0, outs + v0, \
-                inv + v0);                                                                    \
+                dim, inv + v0);                                                               \
         break;
 
 /* The sums of 16 vectors as one: lane 4k + m of the result is the sum of a[4m + k] (callers put
@@ -312,6 +352,7 @@ static void attend_avx512(const float *const *qs, float *const *outs, const int6
                 continue;
             }
             const int64_t j = j0 + r;
+            prefetch_ahead_of_key(k_cache, v_cache, bf16, rows, j, n, dim);
             for (int64_t c = 0; c < chunks; c++)
                 _mm512_storeu_ps(dst + 16 * c, load16(k_cache, rows[j] + 16 * c, bf16));
         }
@@ -379,11 +420,15 @@ static inline __m256 load8(const void *cache, int64_t i, int bf16) {
  * the head dimension, as pv_tile with 8 lanes (GN * CN <= 8 accumulators beside the loads). */
 static inline __attribute__((always_inline)) void pv_tile8(
     const int GN, const int CN, const float *probs, int64_t probs_stride, const void *v_cache,
-    int bf16, const int64_t *rows, int64_t n, int64_t c0, float *const *outs, const float *inv) {
+    int bf16, const int64_t *rows, int64_t n, int64_t c0, float *const *outs, int64_t dim,
+    const float *inv) {
     __m256 acc[4][2];
     for (int g = 0; g < GN; g++)
         for (int c = 0; c < CN; c++) acc[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
+        if (j + KV_PREFETCH < n) prefetch_row(v_cache, rows[j + KV_PREFETCH] + c0, 8 * CN, bf16);
+        if (c0 == 0 && j + KV_PREFETCH_FAR < n)
+            prefetch_row_l2(v_cache, rows[j + KV_PREFETCH_FAR], dim, bf16);
         __m256 v[2];
         for (int c = 0; c < CN; c++) v[c] = load8(v_cache, rows[j] + c0 + 8 * c, bf16);
         for (int g = 0; g < GN; g++) {
@@ -399,7 +444,7 @@ static inline __attribute__((always_inline)) void pv_tile8(
 #define PV8_CASE(G, C)                                                                        \
     case (G) * 8 + (C):                                                                       \
         pv_tile8(G, C, probs + v0 * stride, stride, v_cache, bf16, rows, upto, c0, outs + v0, \
-                 inv + v0);                                                                   \
+                 dim, inv + v0);                                                              \
         break;
 
 /* The sums of 8 vectors as one: lane r of the result is the sum of a[r]'s lanes. */
@@ -450,6 +495,7 @@ static void attend_avx2(const float *const *qs, float *const *outs, const int64_
                 continue;
             }
             const int64_t j = j0 + r;
+            prefetch_ahead_of_key(k_cache, v_cache, bf16, rows, j, n, dim);
             for (int64_t c = 0; c < chunks; c++)
                 _mm256_storeu_ps(dst + 8 * c, load8(k_cache, rows[j] + 8 * c, bf16));
         }
