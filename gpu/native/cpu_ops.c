@@ -523,7 +523,11 @@ static void attend_avx2(const float *const *qs, float *const *outs, const int64_
                 }
             }
             sc = _mm256_mul_ps(sc, vscale);
-            _mm256_maskstore_ps(probs + i * stride + j0, _mm256_castps_si256(valid), sc);
+            /* All 8 lanes, past seen[i] too: a row of probs is max_len + 16 wide, and the lanes
+             * past seen[i] are zeroed below before anything reads them (vmaskmovps, the masked
+             * store, is microcoded on AMD: one of these per 8 keys and vector cost more than
+             * the scores' FMAs at prefill on Zen 5). */
+            _mm256_storeu_ps(probs + i * stride + j0, sc);
             top[i] = _mm256_max_ps(top[i], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc, valid));
         }
     }
