@@ -77,10 +77,10 @@ class _Echo:
             self.text = engine.detokenize(prompt.token_ids)
         self.logprobs: dict[str, Any] | None = None
         if request.logprobs is not None:
-            first_text = engine.detokenize(prompt_ids[:1]) if prompt_ids else ""
+            first_token = (prompt_ids[0], engine.detokenize(prompt_ids[:1])) if prompt_ids else None
             self.logprobs = CompletionLogprobs(
                 request.top_logprob_count(request.logprobs), 0, as_ids
-            ).prompt_entries(first_text, first.prompt_logprobs or ())
+            ).prompt_entries(first_token, first.prompt_logprobs or ())
 
 
 class _TokenIds:

@@ -92,13 +92,15 @@ class CompletionLogprobs:
         self.as_ids = as_ids
 
     def prompt_entries(
-        self, first_token_text: str, entries: Sequence[TokenLogprob | None]
+        self, first_token: tuple[int, str] | None, entries: Sequence[TokenLogprob | None]
     ) -> dict[str, Any]:
-        """The prompt's logprobs for `echo`; the first prompt token has none."""
+        """The prompt's logprobs for `echo`; the first prompt token ((id, text)) has none, and
+        is named as the others are (`token_id:N` with return_tokens_as_token_ids)."""
         out = _empty()
         for entry in entries:
             if entry is None:
-                self._append(out, first_token_text, None, None)
+                name = "" if first_token is None else token_name(*first_token, self.as_ids)
+                self._append(out, name, None, None)
             else:
                 self._append(out, self._name(entry), _clamp(entry.logprob), self._top(entry))
         return out

@@ -141,7 +141,7 @@ class _HubApi:
     still built as one."""
 
     def snapshot_download(self, repo_id: str, *args: Any, **kwargs: Any) -> str | None:
-        return _lora_adapter(repo_id) if "lora" in repo_id.lower() else None
+        return _lora_adapter(repo_id) if _is_adapter(repo_id) else None
 
 
 class _Platform:
@@ -439,9 +439,18 @@ class _TestsUtils(types.ModuleType):
 # --- no network: LoRA adapters of the served model ---------------------------------------
 
 
+# LoRA adapters the tests download whose names do not say so (tests/entrypoints/conftest.py's
+# qwen3_lora_files).
+_UNNAMED_ADAPTERS = frozenset({"vllm-project/self_cognition_Alice"})
+
+
+def _is_adapter(repo_id: str) -> bool:
+    return "lora" in repo_id.lower() or repo_id in _UNNAMED_ADAPTERS
+
+
 def _lora_adapter(repo_id: str) -> str:
     """A PEFT LoRA adapter of the served model (rank 8, B zero: the base model's outputs) for
-    any repo whose name says LoRA; made once per name in a temporary directory."""
+    any adapter repo (_is_adapter); made once per name in a temporary directory."""
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -474,7 +483,7 @@ def _lora_adapter(repo_id: str) -> str:
 
 
 def _snapshot_download(repo_id: str, *args: Any, **kwargs: Any) -> str:
-    if "lora" in repo_id.lower():
+    if _is_adapter(repo_id):
         return _lora_adapter(repo_id)
     pytest.skip(f"downloads {repo_id} (no network here)")
 

@@ -181,6 +181,14 @@ def test_return_tokens_as_token_ids_server_default(engine: FakeEngine) -> None:
         assert entry.token == f"token_id:{engine.word_id('one')}"
         text = client.completions.create(model="fake-model", prompt="a b", logprobs=0)
         assert text.choices[0].logprobs.tokens[0].startswith("token_id:")  # type: ignore[union-attr]
+        # vLLM's test_return_tokens_as_ids: echoed, every prompt token too, the first (which has
+        # no logprob) included, so that the ids decode to the whole text
+        echoed = client.completions.create(
+            model="fake-model", prompt="a b", logprobs=1, echo=True, max_tokens=2
+        )
+        names = echoed.choices[0].logprobs.tokens  # type: ignore[union-attr]
+        assert names[0] == f"token_id:{engine.word_id('a')}"
+        assert all(name.startswith("token_id:") for name in names)
         # a request's own false wins
         plain = client.chat.completions.create(
             model="fake-model",
