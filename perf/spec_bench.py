@@ -219,7 +219,7 @@ def run_ceiling(args: SpecBenchArgs, log_dir: str, weights: str = "int4") -> dic
     from stages.speculative_config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(args.speculative_config)
-    if spec.proposes_in_execute:
+    if spec.drafts_with_a_model:
         raise ValueError("--ceiling replays model-free methods (ngram, suffix), not a draft model")
     k = spec.num_speculative_tokens
     cases = [(c, n) for workload, c, n, _, _ in CASES if workload == "grounded"]

@@ -75,7 +75,7 @@ def replay(
 ) -> Replay:
     """One request's decode steps under speculation, drafting every proposal as the proposer
     makes it (up to num_speculative_tokens and what max_tokens leaves, as schedule caps it)."""
-    if spec.proposes_in_execute:
+    if spec.drafts_with_a_model:
         raise ValueError("a draft model's proposals come from the model: no replay")
     result = Replay()
     tokens = np.concatenate([prompt_ids, output_ids]).astype(np.int32)

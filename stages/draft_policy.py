@@ -3,9 +3,8 @@
 A draft token costs the step one more token of compute and pays only if it is accepted. On a CPU
 (or a GPU under load) a step's time grows with its tokens, so the policy learns that growth from
 the steps it sees, `step_s ~ fixed_s + per_token_s * tokens`, and each request's chance that a draft
-is accepted (`acceptance`, a decaying average). Drafting also costs the pipeline its one step of
-overlap (a plan with drafts waits for the previous step's tokens, and the plan after it for the
-drafts' verification): `sync_gap_s`, measured too.
+is accepted (`acceptance`, a decaying average). Drafting costs no overlap: a plan with drafts is
+made a step ahead like any other (stages/draft_rows.py).
 
 For one step it adds draft positions, most promising first (draft j of a request with acceptance a
 is accepted with probability a^j), while they raise the step's expected output tokens per second,
@@ -34,11 +33,6 @@ MIN_TOKEN_SPREAD = 0.25
 # Drafts must promise this much more output per second than none: the cost model is a straight
 # line through noisy steps, and a small promised gain is within its error.
 REQUIRED_GAIN = 0.10
-# Going from overlapped steps to a step with drafts costs two synced steps: the drafted one waits
-# for its predecessor's tokens, and the one after it for the drafts' verification (measured on
-# SmolLM2 at c=1: 1.4 and 1.9 ms between steps, against 0.5 ms overlapped). A step already
-# synced costs only the one after.
-ENTERING_SYNCS = 2
 
 
 @dataclass(slots=True)
@@ -47,10 +41,6 @@ class StepCost:
 
     fixed_s: float = 0.010  # a guess until steps are seen: a small model's step on a CPU
     per_token_s: float = 0.002
-    # Time between steps when a plan waits for the last results, and when it was made ahead
-    # (execute's own work between two forward passes); drafting costs the difference.
-    synced_gap_s: float = 0.0005
-    overlapped_gap_s: float = 0.0
     _n: float = 0.0
     _sx: float = 0.0
     _sy: float = 0.0
@@ -73,18 +63,6 @@ class StepCost:
             scale = (self._sy / self._n) / self.step_s(round(self._sx / self._n))
             self.fixed_s *= scale
             self.per_token_s *= scale
-
-    def observe_gap(self, seconds: float, synced: bool) -> None:
-        seconds = max(seconds, 0.0)
-        if synced:
-            self.synced_gap_s = 0.8 * self.synced_gap_s + 0.2 * seconds
-        else:
-            self.overlapped_gap_s = 0.8 * self.overlapped_gap_s + 0.2 * seconds
-
-    @property
-    def sync_gap_s(self) -> float:
-        """What a step loses by waiting for its predecessor's tokens."""
-        return max(self.synced_gap_s - self.overlapped_gap_s, 0.0)
 
     def step_s(self, tokens: int) -> float:
         return self.fixed_s + self.per_token_s * tokens
@@ -111,7 +89,6 @@ def plan_drafts(
     base_tokens: int,  # tokens the step carries without drafts (decodes, prefill chunks)
     base_outputs: int,  # tokens it emits without drafts (one per row that samples)
     candidates: list[tuple[float, int]],  # per request that can draft: (acceptance, proposal len)
-    syncs: int = 1,  # synced steps the drafts cost (ENTERING_SYNCS from overlapped steps)
 ) -> list[int]:
     """Draft tokens for each candidate, in order: the choice that maximises the step's expected
     output tokens per second, drafts added most likely first."""
@@ -129,10 +106,9 @@ def plan_drafts(
     best_rate = (1.0 + REQUIRED_GAIN) * base_outputs / base_s if base_s > 0 else 0.0
     best_taken = 0
     gained = 0.0
-    extra_s = syncs * cost.sync_gap_s  # a plan with drafts waits for the step before it
     for taken, (gain, _) in enumerate(units, start=1):
         gained += gain
-        rate = (base_outputs + gained) / (base_s + extra_s + cost.per_token_s * taken)
+        rate = (base_outputs + gained) / (base_s + cost.per_token_s * taken)
         if rate > best_rate:
             best_rate, best_taken = rate, taken
     for _, i in units[:best_taken]:

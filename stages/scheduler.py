@@ -12,11 +12,15 @@ N), so a decode's input token may not be known yet: it is sent as -1 and execute
 sampled for that request last step. A request that stops on a token id is found one step late; the
 extra token is dropped.
 
-With speculative decoding a decode whose tokens are all known may carry draft tokens after its input
-(prompt lookup over its own tokens, stages/speculation.py; with a draft model, -1 placeholders that
-execute's draft model fills in), as many as stages/draft_policy.py says pay: the step verifies them and emits 1 + the accepted ones. Such a plan needs the previous step's
-tokens, so while drafting pays the scheduler keeps one step in flight instead of two
-(`max_in_flight`); the KV slots of rejected drafts go back at once.
+With speculative decoding a decode may carry draft positions after its input, as many as
+stages/draft_policy.py says pay: -1 placeholders that execute fills in once it has the request's
+last tokens (a model-free proposal, stages/speculation.py, or the draft model's), dropping those
+it has no draft for. The step verifies them and emits 1 + the accepted ones. A plan made while
+the step before it verifies drafts of the same request assumes all of them accepted; execute
+moves the row back by those rejected (stages/draft_rows.py), and so does the result here, which
+gives the KV slots of rejected drafts back at once. Drafting costs no overlap: steps stay two in
+flight. How many positions to reserve is judged on the tokens known here (a step stale for a
+request with a step in flight).
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.clock import now_ns
 from stages import draft_policy
 from stages.beam_group import BeamGroup, BeamRequest, Decode
 from stages.draft_policy import StepCost
@@ -39,9 +42,6 @@ from stages.rings import common as m
 from stages.speculation import SuffixCache, propose
 from stages.speculative_config import SpeculativeConfig
 
-# Steps apart from a result, a plan made without waiting counts as overlapped (no gap observed).
-_SYNC_PLAN_WITHIN_NS = 5_000_000
-_MAX_GAP_S = 0.02
 # The window over which long prefills' share of the decoding steps' time is measured
 LONG_SHARE_WINDOW_S = 5.0
 
@@ -74,7 +74,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)  # confirmed outputs
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens fed to the model (KV written, or being written in flight)
-    pending_outputs: int = 0  # tokens sampled in steps whose results are not back yet
+    # tokens steps in flight will sample: 1 a row, 1 + its drafts for one verifying drafts (as if
+    # all were accepted; the result moves it back)
+    pending_outputs: int = 0
     steps_in_flight: int = 0
     status: Status = Status.WAITING
     finish: int = m.FINISH_NONE
@@ -98,9 +100,6 @@ class Sequence:
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_histogram: list[int] = field(default_factory=list)  # [i]: steps that accepted i drafts
-    # A step in flight verifies drafts of it: where its tokens stand after that step is unknown
-    # (1 to 1 + drafts more), so no other step plans it until the result is back.
-    drafts_in_flight: bool = False
     # The last proposal and the (outputs, pending outputs) it was made for (Scheduler._proposal).
     proposal_key: tuple[int, int] = (-1, -1)
     proposal: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
@@ -151,7 +150,8 @@ class ScheduledSeq:
     start: int  # first position fed
     num_tokens: int  # including the drafts
     sample: bool
-    draft: np.ndarray | None = None  # [D] int32, fed after the input token and verified
+    # [D] int32 -1: draft positions after the input token, which execute fills and verifies
+    draft: np.ndarray | None = None
 
     @property
     def num_draft(self) -> int:
@@ -164,11 +164,13 @@ class Step:
     seqs: list[ScheduledSeq]
     new_for_execute: list[Sequence]
     free_handles: list[int]
-    planned_after_result: bool = False  # planned at once on the previous step's results
     # (source, destination) KV blocks execute copies before the step: beams' copy on write
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     beside_decodes: bool = False  # it carries decodes: its time counts in the long-prefill share
     carries_long_prefill: bool = False  # a chunk of a long prompt (long_prefill_token_threshold)
+    # Execute proposes drafts from the requests' tokens (a model-free method): each new one's
+    # known tokens go with it (its prefix-cached prompt blocks are never fed).
+    send_tokens: bool = False
 
 
 # A running request this step may advance, and the tokens it has left to compute.
@@ -237,8 +239,6 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which found there
         self.cost = StepCost()
-        # Whether the next step should carry drafts: then a plan waits for the step in flight.
-        self.wants_drafts = False
         self.num_spec_drafts = 0  # steps of a request that verified drafts, over all requests
         self.num_spec_draft_tokens = 0
         self.num_spec_accepted = 0
@@ -247,6 +247,7 @@ class Scheduler:
         )
         # Suffix decoding looks in the outputs of recent requests too.
         spec = config.speculative
+        self._execute_proposes = spec is not None and not spec.drafts_with_a_model
         self.suffix_cache = (
             SuffixCache(spec.suffix.max_cached_requests)
             if spec is not None and spec.suffix is not None
@@ -256,9 +257,6 @@ class Scheduler:
         # exponential forgetting over LONG_SHARE_WINDOW_S: their ratio is the long prefills' share.
         self._decoding_s = 0.0
         self._long_prefill_s = 0.0
-        self._completed_at_ns = 0  # when the last result was applied (monotonic)
-        self._last_end_ns = 0  # when the last completed step ended in execute
-        self._last_step_id = -1
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -331,9 +329,8 @@ class Scheduler:
 
     @property
     def max_in_flight(self) -> int:
-        """Steps to keep in flight: two overlap planning with execution; one lets every plan know
-        the tokens it drafts from."""
-        return 1 if self.wants_drafts or not self.config.async_scheduling else 2
+        """Steps to keep in flight: two overlap planning with execution (drafts or not)."""
+        return 2 if self.config.async_scheduling else 1
 
     # -- planning --------------------------------------------------------------------------------
 
@@ -379,8 +376,8 @@ class Scheduler:
                     searches.append(seq)
                 continue  # a search's next step waits for the candidates of its last
             num_outputs = len(seq.output_ids) + seq.pending_outputs
-            if num_outputs >= seq.max_tokens or seq.drafts_in_flight:
-                continue  # its last token is in flight, or its drafts are being verified
+            if num_outputs >= seq.max_tokens:
+                continue  # its last token is in flight
             left = seq.num_prompt + num_outputs - seq.num_computed  # num_tokens - num_computed
             (decodes if left == 1 else prefills).append((seq, left))
         return decodes, prefills, searches
@@ -501,18 +498,15 @@ class Scheduler:
         new = [p.seq for p in plan.seqs if not p.seq.sent_to_execute]
         for seq in new:
             seq.sent_to_execute = True
-        after_result = (
-            not self.in_flight and now_ns() - self._completed_at_ns < _SYNC_PLAN_WITHIN_NS
-        )
         step = Step(
             self._next_step,
             plan.seqs,
             new,
             self._to_free,
-            after_result,
             plan.copies,
             beside_decodes=decoding,
             carries_long_prefill=plan.carries_long,
+            send_tokens=self._execute_proposes,
         )
         self._to_free = []
         self._next_step += 1
@@ -590,17 +584,17 @@ class Scheduler:
         start = seq.num_computed
         seq.num_computed += count
         if sample:
-            seq.pending_outputs += 1
+            seq.pending_outputs += 1 + (0 if draft is None else len(draft))
         seq.steps_in_flight += 1
-        seq.drafts_in_flight = draft is not None
         return ScheduledSeq(seq, start, count, sample, draft)
 
     # -- speculative decoding --------------------------------------------------------------------
 
     def _proposal(self, seq: Sequence) -> np.ndarray:  # -> [<= k] int32
         """The proposal for the tokens known so far, capped so that every draft could be emitted
-        (max_tokens, max_model_len); computed once per state of the request (the step's results
-        ask for it to decide whether to wait, the next plan to draft it)."""
+        (max_tokens, max_model_len, counting the steps in flight as if they accepted every draft);
+        computed once per state of the request. Only its length is planned: execute proposes
+        again on the tokens it has."""
         key = (len(seq.output_ids), seq.pending_outputs)
         if seq.proposal_key != key:
             seq.proposal_key, seq.proposal = key, self._propose(seq)
@@ -618,7 +612,7 @@ class Scheduler:
         )
         if room <= 0:
             return np.zeros(0, np.int32)
-        if spec.proposes_in_execute:  # a draft model: positions reserved, drafts unknown (-1)
+        if spec.drafts_with_a_model:  # the draft model drafts wherever it is asked to
             return np.full(room, -1, np.int32)
         tokens = np.concatenate([seq.prompt_ids, np.asarray(seq.output_ids, np.int32)])
         return propose(spec, tokens, room, self.suffix_cache)
@@ -629,11 +623,11 @@ class Scheduler:
         prefills: list[tuple[Sequence, int]],
         budget: int,
     ) -> dict[int, np.ndarray]:
-        """The drafts each decode of this step carries, by handle: proposals for those whose
-        tokens are all known, cut to what the policy says pays."""
+        """The draft positions each decode of this step carries, by handle (-1 each): as many as
+        the proposal on its known tokens has, cut to what the policy says pays."""
         if self.config.speculative is None or not decodes:
             return {}
-        known = [seq for seq, _ in decodes if seq.steps_in_flight == 0]
+        known = [seq for seq, _ in decodes]
         allowance = min(budget, self.config.max_prefill_tokens_while_decoding)
         prefill_tokens = min(sum(left for _, left in prefills), allowance)
         base_tokens = len(decodes) + prefill_tokens
@@ -644,7 +638,7 @@ class Scheduler:
         if not proposals:
             return {}
         if not self.config.speculative.adaptive_draft_length:
-            return {seq.handle: p for seq, p in proposals}
+            return {seq.handle: _placeholders(len(p)) for seq, p in proposals}
         counts = draft_policy.plan_drafts(
             self.cost,
             base_tokens=base_tokens,
@@ -654,7 +648,9 @@ class Scheduler:
         for (seq, _), n in zip(proposals, counts, strict=True):
             if not n:
                 seq.acceptance = draft_policy.undrafted(seq.acceptance)
-        return {seq.handle: p[:n] for (seq, p), n in zip(proposals, counts, strict=True) if n}
+        return {
+            seq.handle: _placeholders(n) for (seq, _), n in zip(proposals, counts, strict=True) if n
+        }
 
     def _drafts_could_pay(
         self, base_tokens: int, base_outputs: int, acceptances: list[float]
@@ -671,37 +667,6 @@ class Scheduler:
             self.cost, base_tokens, base_outputs, [(a, k) for a in acceptances]
         )
         return any(best)
-
-    def _update_wants_drafts(self) -> None:
-        """Whether the next step should wait for the one in flight so as to carry drafts: the
-        policy's answer for the running decodes on the tokens known now (one step stale for those
-        with a step in flight, which is a fair guess of what they will propose)."""
-        if self.config.speculative is None:
-            return
-        candidates = []
-        adaptive = self.config.speculative.adaptive_draft_length
-        decoding = [
-            seq
-            for seq in self.running
-            if seq.num_prompt + len(seq.output_ids) + seq.pending_outputs - seq.num_computed <= 1
-        ]  # not in prefill
-        num_decodes = len(decoding)
-        if not self._drafts_could_pay(num_decodes, num_decodes, [s.acceptance for s in decoding]):
-            self.wants_drafts = False
-            return
-        for seq in decoding:
-            proposal = self._proposal(seq)
-            if len(proposal):
-                if not adaptive:
-                    self.wants_drafts = True
-                    return
-                candidates.append((seq.acceptance, len(proposal)))
-        # Waiting costs two synced steps: this one, and the one after it, which is planned only
-        # once the drafts' verification is back (draft_policy.ENTERING_SYNCS).
-        counts = draft_policy.plan_drafts(
-            self.cost, num_decodes, num_decodes, candidates, syncs=draft_policy.ENTERING_SYNCS
-        )
-        self.wants_drafts = any(counts)
 
     # -- prefix caching --------------------------------------------------------------------------
 
@@ -788,6 +753,7 @@ class Scheduler:
         t_end_ns: int = 0,
         top_ids: np.ndarray | None = None,  # [N, K] int64: beam searches read their candidates
         top_logprobs: np.ndarray | None = None,  # [N, K] float32
+        num_drafted: np.ndarray | None = None,  # [B] int32 drafts execute filled in; None: none
     ) -> tuple[list[tuple[Sequence, int]], list[int]]:
         """Apply one step's sampled tokens: the (sequence, token) pairs to pass on, in order, and
         the entry of token_ids each came from. A row that verified drafts emits up to 1 + drafts
@@ -800,21 +766,24 @@ class Scheduler:
             raise RuntimeError(
                 f"step {step_id}: {len(handles)} result rows, {len(step.seqs)} planned"
             )
-        self._observe_step(step, t_start_ns, t_end_ns)
         counts = [1] * len(handles) if num_tokens is None else num_tokens.tolist()
+        drafted = [0] * len(handles) if num_drafted is None else num_drafted.tolist()
+        self._observe_step(step, drafted, t_start_ns, t_end_ns)
         tokens = token_ids.tolist()
         out: list[tuple[Sequence, int]] = []
         rows: list[int] = []
         searches: dict[int, tuple[Sequence, list[int]]] = {}  # leader, its rows' entries
         at = 0
-        for scheduled, handle, count in zip(step.seqs, handles.tolist(), counts, strict=True):
+        for scheduled, handle, count, filled in zip(
+            step.seqs, handles.tolist(), counts, drafted, strict=True
+        ):
             first, at = at, at + count
             seq = scheduled.seq
             if seq.handle != handle:
                 raise RuntimeError(f"step {step_id}: result row for {handle}, planned {seq.handle}")
             seq.steps_in_flight -= 1
             if scheduled.sample:
-                seq.pending_outputs -= 1
+                seq.pending_outputs -= 1 + scheduled.num_draft
             if seq.beam_of is not None:  # a beam's row: its search steps once all are in
                 searches.setdefault(seq.beam_of.handle, (seq.beam_of, []))[1].append(first)
                 continue
@@ -830,8 +799,7 @@ class Scheduler:
             if not scheduled.sample:
                 continue
             if scheduled.draft is not None:
-                seq.drafts_in_flight = False
-                self._verified(seq, scheduled.num_draft, count - 1)
+                self._verified(seq, scheduled.num_draft, filled, count - 1)
             for entry in range(first, first + count):
                 token = tokens[entry]
                 seq.output_ids.append(token)
@@ -852,8 +820,6 @@ class Scheduler:
                 self._step_search(leader, entries, top_ids, top_logprobs, out, rows)
             elif leader.status == Status.FINISHED and leader.steps_in_flight == 0:
                 self.by_handle.pop(leader.handle, None)
-        self._completed_at_ns = now_ns()
-        self._update_wants_drafts()
         return out, rows
 
     def _step_search(
@@ -897,8 +863,23 @@ class Scheduler:
             # and makes it "stop" (a stop token's finish would hide the last token's text).
             self.finish(member, m.FINISH_STOP if stop_token else m.FINISH_LENGTH)
 
-    def _verified(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        """Count a verification and give back the KV slots of the rejected drafts."""
+    def _verified(
+        self, seq: Sequence, num_reserved: int, num_drafted: int, num_accepted: int
+    ) -> None:
+        """Count a verification (of the drafts execute filled into the positions reserved) and
+        give back the KV slots of the positions not kept."""
+        if num_drafted:  # (none where execute had no proposal: nothing was verified)
+            self._count_verification(seq, num_drafted, num_accepted)
+        if seq.status != Status.RUNNING:
+            return  # preempted meanwhile: it holds no blocks and recomputes from its tokens
+        seq.num_computed -= num_reserved - num_accepted
+        keep = self.blocks.blocks_for(seq.num_computed + 1)  # room for the next input token
+        if len(seq.blocks) > keep:
+            tail = seq.blocks[keep:]
+            del seq.blocks[keep:]
+            self.blocks.free(tail)
+
+    def _count_verification(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         seq.spec_steps += 1
         seq.spec_drafted += num_drafted
         seq.spec_accepted += num_accepted
@@ -911,18 +892,15 @@ class Scheduler:
         self.num_spec_draft_tokens += num_drafted
         self.num_spec_accepted += num_accepted
         seq.acceptance = draft_policy.update_acceptance(seq.acceptance, num_drafted, num_accepted)
-        if seq.status != Status.RUNNING:
-            return  # preempted meanwhile: it holds no blocks and recomputes from its tokens
-        seq.num_computed -= num_drafted - num_accepted
-        keep = self.blocks.blocks_for(seq.num_computed + 1)  # room for the next input token
-        if len(seq.blocks) > keep:
-            tail = seq.blocks[keep:]
-            del seq.blocks[keep:]
-            self.blocks.free(tail)
 
-    def _observe_step(self, step: Step, t_start_ns: int, t_end_ns: int) -> None:
-        """Feed the draft policy's cost model: the step's time against its tokens, and the gap
-        before it when it was planned on its predecessor's results."""
+    def _observe_step(
+        self,
+        step: Step,
+        drafted: list[int],  # per row, the drafts execute filled into its reserved positions
+        t_start_ns: int,
+        t_end_ns: int,
+    ) -> None:
+        """Feed the draft policy's cost model the step's time against the tokens it computed."""
         if not t_end_ns or t_end_ns <= t_start_ns:
             return
         if step.beside_decodes:
@@ -933,12 +911,8 @@ class Scheduler:
         # Drafts are decode rows: fit on steps of decode rows only (a prefill chunk's tokens run
         # on kernels several times cheaper per token, and would make drafts look cheap).
         if all(s.num_tokens == 1 + s.num_draft for s in step.seqs):
-            self.cost.observe(sum(s.num_tokens for s in step.seqs), (t_end_ns - t_start_ns) / 1e9)
-        if self._last_end_ns and step.step_id == self._last_step_id + 1:
-            gap_s = (t_start_ns - self._last_end_ns) / 1e9
-            if 0 <= gap_s < _MAX_GAP_S:
-                self.cost.observe_gap(gap_s, synced=step.planned_after_result)
-        self._last_end_ns, self._last_step_id = t_end_ns, step.step_id
+            tokens = len(step.seqs) + sum(drafted)
+            self.cost.observe(tokens, (t_end_ns - t_start_ns) / 1e9)
 
     def stats(self) -> dict[str, float]:
         """By the names of stages/rings/gauges.py, which schedule publishes in that order."""
@@ -958,3 +932,8 @@ class Scheduler:
             "spec_decode_num_draft_tokens_total": self.num_spec_draft_tokens,
             "spec_decode_num_accepted_tokens_total": self.num_spec_accepted,
         }
+
+
+def _placeholders(count: int) -> np.ndarray:  # -> [count] int32
+    """Draft positions for execute to fill."""
+    return np.full(count, -1, np.int32)

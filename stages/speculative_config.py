@@ -60,8 +60,8 @@ class SpeculativeConfig:
     model: str | None = None
 
     @property
-    def proposes_in_execute(self) -> bool:
-        """Drafts come from a model in execute: schedule reserves their positions only."""
+    def drafts_with_a_model(self) -> bool:
+        """Drafts come from a draft model (in the runner), not from a model-free proposer."""
         return self.method == "draft_model"
 
     @classmethod

@@ -2,6 +2,8 @@
 
 With it the pipeline and the HTTP front end run at their own ceiling, which is what
 `pipeline-serve dummy` and `pipeline-bench` measure to separate the engine's overhead from the model.
+It proposes no drafts: a speculating schedule's draft positions are dropped (stages/draft_rows.py),
+and its rows planned a step ahead of them are moved back, as execute moves them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pipeline.actor import SyncActor
 from pipeline.clock import now_ns
 from stages import spans
 from stages.config import EngineConfig
+from stages.draft_rows import Behind
 from stages.rings import plan, results
 from stages.rings.common import PROMPT_LOGPROB_ROW, PromptLogprobs
 from stages.text.snapshot import tokenizer_of
@@ -26,6 +29,7 @@ class DummyExecuteActor(SyncActor):
             [t for t in range(bundle.vocab_size) if t not in bundle.special_token_ids], np.int64
         )
         self.prompt_top_k: dict[int, int] = {}  # by handle: the requests with prompt_logprobs
+        self.behind = Behind(config.block_size)
 
     def run(self) -> None:
         inbox, outbox = self.ctx.inbox["plan"], self.ctx.outbox["results"]
@@ -42,6 +46,7 @@ class DummyExecuteActor(SyncActor):
                 step = plan.unpack_step(message)
             for handle in step.free_handles.tolist():
                 self.prompt_top_k.pop(handle, None)
+                self.behind.forget(handle)
             for handle, rendered in step.new_requests:
                 if rendered.sampling.prompt_logprobs is not None:
                     self.prompt_top_k[handle] = rendered.sampling.prompt_logprobs
@@ -58,6 +63,7 @@ class DummyExecuteActor(SyncActor):
                 t_end_ns=now_ns(),
                 handles=handles,
                 num_tokens=num_tokens,
+                num_drafted=np.zeros(count, np.int32),
                 token_ids=token_ids,
                 logprobs=np.zeros(entries, np.float32),
                 ranks=np.ones(entries, np.int64),
@@ -81,35 +87,24 @@ class DummyExecuteActor(SyncActor):
 
     def tokens(self, step: plan.PlannedStep) -> tuple[np.ndarray, np.ndarray]:
         """([B] entries per row, [N] tokens): the token at a position is a fixed function of it, so
-        equal requests get equal outputs as with a model; drafts are verified against it."""
+        equal requests get equal outputs as with a model. Draft positions are dropped unfilled."""
         seqs = step.seqs
-        if not seqs["num_draft"].any():
-            picks = (seqs["context_len"].astype(np.int64) * 104729) % len(self.choices)
-            return np.ones(len(seqs), np.int32), np.where(seqs["sample"], self.choices[picks], -1)
-        counts, out = [], []
-        ends = (seqs["query_start"] + seqs["query_len"]).tolist()
-        for row, (context, drafts, sample) in enumerate(
-            zip(
-                seqs["context_len"].tolist(),
-                seqs["num_draft"].tolist(),
-                seqs["sample"].tolist(),
-                strict=True,
+        context = seqs["context_len"].astype(np.int32)
+        reserved = seqs["num_draft"]
+        if reserved.any() or self.behind:
+            handles = seqs["handle"].astype(np.int64)
+            starts = step.query_start_loc
+            positions = step.positions.astype(np.int64)
+            self.behind.rebase(
+                handles, starts, positions, step.slot_mapping, context, step.block_tables
             )
-        ):
-            if not sample:
-                counts.append(1)
-                out.append(-1)
-                continue
-            proposed = step.input_ids[ends[row] - drafts : ends[row]].tolist()
-            emitted = 0
-            for j in range(drafts + 1):
-                token = int(self.choices[((context - drafts + j) * 104729) % len(self.choices)])
-                out.append(token)
-                emitted += 1
-                if j == drafts or token != proposed[j]:
-                    break
-            counts.append(emitted)
-        return np.array(counts, np.int32), np.array(out, np.int64)
+            for row in np.flatnonzero(reserved).tolist():
+                self.behind.verified(
+                    int(handles[row]), int(positions[starts[row]]), int(reserved[row]), 0
+                )
+            context = context - reserved
+        picks = (context.astype(np.int64) * 104729) % len(self.choices)
+        return np.ones(len(seqs), np.int32), np.where(seqs["sample"], self.choices[picks], -1)
 
     def prompt_logprobs(self, step: plan.PlannedStep) -> PromptLogprobs:
         """The null model is sure of every token it reads: each prompt token of this step's

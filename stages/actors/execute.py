@@ -1,7 +1,10 @@
 """The execute stage: runs each planned step on the model (gpu/) and returns the sampled tokens.
 
 It keeps, per request, the sampling parameters it was sent once, and the token it sampled last:
-a plan made one step ahead names that token -1, and it is filled in here. A request with a grammar
+a plan made one step ahead names that token -1, and it is filled in here. With speculative
+decoding a plan's draft positions are placeholders too: a row planned before its request's last
+drafts were verified is moved back by those rejected, and a model-free method's drafts are
+proposed here on the request's tokens (stages/draft_rows.py); a draft model's, in the runner. A request with a grammar
 comes first on its own (plan.GRAMMARS): its matcher is built in a worker thread while steps go on,
 and schedule plans the request once `results` says the matcher is ready (results.MATCHERS).
 
@@ -39,6 +42,7 @@ from stages.api import LoraRequest
 from stages.beam_group import scoring_sampling
 from stages.config import EngineConfig, num_kv_blocks, sized_from_device_memory
 from stages.cpu_bind import NONE
+from stages.draft_rows import Behind, Proposer, trim
 from stages.kv_size import publish_num_blocks
 from stages.published import KERNELS, publish
 from stages.rings import plan, results
@@ -128,6 +132,12 @@ class ExecuteActor(SyncActor):
             )
         if spec is not None and spec.model is not None and self.runner.drafter is None:
             self.runner.attach_drafter(spec.model)  # beside a cache of a given size
+        self.behind = Behind(config.block_size)
+        self.proposer = (
+            Proposer(spec) if spec is not None and not spec.drafts_with_a_model else None
+        )
+        # The step being run: each row's first position and the draft positions it reserved
+        self.reserved: tuple[np.ndarray, np.ndarray] | None = None
         # Each request from its first step (admit) to its release (forget), by handle; and how
         # many of them have bad words (none: steps skip building their arrays), a thinking
         # budget, an adapter.
@@ -199,7 +209,7 @@ class ExecuteActor(SyncActor):
             with message:
                 step = plan.unpack_step(message)
             self.forget(step.free_handles)
-            self.admit(step.new_requests)
+            self.admit(step.new_requests, step.new_tokens, step.seqs)
             batch = self.batch_of(step)
             started = now_ns()
             cpu = time.process_time_ns()
@@ -220,7 +230,7 @@ class ExecuteActor(SyncActor):
                 link=step.step_id,
             )
             self.advance(batch.handles, output.num_tokens, output.token_ids)
-            result = _result(step.step_id, batch.handles, output, started, finished)
+            result = _result(step.step_id, batch, output, started, finished)
             outbox.send(results.RESULT, results.pack_result(result))
             self.ctx.heartbeat()
 
@@ -255,6 +265,9 @@ class ExecuteActor(SyncActor):
     def forget(self, handles: np.ndarray) -> None:
         for handle in handles.tolist():
             self.release(handle)
+            self.behind.forget(handle)
+            if self.proposer is not None:
+                self.proposer.forget(handle)
             building = self.building.pop(handle, None)
             if building is not None:  # aborted before its matcher was done
                 building.cancel()
@@ -262,10 +275,20 @@ class ExecuteActor(SyncActor):
         if len(handles):
             self.runner.free(handles)
 
-    def admit(self, requests: list[tuple[int, RenderedRequest]]) -> None:
+    def admit(
+        self,
+        requests: list[tuple[int, RenderedRequest]],
+        tokens: dict[int, np.ndarray],  # their known tokens, for a proposer
+        rows: np.ndarray,  # [B] STEP_SEQ, the step that brings them
+    ) -> None:
         from gpu.sampler import RequestSampling
 
+        prompt_lens = dict(zip(rows["handle"].tolist(), rows["prompt_len"].tolist(), strict=True))
         for handle, request in requests:
+            self.behind.forget(handle)
+            if self.proposer is not None:
+                known = tokens.get(handle, np.zeros(0, np.int32))
+                self.proposer.admit(handle, known, prompt_lens[handle])
             params = request.sampling
             if params.beam is not None:
                 vocab_size = self.runner.model_config.vocab_size
@@ -304,14 +327,34 @@ class ExecuteActor(SyncActor):
         handles = seqs["handle"].astype(np.int64)
         input_ids = step.input_ids.astype(np.int64)
         unknown = np.nonzero(input_ids < 0)[0]
+        num_draft = seqs["num_draft"]
         if len(unknown):
             owner = np.searchsorted(seqs["query_start"], unknown, side="right") - 1
-            # Only a row's input token is the one sampled last; unknown drafts are a draft
-            # model's placeholders, which the runner fills in.
-            first_draft = seqs["query_start"] + seqs["query_len"] - seqs["num_draft"]
+            # Only a row's input token is the one sampled last; unknown drafts are placeholders,
+            # filled below (or by the runner's draft model).
+            first_draft = seqs["query_start"] + seqs["query_len"] - num_draft
             inputs = unknown < first_draft[owner]
             unknown, owner = unknown[inputs], owner[inputs]
             input_ids[unknown] = [self.requests[int(h)].last_token for h in handles[owner]]
+        query_start_loc = step.query_start_loc.astype(np.int32)
+        positions = step.positions.astype(np.int64)
+        slot_mapping = step.slot_mapping
+        context_lens = seqs["context_len"].astype(np.int32)
+        self.behind.rebase(
+            handles, query_start_loc, positions, slot_mapping, context_lens, step.block_tables
+        )
+        self.reserved = (positions[query_start_loc[:-1]], num_draft)
+        if self.proposer is not None and num_draft.any():
+            kept = self.proposer.fill(handles, query_start_loc, input_ids, num_draft)
+            if (kept < num_draft).any():  # the positions nobody has a draft for are not run
+                query_start_loc, arrays, context_lens, num_draft = trim(
+                    query_start_loc,
+                    [input_ids, positions, slot_mapping],
+                    context_lens,
+                    num_draft,
+                    kept,
+                )
+                input_ids, positions, slot_mapping = arrays
         admitted = [self.requests[h] for h in handles.tolist()]
         requests = [a.sampling for a in admitted]
         grammars = self.grammars if len(self.grammars) else None
@@ -320,7 +363,6 @@ class ExecuteActor(SyncActor):
             if grammars is not None
             else np.zeros((len(handles), 0), np.int32)
         )
-        num_draft = seqs["num_draft"]
         grammar_masks = None
         if bitmask.shape[1] and num_draft.any():
             grammar_masks = self.grammar_masks(handles.tolist())
@@ -331,11 +373,11 @@ class ExecuteActor(SyncActor):
         return StepBatch(
             handles=handles,
             input_ids=input_ids,
-            positions=step.positions.astype(np.int64),
-            query_start_loc=step.query_start_loc.astype(np.int32),
-            context_lens=seqs["context_len"].astype(np.int32),
+            positions=positions,
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
             block_tables=step.block_tables,
-            slot_mapping=step.slot_mapping,
+            slot_mapping=slot_mapping,
             prompt_lens=seqs["prompt_len"].astype(np.int32),
             sample=seqs["sample"].astype(bool),
             sampling=gather(
@@ -400,14 +442,23 @@ class ExecuteActor(SyncActor):
         return forced
 
     def advance(self, handles: np.ndarray, num_tokens: np.ndarray, sampled: np.ndarray) -> None:
-        """Remember each row's last sampled token (the next plan may name it -1); feed the
-        grammars and the thinking budgets every token a row emitted."""
+        """Remember each row's last sampled token (the next plan may name it -1) and how far
+        short of its reserved drafts it fell; feed the grammars, the thinking budgets and the
+        proposer every token a row emitted."""
         grammars = self.grammars if len(self.grammars) else None
         tokens = sampled.tolist()
+        firsts, reserved = ([], []) if self.reserved is None else self.reserved
+        drafting = np.flatnonzero(reserved).tolist()
+        for row in drafting:
+            self.behind.verified(
+                int(handles[row]), int(firsts[row]), int(reserved[row]), int(num_tokens[row]) - 1
+            )
         at = 0
         for handle, count in zip(handles.tolist(), num_tokens.tolist(), strict=True):
             request = self.requests[handle]
             tracker = request.thinking
+            if self.proposer is not None and tokens[at] >= 0:
+                self.proposer.emitted(handle, tokens[at : at + count])
             for token in tokens[at : at + count]:
                 if token >= 0:
                     request.last_token = token
@@ -443,10 +494,14 @@ def _grammar_matchers(config: EngineConfig) -> GrammarMatchers:
 
 
 def _result(
-    step_id: int, handles: np.ndarray, output: StepOutput, started_ns: int, finished_ns: int
+    step_id: int, batch: StepBatch, output: StepOutput, started_ns: int, finished_ns: int
 ) -> results.StepResult:
     """The runner's output as the results ring carries it; prompt logprob rows tagged with their
     request's handle."""
+    handles = batch.handles
+    drafted = np.zeros(len(handles), np.int32)
+    if batch.num_draft is not None:
+        drafted = np.where(batch.sample, batch.num_draft, 0).astype(np.int32)
     rows = np.zeros(len(output.prompt_positions), PROMPT_LOGPROB_ROW)
     if len(rows):
         rows["handle"] = np.repeat(handles, np.diff(output.prompt_logprob_start_loc))
@@ -460,6 +515,7 @@ def _result(
         t_end_ns=finished_ns,
         handles=handles,
         num_tokens=output.num_tokens,
+        num_drafted=drafted,
         token_ids=output.token_ids,
         logprobs=output.logprobs,
         ranks=output.ranks,

@@ -187,6 +187,7 @@ class ScheduleActor(AsyncActor):
                 result.t_end_ns,
                 result.top_ids,
                 result.top_logprobs,
+                result.num_drafted,
             )
             # vLLM's iteration tokens: the prompt tokens the step computed and the tokens it made
             made = int(np.count_nonzero(result.token_ids >= 0))

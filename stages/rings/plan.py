@@ -37,6 +37,9 @@ STEP = Record(
     ("new_handles", np.int64),  # [N] requests execute sees for the first time
     ("new_offsets", np.int32),  # [N + 1] into new_requests
     ("new_requests", np.uint8),  # msgpack RenderedRequest of each, concatenated
+    # With a model-free speculative method: each new request's known tokens (prompt, outputs)
+    ("new_token_offsets", np.int32),  # [N + 1] into new_token_ids; [] without
+    ("new_token_ids", np.int32),
     ("free_handles", np.int64),  # requests execute may forget
     ("block_copies", np.int32),  # [C * 2] (source, destination) KV blocks to copy first (beams)
 )
@@ -61,6 +64,8 @@ class PlannedStep:
     slot_mapping: np.ndarray  # [T] int64
     block_tables: np.ndarray  # [B, W] int32
     new_requests: list[tuple[int, RenderedRequest]]
+    # each new request's known tokens, by handle, where a model-free proposer reads them
+    new_tokens: dict[int, np.ndarray]  # [P + O] int32
     free_handles: np.ndarray  # [F] int64
     block_copies: np.ndarray  # [C, 2] int32, (source, destination) blocks to copy before the step
 
@@ -105,6 +110,12 @@ def pack_step(step: Step, block_size: int, scheduled_ns: int) -> dict[str, np.nd
     slot_mapping += positions % block_size
     new = step.new_for_execute
     new_offsets, new_requests = blobs([seq.rendered for seq in new])
+    known = (
+        [seq.token_ids(0, seq.num_prompt + len(seq.output_ids)) for seq in new]
+        if step.send_tokens
+        else []
+    )
+    token_offsets = np.cumsum([0, *map(len, known)], dtype=np.int32)
     return {
         "meta": np.array([step.step_id, width, scheduled_ns], np.int64),
         "seqs": seqs,
@@ -115,6 +126,8 @@ def pack_step(step: Step, block_size: int, scheduled_ns: int) -> dict[str, np.nd
         "new_handles": np.array([s.handle for s in new], np.int64),
         "new_offsets": new_offsets,
         "new_requests": new_requests,
+        "new_token_offsets": token_offsets if step.send_tokens else np.zeros(0, np.int32),
+        "new_token_ids": np.concatenate(known, dtype=np.int32) if known else np.zeros(0, np.int32),
         "free_handles": np.array(step.free_handles, np.int64),
         "block_copies": np.array(step.block_copies, np.int32).reshape(-1),
     }
@@ -160,9 +173,19 @@ def unpack_step(views: Views) -> PlannedStep:
         new_requests=[
             (h, rendered_decoder.decode(r)) for h, r in zip(handles, requests, strict=True)
         ],
+        new_tokens=_new_tokens(handles, views["new_token_offsets"], views["new_token_ids"]),
         free_handles=views["free_handles"].copy(),
         block_copies=views["block_copies"].reshape(-1, 2).copy(),
     )
+
+
+def _new_tokens(
+    handles: list[int], offsets: np.ndarray, token_ids: np.ndarray
+) -> dict[int, np.ndarray]:
+    if not len(offsets):
+        return {}
+    bounds = offsets.tolist()
+    return {h: token_ids[bounds[i] : bounds[i + 1]].copy() for i, h in enumerate(handles)}
 
 
 def pack_grammars(requests: list[tuple[int, bytes]]) -> dict[str, np.ndarray]:

@@ -15,6 +15,7 @@ RESULT = Record(
     ("meta", np.int64),  # [step_id, top_k, t_start_ns, t_end_ns, prompt_top_k]
     ("handles", np.int64),  # [B]
     ("num_tokens", np.int32),  # [B] entries of each row below: 1, or 1 + accepted drafts
+    ("num_drafted", np.int32),  # [B] drafts each row verified (filled into its reserved positions)
     ("token_ids", np.int64),  # [N], -1 where not sampled
     ("logprobs", np.float32),  # [N]
     ("ranks", np.int64),  # [N]
@@ -34,6 +35,7 @@ class StepResult:
     t_end_ns: int  # the step's tokens were sampled
     handles: np.ndarray  # [B] int64, the step's rows in plan order
     num_tokens: np.ndarray  # [B] int32, entries per row (1 + the drafts a row accepted)
+    num_drafted: np.ndarray  # [B] int32, drafts each row verified
     token_ids: np.ndarray  # [N] int64, -1 where not sampled
     logprobs: np.ndarray  # [N] float32
     ranks: np.ndarray  # [N] int64
@@ -54,6 +56,7 @@ def pack_result(result: StepResult) -> dict[str, np.ndarray]:
         "meta": np.array(meta, np.int64),
         "handles": np.asarray(result.handles, np.int64),
         "num_tokens": np.asarray(result.num_tokens, np.int32),
+        "num_drafted": np.asarray(result.num_drafted, np.int32),
         "token_ids": np.asarray(result.token_ids, np.int64),
         "logprobs": np.asarray(result.logprobs, np.float32),
         "ranks": np.asarray(result.ranks, np.int64),
@@ -72,6 +75,7 @@ def unpack_result(views: Views) -> StepResult:
         t_end_ns=t_end_ns,
         handles=views["handles"].copy(),
         num_tokens=views["num_tokens"].copy(),
+        num_drafted=views["num_drafted"].copy(),
         token_ids=views["token_ids"].copy(),
         logprobs=views["logprobs"].copy(),
         ranks=views["ranks"].copy(),

@@ -148,6 +148,27 @@ def test_a_step_unpacks_into_what_the_runner_needs():
     assert back.block_copies.tolist() == [[3, 8], [3, 9]]
 
 
+def test_a_step_sends_new_requests_known_tokens_where_execute_proposes():
+    """With a model-free speculative method, each request's known tokens go with its first
+    step: execute's proposer looks up n-grams in prompt blocks it never computes (cached)."""
+    resumed = _sequence(1, [10, 11, 12, 13], [40, 41], [7, 2])
+    fresh = _sequence(2, [1, 2, 3], [], [5])
+    step = Step(
+        step_id=3,
+        seqs=[ScheduledSeq(resumed, 4, 2, True), ScheduledSeq(fresh, 0, 3, True)],
+        new_for_execute=[resumed, fresh],
+        free_handles=[],
+        send_tokens=True,
+    )
+    back = plan.unpack_step(through(plan.STEP, plan.pack_step(step, 4, 0)))
+    assert {h: t.tolist() for h, t in back.new_tokens.items()} == {
+        1: [10, 11, 12, 13, 40, 41],
+        2: [1, 2, 3],
+    }
+    step.send_tokens = False
+    assert plan.unpack_step(through(plan.STEP, plan.pack_step(step, 4, 0))).new_tokens == {}
+
+
 def test_results_round_trip():
     result = results.StepResult(
         step_id=5,
@@ -155,6 +176,7 @@ def test_results_round_trip():
         t_end_ns=200,
         handles=np.array([3, 4], np.int64),
         num_tokens=np.array([3, 1], np.int32),  # row 3 verified drafts: two accepted, then one
+        num_drafted=np.array([4, 0], np.int32),
         token_ids=np.array([11, 12, 13, -1], np.int64),
         logprobs=np.array([-0.25, -0.5, -1.0, np.nan], np.float32),
         ranks=np.array([1, 1, 2, 0], np.int64),
@@ -166,7 +188,16 @@ def test_results_round_trip():
     )
     back = results.unpack_result(through(results.RESULT, results.pack_result(result)))
     assert (back.step_id, back.t_start_ns, back.t_end_ns) == (5, 100, 200)
-    names = ("handles", "num_tokens", "token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+    names = (
+        "handles",
+        "num_tokens",
+        "num_drafted",
+        "token_ids",
+        "logprobs",
+        "ranks",
+        "top_ids",
+        "top_logprobs",
+    )
     for name in names:
         np.testing.assert_array_equal(getattr(back, name), getattr(result, name))
     np.testing.assert_array_equal(back.prompt.rows, result.prompt.rows)

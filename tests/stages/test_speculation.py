@@ -1,5 +1,5 @@
 """Speculative decoding's parts on their own: the config, prompt lookup, the draft policy, and the
-scheduler's drafted steps (KV given back, stops and limits inside a draft, one step in flight)."""
+scheduler's drafted steps (KV given back, stops and limits inside a draft, planned a step ahead)."""
 
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ def test_config_takes_a_draft_model(tmp_path):
         str(tmp_path),
         3,
     )
-    assert config.proposes_in_execute
+    assert config.drafts_with_a_model
     # vLLM reads a bare model as a draft model
     bare = SpeculativeConfig.parse(f'{{"model": "{tmp_path}", "num_speculative_tokens": 2}}')
-    assert bare.method == "draft_model" and bare.proposes_in_execute
+    assert bare.method == "draft_model" and bare.drafts_with_a_model
     assert not SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').model
 
 
@@ -144,7 +144,7 @@ def test_steps_of_one_size_do_not_refit_what_a_token_costs():
 
 
 def test_drafts_go_where_they_pay_and_not_where_steps_are_compute_bound():
-    memory_bound = StepCost(fixed_s=0.010, per_token_s=0.0005, synced_gap_s=0.0005)
+    memory_bound = StepCost(fixed_s=0.010, per_token_s=0.0005)
     # one stream that accepts most drafts: take them all
     assert plan_drafts(memory_bound, 1, 1, [(0.9, 4)]) == [4]
     # two streams: the promising one drafts deeper than the poor one
@@ -153,7 +153,7 @@ def test_drafts_go_where_they_pay_and_not_where_steps_are_compute_bound():
     # a stream whose drafts are never accepted gets none
     assert plan_drafts(memory_bound, 1, 1, [(0.01, 4)]) == [0]
     # compute-bound: 32 streams where each token costs as much as the whole fixed part
-    compute_bound = StepCost(fixed_s=0.002, per_token_s=0.005, synced_gap_s=0.0005)
+    compute_bound = StepCost(fixed_s=0.002, per_token_s=0.005)
     assert plan_drafts(compute_bound, 32, 32, [(0.6, 4)] * 32) == [0] * 32
     assert plan_drafts(compute_bound, 1, 1, []) == []
 
@@ -170,20 +170,13 @@ def test_acceptance_follows_what_steps_accept():
     assert low == draft_policy.MIN_ACCEPTANCE  # never zero
     assert update_acceptance(0.3, 0, 0) == 0.3
     # steps with a proposal and no drafts bring it back toward the prior: it is tried again
-    cpu = StepCost(fixed_s=0.008, per_token_s=0.004, synced_gap_s=0.0005)  # tokens cost much
+    cpu = StepCost(fixed_s=0.008, per_token_s=0.004)  # tokens cost much
     assert plan_drafts(cpu, 1, 1, [(a, 4)]) != [0]  # the prior tries
     waited = 0
     while plan_drafts(cpu, 1, 1, [(low, 4)]) == [0]:
         low = draft_policy.undrafted(low)
         waited += 1
     assert 5 < waited < 60
-
-
-def test_leaving_overlapped_steps_costs_the_synced_step_after_the_drafts_too():
-    cpu = StepCost(fixed_s=0.004, per_token_s=0.0003, synced_gap_s=0.0008)
-    assert plan_drafts(cpu, 1, 1, [(0.4, 5)]) == [2]  # already synced: two drafts pay
-    assert plan_drafts(cpu, 1, 1, [(0.4, 5)], syncs=2) == [0]
-    assert plan_drafts(cpu, 1, 1, [(0.8, 5)], syncs=2) != [0]
 
 
 # -- the scheduler ---------------------------------------------------------------------------------
@@ -200,13 +193,18 @@ def repeating(handle: int, max_tokens: int = 100):
     return seq(handle, 12, max_tokens, prompt=np.array([5, 6, 7, 8] * 3, np.int32))
 
 
-def complete(s: Scheduler, step, tokens_per_row: list[list[int]]):
+def complete(s: Scheduler, step, tokens_per_row: list[list[int]], drafted: list[int] | None = None):
+    """Apply a step's tokens as execute returns them; `drafted`: the drafts it filled into each
+    row's reserved positions (all of them unless given)."""
     handles = np.array([x.seq.handle for x in step.seqs])
     counts = np.array([len(t) for t in tokens_per_row], np.int32)
     flat = np.array([t for row in tokens_per_row for t in row], np.int64)
+    filled = np.array([x.num_draft for x in step.seqs] if drafted is None else drafted, np.int32)
     # a step's time as on a CPU: 10 ms, and 0.5 ms more per token
     took_ns = 10_000_000 + 500_000 * sum(x.num_tokens for x in step.seqs)
-    return s.complete(step.step_id, handles, flat, counts, 1_000, 1_000 + took_ns)[0]
+    return s.complete(
+        step.step_id, handles, flat, counts, 1_000, 1_000 + took_ns, num_drafted=filled
+    )[0]
 
 
 def test_a_decode_carries_drafts_and_rejected_ones_give_their_kv_back():
@@ -215,12 +213,12 @@ def test_a_decode_carries_drafts_and_rejected_ones_give_their_kv_back():
     s.add(r)
     step = s.schedule()  # the prompt; it samples the first output
     complete(s, step, [[5]])
-    assert s.wants_drafts and s.max_in_flight == 1
+    assert s.max_in_flight == 2  # drafting costs no overlap
     r.acceptance = 0.9  # as after steps that accepted most drafts: the policy drafts all four
     step = s.schedule()
     planned = step.seqs[0]
-    # after [..., 7, 8, 5] lookup proposes what followed [8, 5] earlier: 6, 7, 8, 5
-    assert planned.draft.tolist() == [6, 7, 8, 5] and planned.num_tokens == 5
+    # after [..., 7, 8, 5] lookup proposes four (6, 7, 8, 5): four positions for execute to fill
+    assert planned.draft.tolist() == [-1] * 4 and planned.num_tokens == 5
     assert r.num_computed == 12 + 5 and len(r.blocks) == 5  # KV for the drafts, 17 tokens
     # the model agrees with two drafts, then samples 9: three tokens out
     out = complete(s, step, [[6, 7, 9]])
@@ -239,7 +237,7 @@ def test_max_tokens_and_stop_ids_inside_a_draft_end_the_output_there():
     s.add(r)
     complete(s, s.schedule(), [[5]])
     step = s.schedule()
-    assert step.seqs[0].draft.tolist() == [6]  # no draft could be emitted past max_tokens - 1
+    assert step.seqs[0].num_draft == 1  # no draft could be emitted past max_tokens - 1
     complete(s, step, [[6, 7]])
     assert r.output_ids == [5, 6, 7] and r.status == Status.FINISHED and r.finish == m.FINISH_LENGTH
 
@@ -270,47 +268,54 @@ def test_without_proposals_steps_stay_two_in_flight():
     s = make()
     s.add(seq(1, 6))  # a prompt that never repeats
     complete(s, s.schedule(), [[900]])
-    assert not s.wants_drafts and s.max_in_flight == 2
     step = s.schedule()
     assert step.seqs[0].draft is None and step.seqs[0].num_tokens == 1
 
 
-@pytest.mark.parametrize(("acceptance", "waits"), [(0.35, False), (0.9, True)])
-def test_steps_give_up_their_overlap_for_drafts_only_where_two_synced_steps_pay(acceptance, waits):
-    """Decoding two steps in flight, the pipeline waits for a request's tokens only where its
-    drafts pay for the synced step before them and the one after."""
-    s = make()
-    r = repeating(1)
-    s.add(r)
-    r.acceptance = draft_policy.MIN_ACCEPTANCE  # no drafts yet: steps go two in flight
-    complete(s, s.schedule(), [[5]])
-    assert not s.wants_drafts
-    step2, step3 = s.schedule(), s.schedule()
-    assert step3 is not None and r.steps_in_flight == 2
-    r.acceptance = acceptance
-    complete(s, step2, [[6]])
-    # (at 0.35 four drafts pay for one synced step here, not for two)
-    assert s.wants_drafts is waits and s.max_in_flight == (1 if waits else 2)
-
-
-def test_a_request_whose_drafts_are_in_flight_is_not_planned_again_until_they_are_back():
+def test_a_request_verifying_drafts_is_planned_a_step_ahead_as_if_all_were_accepted():
+    """The next step is planned while drafts are verified: from where every draft accepted
+    would leave the request, with the KV blocks that needs; the result moves it back by those
+    rejected, and the step in flight (execute moved it back too) agrees again."""
     s = make()
     a, b = repeating(1), seq(2, 6)
     a.acceptance = 0.9
     s.add(a)
     s.add(b)
     complete(s, s.schedule(), [[5], [900]])
-    step2 = s.schedule()  # a verifies drafts; b decodes
+    step2 = s.schedule()  # a verifies four drafts; b decodes
     assert [x.num_draft for x in step2.seqs] == [4, 0]
-    step3 = s.schedule()  # planned ahead while step 2 runs: b only
-    assert [x.seq.handle for x in step3.seqs] == [2]
-    complete(s, step2, [[6, 7, 9], [901]])
-    complete(s, step3, [[902]])
+    assert a.num_computed == 12 + 5
+    step3 = s.schedule()  # planned while step 2 runs: a too, its input and drafts unknown
+    row = {x.seq.handle: x for x in step3.seqs}[1]
+    assert row.start == 12 + 5 and a.token_at(row.start) == -1
+    assert row.num_draft == 4 and a.num_computed == 12 + 5 + 5
+    assert len(a.blocks) * 4 >= 12 + 10  # room for both steps had every draft been accepted
+    assert s.max_in_flight == 2  # (the schedule stage plans no third)
+    complete(s, step2, [[6, 7, 9], [901]])  # two of a's drafts accepted: two positions back
+    assert a.output_ids == [5, 6, 7, 9] and a.num_computed == 12 + 3 + 5
+    # execute filled one of step 3's four positions for a, and it was accepted
+    complete(s, step3, [[8, 5], [902]], drafted=[1, 0])
+    assert a.output_ids == [5, 6, 7, 9, 8, 5]
     assert a.num_computed == a.num_tokens - 1  # exactly its next input left to compute
+    assert (a.spec_steps, a.spec_drafted, a.spec_accepted) == (2, 5, 3)
+    assert len(a.blocks) == s.blocks.blocks_for(a.num_computed + 1)
     step4 = s.schedule()
-    planned = {x.seq.handle: x for x in step4.seqs}
-    assert planned[1].start == a.num_prompt + len(a.output_ids) - 1
-    assert all(x.num_tokens >= 1 for x in step4.seqs)
+    assert {x.seq.handle: x for x in step4.seqs}[1].start == a.num_prompt + 6 - 1
+
+
+def test_positions_execute_had_no_draft_for_count_as_nothing_verified():
+    s = make()
+    r = repeating(1)
+    r.acceptance = 0.9
+    s.add(r)
+    complete(s, s.schedule(), [[5]])
+    step = s.schedule()
+    assert step.seqs[0].num_draft == 4
+    before = r.acceptance
+    complete(s, step, [[6]], drafted=[0])
+    assert (r.spec_steps, r.spec_drafted) == (0, 0) and s.num_spec_drafts == 0
+    assert r.acceptance == before and r.num_computed == 12 + 1
+    assert s.blocks.num_free == 64 - s.blocks.blocks_for(14)
 
 
 def test_a_draft_model_gets_k_placeholder_positions_and_their_kv_back(tmp_path):
@@ -319,7 +324,6 @@ def test_a_draft_model_gets_k_placeholder_positions_and_their_kv_back(tmp_path):
     r = seq(1, 6, max_tokens=5)  # a prompt that never repeats: a draft model drafts anyway
     s.add(r)
     complete(s, s.schedule(), [[900]])
-    assert s.wants_drafts and s.max_in_flight == 1
     step = s.schedule()
     # execute's draft model fills in the drafts: schedule only reserves their positions
     assert step.seqs[0].draft.tolist() == [-1, -1, -1] and r.num_computed == 6 + 1 + 3
@@ -451,4 +455,5 @@ def test_a_suffix_scheduler_drafts_what_an_earlier_request_wrote():
     complete(s, s.schedule(), [[40]])
     complete(s, s.schedule(), [[41]])
     step = s.schedule()
-    assert step.seqs[0].draft.tolist() == [42, 43]  # a match of 2: spec factor 1.0, two drafts
+    # a match of 2, spec factor 1.0: two positions, which execute fills (test_draft_rows.py)
+    assert step.seqs[0].num_draft == 2
