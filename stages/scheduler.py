@@ -613,9 +613,13 @@ class Scheduler:
         if room <= 0:
             return np.zeros(0, np.int32)
         if spec.drafts_with_a_model:  # the draft model drafts wherever it is asked to
-            return np.full(room, -1, np.int32)
+            return _placeholders(room)
+        # Whether the tokens known here have a match: then execute, a step or two further on,
+        # likely has one too, as long as the room (a stale proposal's own length would often
+        # cut it short: its match may end before the tokens in flight).
         tokens = np.concatenate([seq.prompt_ids, np.asarray(seq.output_ids, np.int32)])
-        return propose(spec, tokens, room, self.suffix_cache)
+        matched = len(propose(spec, tokens, room, self.suffix_cache)) > 0
+        return _placeholders(room if matched else 0)
 
     def _drafts(
         self,
@@ -623,8 +627,8 @@ class Scheduler:
         prefills: list[tuple[Sequence, int]],
         budget: int,
     ) -> dict[int, np.ndarray]:
-        """The draft positions each decode of this step carries, by handle (-1 each): as many as
-        the proposal on its known tokens has, cut to what the policy says pays."""
+        """The draft positions each decode of this step carries, by handle (-1 each): for those
+        whose known tokens have a proposal, the room, cut to what the policy says pays."""
         if self.config.speculative is None or not decodes:
             return {}
         known = [seq for seq, _ in decodes]

@@ -455,5 +455,6 @@ def test_a_suffix_scheduler_drafts_what_an_earlier_request_wrote():
     complete(s, s.schedule(), [[40]])
     complete(s, s.schedule(), [[41]])
     step = s.schedule()
-    # a match of 2, spec factor 1.0: two positions, which execute fills (test_draft_rows.py)
-    assert step.seqs[0].num_draft == 2
+    # a match (of 2, spec factor 1.0: two drafts) in the first's output: the room is reserved,
+    # and execute fills what it proposes then (test_draft_rows.py)
+    assert step.seqs[0].num_draft == 4
