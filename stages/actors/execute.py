@@ -4,9 +4,11 @@ It keeps, per request, the sampling parameters it was sent once, and the token i
 a plan made one step ahead names that token -1, and it is filled in here. With speculative
 decoding a plan's draft positions are placeholders too: a row planned before its request's last
 drafts were verified is moved back by those rejected, and a model-free method's drafts are
-proposed here on the request's tokens (stages/draft_rows.py); a draft model's, in the runner. A request with a grammar
-comes first on its own (plan.GRAMMARS): its matcher is built in a worker thread while steps go on,
-and schedule plans the request once `results` says the matcher is ready (results.MATCHERS).
+proposed here on the request's tokens (stages/draft_rows.py); a draft model's, in the runner.
+
+A request with a grammar comes first on its own (plan.GRAMMARS): its matcher is built in a worker
+thread while steps go on, and schedule plans the request once `results` says the matcher is ready
+(results.MATCHERS).
 
 The first execute writes its prepared model to its kept file (pipeline/kept.py) and runs on the
 file's pages; one restarted after a failure maps the file instead of loading the checkpoint again.
